@@ -1,0 +1,1 @@
+"""jaxtron: JAX/XLA SPMD training for large language models."""

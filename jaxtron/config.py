@@ -1,0 +1,230 @@
+"""Typed, frozen run configuration: YAML presets + gin-style `section.key=value` overrides.
+
+OmegaConf does the merging and type conversion against the dataclass schema; this module adds
+what it lacks: `base:` inheritance between files, closest-name suggestions for unknown keys, and
+one-line `ConfigError`s that `launch.py` turns into exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf import errors as oc_errors
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 8192
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // num_heads
+    mlp_dim: int = 768
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float = 0.0  # > 0 turns on Llama-3 frequency scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    init_std: float = 0.02
+    dtype: str = "bfloat16"  # compute dtype
+    param_dtype: str = "float32"  # master weights
+    scan_layers: bool = True
+    remat: str = "none"  # a key of model.REMAT_POLICIES
+    attention: str = "xla"  # a key of attention.ATTENTION_IMPLS
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device counts per mesh axis; one of them may be -1 ("all remaining devices")."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    stage: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # "stdlib": the Python standard library's own sources
+    tokenizer: str = ""  # SentencePiece .model path; "" trains (once, cached) one on the corpus
+    cache_dir: str = ""  # "" -> $JAXTRON_CACHE or ~/.cache/jaxtron
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # global, in sequences
+    seq_len: int = 256
+    microbatches: int = 1  # gradient accumulation: batch_size is split into this many
+    seed: int = 0
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    decay_steps: int = 0  # cosine decay length; 0 -> train.steps
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between saves; 0 saves only at the end
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    tensorboard: bool = True
+    progress: str = "auto"  # auto (bar on a terminal) | bar | lines
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _check_keys(tree: dict, schema: type, where: str) -> None:
+    """Reject keys the schema does not have, naming the closest valid one."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in tree.items():
+        path = f"{where}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{path}'{_closest(key, list(fields))}")
+        sub = fields[key].type
+        sub = globals().get(sub, sub) if isinstance(sub, str) else sub
+        if dataclasses.is_dataclass(sub):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{path}' is a section; set its keys, e.g. {path}.<key>=...")
+            _check_keys(value, sub, path + ".")
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Read a preset, merging it over the file its `base:` names (relative to it)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"config files extend each other in a cycle: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    parent = _read_yaml(path.parent / base, seen + (path.resolve(),))
+    return OmegaConf.to_container(OmegaConf.merge(parent, tree))
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        value = raw
+    node: Any = value
+    for part in reversed(key.strip().split(".")):
+        node = {part: node}
+    return key.strip(), node
+
+
+def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
+    """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
+    layers = [_read_yaml(Path(f)) for f in files]
+    for item in overrides:
+        layers.append(_parse_override(item)[1])
+    merged = OmegaConf.structured(Config)
+    for layer in layers:
+        _check_keys(layer, Config, "")
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except oc_errors.ValidationError as e:
+            key = getattr(e, "full_key", "") or "?"
+            raise ConfigError(f"bad value for '{key}': {str(e).splitlines()[0]}") from None
+    cfg = OmegaConf.to_object(merged)
+    check_values(cfg)
+    return cfg
+
+
+def check_values(cfg: Config) -> None:
+    """Checks that need no devices: names, dtypes and divisibility inside the model."""
+    m, t = cfg.model, cfg.train
+    from jaxtron.attention import ATTENTION_IMPLS  # local: keep config importable without jax
+    from jaxtron.model import REMAT_POLICIES
+
+    for key, value in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)):
+        if value not in DTYPES:
+            raise ConfigError(f"{key}={value} is not one of {', '.join(DTYPES)}")
+    if m.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat={m.remat} is not one of {', '.join(REMAT_POLICIES)}")
+    if m.attention not in ATTENTION_IMPLS:
+        raise ConfigError(f"model.attention={m.attention} is not one of {', '.join(ATTENTION_IMPLS)}")
+    if cfg.run.progress not in ("auto", "bar", "lines"):
+        raise ConfigError(f"run.progress={cfg.run.progress} is not one of auto, bar, lines")
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.num_layers": m.num_layers,
+        "model.d_model": m.d_model, "model.num_heads": m.num_heads,
+        "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
+        "train.steps": t.steps, "train.batch_size": t.batch_size, "train.seq_len": t.seq_len,
+        "train.microbatches": t.microbatches, "train.log_every": t.log_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
+        )
+    if m.head_size % 2:
+        raise ConfigError(f"head size {m.head_size} must be even for RoPE; set model.head_dim")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}"
+        )
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what `config.yaml` in the run directory holds)."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
