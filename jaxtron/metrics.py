@@ -1,0 +1,148 @@
+"""Model FLOPs, MFU against a device peak table, and the metric writers (stdout, JSONL, TensorBoard).
+
+Model FLOPs per token, for training (forward + backward = 3x forward):
+  6 * N_matmul                      N_matmul: every matmul weight incl. the LM head, not norms/biases
+  + 6 * L * N * H * S               attention scores and weighted sum: 12*L*N*H*S, halved for causal
+MFU = achieved model FLOP/s per device / the device's dense BF16 peak. Remat recomputation is not
+counted (that would be hardware FLOPs), so MFU is comparable across remat policies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxtron.config import ModelConfig
+
+# Dense (not 2:4-sparse) BF16 tensor-core peaks in TFLOP/s; first matching substring wins.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+)
+
+KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "tflops_per_device", "mfu")
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in matmuls: attention, MLP and the LM head (tied or not)."""
+    d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.mlp_dim
+    per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
+    return cfg.num_layers * per_layer + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (see the module docstring)."""
+    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len
+    return 6.0 * matmul_params(cfg) + attention
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Dense BF16 peak of a device, or None when unknown (then MFU is reported as null)."""
+    for name, tflops in PEAK_TFLOPS:
+        if name.lower() in device_kind.lower():
+            return tflops
+    return None
+
+
+class MetricsWriter:
+    """Writes each logged step to stdout (progress bar or lines), metrics.jsonl and TensorBoard."""
+
+    def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool,
+                 is_main: bool = True):
+        self.is_main = is_main
+        self.jsonl = (run_dir / "metrics.jsonl").open("a") if is_main else None
+        self.tb = None
+        if is_main and tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
+        self.bar = None
+        if is_main and use_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def info(self, message: str) -> None:
+        """A plain line on stdout (above the progress bar if there is one)."""
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def write(self, row: dict) -> None:
+        """Record one logged step; `row` has exactly KEYS."""
+        if not self.is_main:
+            return
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and value is not None:
+                    self.tb.add_scalar(f"train/{key}", value, row["step"])
+        if self.bar is not None:
+            self.bar.update(row["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
+        else:
+            self.info(format_row(row))
+
+    def scalar(self, name: str, value: float, step: int) -> None:
+        """An extra TensorBoard scalar (timings that are not per-step metrics)."""
+        if self.tb is not None:
+            self.tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_row(row: dict) -> str:
+    """One human-readable log line."""
+    mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    tflops = "n/a" if row["tflops_per_device"] is None else f"{row['tflops_per_device']:.2f}"
+    return (
+        f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+        f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | "
+        f"step {1000 * row['step_time']:.1f} ms | {tflops} TFLOP/s/dev | MFU {mfu}"
+    )
+
+
+def make_row(step: int, loss: float, lr: float, grad_norm: float, step_time: float,
+             tokens_per_step: int, flops_per_step: float, num_devices: int,
+             device_kind: str) -> dict:
+    """The logged metrics of one step; floats are plain Python floats, non-finite kept as is."""
+    tflops = flops_per_step / step_time / num_devices / 1e12
+    peak = peak_tflops(device_kind)
+    return {
+        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        "tokens_per_sec": tokens_per_step / step_time, "step_time": step_time,
+        "tflops_per_device": tflops, "mfu": None if peak is None else tflops / peak,
+    }
+
+
+class Stopwatch:
+    """Accumulates wall time of named phases (data wait, compile)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start

@@ -1,0 +1,202 @@
+"""Llama-family decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers.
+
+Covers Llama 2/3 (Llama-3 RoPE scaling), Mistral and Qwen2 (QKV bias, tied embeddings) shapes.
+Weights carry logical axis names only; `parallel.RULES` decides how they are sharded.
+
+Shape key: B batch, T sequence, D d_model, N query heads, K kv heads, H head size, F mlp width,
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtron.attention import attention
+from jaxtron.config import ModelConfig
+from jaxtron.parallel import constrain
+
+_names = jax.checkpoint_policies.save_only_these_names
+# What a remat policy keeps for the backward pass (everything else is recomputed).
+REMAT_POLICIES = {
+    "none": None,  # no remat: keep every activation (fastest, most memory)
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "save_qkv_out": _names("query_proj", "key_proj", "value_proj", "attn_out"),
+    "save_attn_out": _names("attn_out"),
+}
+
+BATCH_SEQ = ("act_batch", "act_seq")
+
+
+def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...],
+           std: float | None = None, value: float | None = None) -> nnx.Param:
+    """A parameter tagged with logical axes (the one place that touches NNX sharding metadata)."""
+    dtype = jnp.dtype(cfg.param_dtype)
+    if value is not None:
+        init = jnp.full(shape, value, dtype)
+    else:
+        init = jax.random.normal(rngs.params(), shape, dtype) * (std or cfg.init_std)
+    return nnx.Param(init, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.scale = _param(rngs, cfg, (cfg.d_model,), ("norm",), value=1.0)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [H/2], with Llama-3 scaling when `rope_scaling_factor` > 0."""
+    h = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if cfg.rope_scaling_factor <= 0:
+        return inv_freq
+    factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = jnp.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate halves (x1, x2) of each head by position-dependent angles (HF Llama layout)."""
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles_BTh)[:, :, None], jnp.sin(angles_BTh)[:, :, None]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        self.cfg = cfg
+        self.wq = _param(rngs, cfg, (d, n, h), ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
+            self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+            self.bv = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+
+    def _project(self, x_BTD, name: str, heads: str) -> jax.Array:
+        dtype = jnp.dtype(self.cfg.dtype)
+        y = jnp.einsum("btd,dnh->btnh", x_BTD, getattr(self, "w" + name)[...].astype(dtype))
+        if self.cfg.qkv_bias:
+            y = y + getattr(self, "b" + name)[...].astype(dtype)
+        return constrain(y, (*BATCH_SEQ, heads, None))
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+        q_BTNH = self._project(x_BTD, "q", "act_heads")
+        k_BTKH = self._project(x_BTD, "k", "act_kv_heads")
+        v_BTKH = checkpoint_name(self._project(x_BTD, "v", "act_kv_heads"), "value_proj")
+        q_BTNH = checkpoint_name(apply_rope(q_BTNH, positions_BT, inv_freq), "query_proj")
+        k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
+        out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
+        out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_SEQ, "act_heads", None)), "attn_out")
+        wo = self.wo[...].astype(out_BTNH.dtype)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, wo)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        gate_BTF = x_BTD @ self.w_gate[...].astype(self.dtype)
+        up_BTF = x_BTD @ self.w_up[...].astype(self.dtype)
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_SEQ, "act_mlp"))
+        return h_BTF @ self.w_down[...].astype(self.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT, inv_freq)
+        x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        return constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(key):
+            return Block(cfg, nnx.Rngs(params=key))
+
+        self.layers = stacked_blocks(jax.random.split(rngs.params(), cfg.num_layers))
+        self.final_norm = RMSNorm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def _run_layers(self, x_BTD, positions_BT, segment_ids_BT) -> jax.Array:
+        """All layers: one scanned (or unrolled) body over the stacked weights, remat per policy."""
+        inv_freq = rope_frequencies(self.cfg)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(x, layer_state):
+            block = nnx.merge(graphdef, layer_state)
+            return block(x, positions_BT, segment_ids_BT, inv_freq), None
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            return jax.lax.scan(body, x_BTD, stacked)[0]
+        for i in range(self.cfg.num_layers):
+            x_BTD = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))[0]
+        return x_BTD
+
+    def __call__(self, tokens_BT, positions_BT, segment_ids_BT) -> jax.Array:
+        """Token ids -> float32 logits[B, T, V]."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        # Gather the table over fsdp first (as FSDP does for any weight), keeping vocab split over
+        # tensor; a lookup straight from the 2-D-sharded table makes XLA replicate the output.
+        table_VD = constrain(self.embed[...].astype(dtype), ("vocab", None))
+        x_BTD = table_VD[tokens_BT]
+        x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+        x_BTD = self._run_layers(x_BTD, positions_BT, segment_ids_BT)
+        x_BTD = self.final_norm(x_BTD)
+        head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits_BTV = jnp.einsum(
+            "btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
+        )
+        return constrain(logits_BTV, (*BATCH_SEQ, "act_vocab"))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model's structure with ShapeDtypeStructs for weights: nothing allocated."""
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+
+
+def count_params(state: nnx.State) -> int:
+    """Total number of parameters in a (possibly abstract) state."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))

@@ -1,0 +1,37 @@
+"""The optimizer: AdamW with linear warmup + cosine decay, global-norm clipping, a decay mask."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxtron.config import OptimConfig
+
+# Leaf names that are never weight-decayed: RMSNorm scales and QKV biases.
+NO_DECAY = frozenset({"scale", "bq", "bk", "bv"})
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """0 -> cfg.lr over warmup_steps, then cosine down to lr * min_lr_ratio at decay_steps."""
+    warmup = max(cfg.warmup_steps, 0)
+    decay = max(cfg.decay_steps or total_steps, warmup + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=decay,
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def decay_mask(params: dict) -> dict:
+    """True for weights that get weight decay (matrices and embeddings), False for NO_DECAY."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in NO_DECAY, params)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """The optax chain the train step applies."""
+    adamw = optax.adamw(
+        lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, mask=decay_mask,
+    )
+    if cfg.clip_norm <= 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)

@@ -1,0 +1,170 @@
+"""The device mesh and the one table that maps logical axis names onto it.
+
+Model code names logical axes only (`embed`, `heads`, `act_batch`, ...). RULES maps each onto
+mesh axes; changing a parallelism strategy means editing this table or the mesh config, never the
+model. Notation: `W_q[D_fsdp, N_tensor, H]` is a weight whose D dimension is split over `fsdp`,
+N over `tensor`, and H replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxtron.config import Config, ConfigError, MeshConfig
+
+# Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
+# so tensor and fsdp traffic stays on the fastest links and data/stage cross nodes.
+MESH_AXES = ("data", "stage", "fsdp", "tensor")
+
+RULES: tuple[tuple[str, Any], ...] = (
+    # weights
+    ("vocab", "tensor"),  # W_emb[V_tensor, D_fsdp], W_head[D_fsdp, V_tensor]
+    ("embed", "fsdp"),  # W_q[D_fsdp, N_tensor, H], W_gate[D_fsdp, F_tensor]: ZeRO-3 over D
+    ("heads", "tensor"),  # W_q[D, N_tensor, H], W_o[N_tensor, H, D]: Megatron column/row split
+    ("kv_heads", "tensor"),  # W_k[D, K_tensor, H]: each tensor rank owns whole KV groups
+    ("head_dim", None),  # H stays whole: RoPE rotates within it
+    ("mlp", "tensor"),  # W_gate[D, F_tensor], W_down[F_tensor, D]
+    ("norm", None),  # RMSNorm scales [D] are tiny: replicated
+    ("layers", "stage"),  # stacked layers [L_stage, ...]; stage is size 1 until pipelining
+    # activations
+    ("act_batch", ("data", "fsdp")),  # x[B_(data,fsdp), T, D]: batch split over every DP-like axis
+    ("act_seq", None),  # x[B, T, D]: sequence whole (sequence parallelism comes with pipelining)
+    ("act_embed", None),  # x[B, T, D]: D whole between blocks
+    ("act_heads", "tensor"),  # q[B, T, N_tensor, H]: attention runs on local heads
+    ("act_kv_heads", "tensor"),  # k[B, S, K_tensor, H]
+    ("act_mlp", "tensor"),  # h[B, T, F_tensor]
+    ("act_vocab", "tensor"),  # logits[B, T, V_tensor]
+)
+_RULES = dict(RULES)
+
+
+def spec(names: tuple[str | None, ...]) -> P:
+    """Logical axis names -> a PartitionSpec over mesh axes, per RULES."""
+    return P(*(None if name is None else _RULES[name] for name in names))
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding by logical names; a no-op outside a mesh context."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(names))
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Resolve the one -1 entry and check the product equals the device count."""
+    sizes = {axis: getattr(cfg, axis) for axis in MESH_AXES}
+    free = [axis for axis, size in sizes.items() if size == -1]
+    bad = [axis for axis, size in sizes.items() if size == 0 or size < -1]
+    if bad:
+        raise ConfigError(f"mesh.{bad[0]}={sizes[bad[0]]} must be a positive size or -1")
+    if len(free) > 1:
+        raise ConfigError(f"only one mesh axis may be -1, got {', '.join('mesh.' + a for a in free)}")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"the other mesh axes multiply to {fixed}, which does not divide the "
+                f"{num_devices} devices; change the mesh sizes"
+            )
+        sizes[free[0]] = num_devices // fixed
+    product = math.prod(sizes.values())
+    if product != num_devices:
+        shown = ", ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError(
+            f"mesh ({shown}) has {product} devices but {num_devices} are available; "
+            "make the product match or set one axis to -1"
+        )
+    return sizes
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """A Mesh over all devices with axes MESH_AXES, automatic (compiler-propagated) sharding."""
+    devices = jax.devices() if devices is None else devices
+    sizes = mesh_shape(cfg, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def logical_specs(abstract_state: nnx.State) -> dict:
+    """Each variable's logical PartitionSpec, as a pure dict matching `state.to_pure_dict()`."""
+    return nnx.get_partition_spec(abstract_state).to_pure_dict()
+
+
+def mesh_specs(logical_tree: Any) -> Any:
+    """RULES applied to a tree of logical PartitionSpecs."""
+    return jax.tree.map(lambda s: spec(tuple(s)), logical_tree, is_leaf=_is_spec)
+
+
+def named(spec_tree: Any, mesh: Mesh) -> Any:
+    """A tree of mesh PartitionSpecs -> NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=_is_spec)
+
+
+def _split(entry: Any, sizes: dict[str, int]) -> int:
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(sizes[a] for a in axes if a is not None)
+
+
+def check_divisible(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) -> None:
+    """Every sharded dimension must split evenly over its mesh axes."""
+    paths = jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
+    specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
+    for (path, leaf), pspec in zip(paths, specs):
+        for dim, entry in zip(leaf.shape, pspec):
+            parts = _split(entry, sizes)
+            if dim % parts:
+                name = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise ConfigError(
+                    f"parameter {name} {tuple(leaf.shape)}: dimension {dim} does not split over "
+                    f"mesh {entry} of size {parts}; change the mesh or the model width"
+                )
+
+
+def bytes_per_device(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) -> int:
+    """Bytes one device holds of a sharded pytree (shapes and specs only, nothing allocated)."""
+    total = 0
+    leaves = jax.tree.leaves(abstract_tree)
+    specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
+    for leaf, pspec in zip(leaves, specs):
+        parts = math.prod(_split(entry, sizes) for entry in pspec)
+        total += leaf.size * leaf.dtype.itemsize // parts
+    return total
+
+
+def check_layout(cfg: Config, sizes: dict[str, int], process_count: int = 1) -> None:
+    """Checks that need the mesh: batch, heads and layers against the axes that split them."""
+    m, t = cfg.model, cfg.train
+    if sizes["stage"] != 1:
+        raise ConfigError("mesh.stage must be 1: pipeline parallelism is not available yet")
+    for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
+        if value % sizes["tensor"]:
+            raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={sizes['tensor']}")
+    batch_ways = _split(_RULES["act_batch"], sizes)
+    micro = t.batch_size // t.microbatches
+    if micro % batch_ways:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {micro} "
+            f"sequences per microbatch is not divisible by data*fsdp={batch_ways}"
+        )
+    if t.batch_size % process_count:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by the {process_count} processes"
+        )
+
+
+def batch_spec() -> P:
+    """The sharding of a [batch, seq] input array."""
+    return spec(("act_batch", None))
