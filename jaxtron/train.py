@@ -167,6 +167,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     # Input.
     batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size,
                                     jax.process_index(), jax.process_count())
+    log.info(data_lib.corpus_summary(cfg.data, cfg.model.vocab_size))
 
     # State (born sharded) and step (compiled once, ahead of time).
     watch = metrics_lib.Stopwatch()

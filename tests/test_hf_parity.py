@@ -1,0 +1,164 @@
+"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via tools/convert_hf.
+
+Each case builds the real HF model (torch, float32, eval) with every weight randomised (norm scales
+and biases too, so a swapped or dropped tensor shows), converts its state dict with the one
+MAPPING table, and compares logits with ours in float32.
+"""
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from jaxtron.config import ModelConfig
+from jaxtron.model import abstract_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import convert_hf  # noqa: E402
+
+# Max |logit difference| allowed. Both sides compute in float32 with logits of size ~5-10; the
+# measured gaps are ~1e-5 (float32 summation order), while a real bug (wrong RoPE scaling, a
+# swapped norm) moves logits by ~1e-1 or more.
+TOL = 1e-4
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            rms_norm_eps=1e-5, attn_implementation="eager")
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 10000.0}
+# name: (HF classes, config overrides, sequence length)
+CASES = {
+    "llama2": (LlamaConfig, LlamaForCausalLM, 24, dict(
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # head_dim 16 (not hidden/heads = 8) puts one RoPE wavelength (~20) inside the llama3 smoothing
+    # band (8..32) and makes q_proj [128, 64]; T=64 > 32 so the frequency scaling changes logits.
+    "llama3": (LlamaConfig, LlamaForCausalLM, 64, dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        rope_parameters=LLAMA3_ROPE)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 24, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+}
+
+
+@functools.cache
+def _case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
+    """HF model with random weights, our config, the HF tensors and our converted params."""
+    config_cls, model_cls, _, overrides = CASES[name]
+    torch.manual_seed(0)
+    hf_model = model_cls(config_cls(**TINY, **overrides)).eval()
+    with torch.no_grad():
+        for pname, p in hf_model.named_parameters():  # tied weights are listed once
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    hf_tensors = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    overrides = convert_hf.config_from_hf(hf_model.config.to_dict())
+    cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
+    return hf_model, cfg, hf_tensors, convert_hf.hf_to_params(hf_tensors, cfg)
+
+
+def _ours(cfg: ModelConfig, params: dict, tokens, positions, segment_ids) -> np.ndarray:
+    """Our logits for numpy params and inputs."""
+    graphdef, _ = nnx.split(abstract_model(cfg))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+    return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids)))
+
+
+def _hf(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """HF logits for one unpacked batch."""
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(tokens).long(),
+                    position_ids=torch.from_numpy(positions).long())
+    return out.logits.numpy()
+
+
+def _inputs(seq_len: int, batch: int = 2, seed: int = 0):
+    tokens = np.random.default_rng(seed).integers(0, TINY["vocab_size"], (batch, seq_len), np.int32)
+    positions = np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1))
+    return tokens, positions, np.ones_like(tokens)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_hf(name):
+    hf_model, cfg, _, params = _case(name)
+    tokens, positions, segment_ids = _inputs(CASES[name][2])
+    ref = _hf(hf_model, tokens, positions)
+    ours = _ours(cfg, params, tokens, positions, segment_ids)
+    diff = np.abs(ours - ref).max()
+    print(f"{name}: max |logit diff| {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
+    assert diff < TOL, f"{name}: logits differ from transformers by {diff:.2e} (tolerance {TOL})"
+
+
+def test_llama3_rope_scaling_matters():
+    """Without the llama3 frequency scaling the same weights must miss HF by far more than TOL."""
+    hf_model, cfg, _, params = _case("llama3")
+    tokens, positions, segment_ids = _inputs(CASES["llama3"][2])
+    unscaled = dataclasses.replace(cfg, rope_scaling_factor=0.0)
+    diff = np.abs(_ours(unscaled, params, tokens, positions, segment_ids)
+                  - _hf(hf_model, tokens, positions)).max()
+    assert diff > 100 * TOL, f"rope scaling moved logits by only {diff:.2e}: the case tests nothing"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_documents_match_hf_alone(name):
+    """Two documents packed in one row (segments 1, 2; positions restart) = each run alone in HF."""
+    hf_model, cfg, _, params = _case(name)
+    lengths = (CASES[name][2] * 5 // 8, CASES[name][2] * 3 // 8)
+    docs = [_inputs(n, batch=1, seed=i + 1)[0] for i, n in enumerate(lengths)]
+    tokens = np.concatenate(docs, axis=1)
+    positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])[None]
+    segment_ids = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(lengths)])[None]
+    ours = _ours(cfg, params, tokens, positions, segment_ids)
+    ref = np.concatenate([_hf(hf_model, d, np.arange(d.shape[1])[None]) for d in docs], axis=1)
+    diff = np.abs(ours - ref).max()
+    print(f"{name} packed: max |logit diff| {diff:.2e}")
+    assert diff < TOL, f"{name}: packed logits differ from per-document HF by {diff:.2e}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_round_trip_is_exact(name):
+    _, cfg, hf_tensors, params = _case(name)
+    back = convert_hf.params_to_hf(params, cfg)
+    if cfg.tie_embeddings:  # HF's state dict lists the shared head too; checkpoints omit it
+        hf_tensors = {k: v for k, v in hf_tensors.items() if k != "lm_head.weight"}
+    assert sorted(back) == sorted(hf_tensors)
+    for key, value in hf_tensors.items():
+        assert back[key].dtype == value.dtype and np.array_equal(back[key], value), key
+
+
+def test_unknown_and_missing_names_are_named():
+    _, cfg, hf_tensors, _ = _case("llama2")
+    extra = {**hf_tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8, np.float32)}
+    with pytest.raises(ValueError, match=r"o_proj\.bias") as err:
+        convert_hf.hf_to_params(extra, cfg)
+    assert "inv_freq" not in str(err.value)  # buffers are dropped, not reported
+    partial = {k: v for k, v in hf_tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        convert_hf.hf_to_params(partial, cfg)
+
+
+def test_config_from_transformers4_style_json():
+    """Hub config.json files written by transformers 4 keep rope_theta and rope_scaling apart."""
+    hf = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+          "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+          "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
+          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    cfg = ModelConfig(**convert_hf.config_from_hf(hf))
+    assert (cfg.num_kv_heads, cfg.head_size, cfg.rope_theta) == (8, 64, 500000.0)
+    assert (cfg.rope_scaling_factor, cfg.rope_original_max_len) == (32.0, 8192)
+    assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.norm_eps == 1e-5
+    with pytest.raises(ValueError, match="yarn"):
+        convert_hf.config_from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
