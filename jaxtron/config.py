@@ -117,9 +117,9 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
 
-def _closest(name: str, options: list[str]) -> str:
+def _closest(name: str, options: list[str], where: str) -> str:
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f" (did you mean '{match[0]}'?)" if match else ""
+    return f" (did you mean '{where}{match[0]}'?)" if match else ""
 
 
 def _check_keys(tree: dict, schema: type, where: str) -> None:
@@ -128,7 +128,7 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
     for key, value in tree.items():
         path = f"{where}{key}"
         if key not in fields:
-            raise ConfigError(f"unknown config key '{path}'{_closest(key, list(fields))}")
+            raise ConfigError(f"unknown config key '{path}'{_closest(key, list(fields), where)}")
         sub = fields[key].type
         sub = globals().get(sub, sub) if isinstance(sub, str) else sub
         if dataclasses.is_dataclass(sub):
@@ -216,6 +216,11 @@ def check_values(cfg: Config) -> None:
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
+        )
+    if not m.head_dim and m.d_model % m.num_heads:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+            "change them or set model.head_dim"
         )
     if m.head_size % 2:
         raise ConfigError(f"head size {m.head_size} must be even for RoPE; set model.head_dim")

@@ -69,7 +69,7 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     if free:
         if num_devices % fixed:
             raise ConfigError(
-                f"the other mesh axes multiply to {fixed}, which does not divide the "
+                f"mesh axes other than {free[0]} multiply to {fixed}, which does not divide the "
                 f"{num_devices} devices; change the mesh sizes"
             )
         sizes[free[0]] = num_devices // fixed
@@ -99,8 +99,8 @@ def _is_spec(x: Any) -> bool:
 
 
 def logical_specs(abstract_state: nnx.State) -> dict:
-    """Each variable's logical PartitionSpec, as a pure dict matching `state.to_pure_dict()`."""
-    return nnx.get_partition_spec(abstract_state).to_pure_dict()
+    """Each variable's logical PartitionSpec, as a pure dict matching `nnx.to_pure_dict(state)`."""
+    return nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
 
 
 def mesh_specs(logical_tree: Any) -> Any:

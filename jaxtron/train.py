@@ -22,6 +22,7 @@ from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import metrics as metrics_lib
 from jaxtron import parallel
+from jaxtron.checkpoint import Checkpoints
 from jaxtron.config import Config
 from jaxtron.model import Transformer, abstract_model, count_params
 from jaxtron.optim import lr_schedule, make_optimizer
@@ -50,7 +51,7 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int,
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     parallel.check_layout(cfg, sizes, process_count)
     graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
-    params = abstract_state.to_pure_dict()
+    params = nnx.to_pure_dict(abstract_state)
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
     parallel.check_divisible(params, param_specs, sizes)
     opt_state = jax.eval_shape(tx.init, params)
@@ -68,7 +69,7 @@ def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: 
     """Initialise the state directly into its shardings: no full copy on any one device."""
 
     def init() -> dict:
-        params = nnx.state(Transformer(cfg.model, nnx.Rngs(cfg.train.seed))).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, nnx.Rngs(cfg.train.seed))))
         return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return jax.jit(init, out_shardings=parallel.named(plan.specs, mesh))()
@@ -117,7 +118,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
         "opt_state": opt_state,
         "step": state["step"] + 1,
     }
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
     return new_state, metrics
 
 
@@ -146,7 +147,7 @@ def global_batch(local: dict, mesh: Mesh) -> dict:
 
 # ---------------------------------------------------------------- the loop
 def train(cfg: Config, devices: list | None = None) -> list[dict]:
-    """Train per `cfg`; returns the logged metric rows (also written under run.dir)."""
+    """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows."""
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
     tx = make_optimizer(cfg.optim, cfg.train.steps)
@@ -161,6 +162,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
+    log.info(config_lib.to_yaml(cfg).rstrip())
     log.info(f"mesh: {plan.mesh_sizes} over {len(devices)} {devices[0].device_kind} devices")
     log.info(f"parameters: {plan.num_params:,}")
 
@@ -169,40 +171,66 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
                                     jax.process_index(), jax.process_count())
     log.info(data_lib.corpus_summary(cfg.data, cfg.model.vocab_size))
 
-    # State (born sharded) and step (compiled once, ahead of time).
+    # State: restored from the latest checkpoint, else born sharded; the step compiled once.
+    ckpt = Checkpoints(cfg.checkpoint, run_dir)
+    start = ckpt.latest_step() or 0
     watch = metrics_lib.Stopwatch()
-    with jax.set_mesh(mesh):
-        state = init_state(cfg, plan, tx, mesh)
-        with watch.time("data"):
-            batch = global_batch(next(batches), mesh)
-        with watch.time("compile"):
-            step_fn = compile_step(cfg, plan, tx, mesh).lower(state, batch).compile()
-    log.info(f"compiled the train step in {watch.totals['compile']:.1f} s")
+    try:
+        with jax.set_mesh(mesh):
+            if start:
+                state, meta = ckpt.restore(start, plan.abstract, parallel.named(plan.specs, mesh),
+                                           batches)
+                log.info(f"resumed from {run_dir / 'checkpoints'} step {start} "
+                         f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
+            else:
+                state = init_state(cfg, plan, tx, mesh)
+            with watch.time("compile"):
+                step_fn = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
+                step_fn = step_fn.compile()
+        log.info(f"compiled the train step in {watch.totals['compile']:.1f} s")
+        return _loop(cfg, state, step_fn, batches, mesh, ckpt, log, watch, start, devices)
+    finally:
+        ckpt.close()  # the last async save is on disk before we return, also on error
+        log.close()
 
+
+def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
+    """Shapes and shardings of one global batch (for ahead-of-time compilation)."""
+    sharding = NamedSharding(mesh, parallel.batch_spec())
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
+
+def _loop(cfg: Config, state, step_fn, batches, mesh, ckpt, log, watch, start, devices):
+    """Steps start+1 .. train.steps: feed, step, checkpoint, log."""
+    steps = cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
     flops_per_step = metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step
-    history, pending, last_time, last_step = [], None, time.perf_counter(), 0
-    try:
-        for step in range(1, cfg.train.steps + 1):
-            state, pending = step_fn(state, batch)
-            if step < cfg.train.steps:
-                with watch.time("data"):
-                    batch = global_batch(next(batches), mesh)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                fetched = jax.device_get(pending)  # host sync point
-                now = time.perf_counter()
-                row = metrics_lib.make_row(
-                    step, float(fetched["loss"]), float(fetched["lr"]),
-                    float(fetched["grad_norm"]), (now - last_time) / (step - last_step),
-                    tokens_per_step, flops_per_step, len(devices), devices[0].device_kind,
-                )
-                history.append(row)
-                log.write(row)
-                last_time, last_step = now, step
-        log.scalar("time/data_wait_s", watch.totals.get("data", 0.0), cfg.train.steps)
-        log.info(f"done: {cfg.train.steps} steps, final loss {history[-1]['loss']:.4f}, "
-                 f"waited {watch.totals.get('data', 0.0):.1f} s for data")
-    finally:
-        log.close()
+    history, last_time, last_step = [], time.perf_counter(), start
+    for step in range(start + 1, steps + 1):
+        with watch.time("data"):  # overlaps the previous step, which runs asynchronously
+            batch = global_batch(next(batches), mesh)
+        state, pending = step_fn(state, batch)
+        if ckpt.due(step, steps):
+            with watch.time("checkpoint"):
+                meta = {"step": step, "loss": float(pending["loss"]),
+                        "tokens_seen": step * tokens_per_step, "time": time.time(),
+                        "config": config_lib.to_yaml(cfg)}
+                ckpt.save(step, state, batches, meta)
+        if step % cfg.train.log_every == 0 or step == steps:
+            fetched = jax.device_get(pending)  # host sync point
+            now = time.perf_counter()
+            row = metrics_lib.make_row(
+                step, float(fetched["loss"]), float(fetched["lr"]), float(fetched["grad_norm"]),
+                (now - last_time) / (step - last_step), tokens_per_step, flops_per_step,
+                len(devices), devices[0].device_kind,
+            )
+            history.append(row)
+            log.write(row)
+            last_time, last_step = now, step
+    for phase in ("data", "checkpoint"):
+        log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
+    final = f"final loss {history[-1]['loss']:.4f}, " if history else ""
+    log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for data, "
+             f"{watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
     return history
-

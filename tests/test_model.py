@@ -87,7 +87,7 @@ def _batch(seed=0, b=2):
 
 def _loss_and_grads(cfg):
     graphdef, state = nnx.split(_model(cfg))
-    params = state.to_pure_dict()
+    params = nnx.to_pure_dict(state)
     fn = jax.jit(jax.value_and_grad(lambda p: loss_sums(p, graphdef, _batch())[0]))
     return fn(params)
 
@@ -127,7 +127,7 @@ def test_llama3_rope_scaling_matches_published_rule():
 
 def test_tied_embeddings_and_qkv_bias_shapes():
     cfg = dataclasses.replace(CFG, tie_embeddings=True, qkv_bias=True)
-    params = nnx.state(_model(cfg)).to_pure_dict()
+    params = nnx.to_pure_dict(nnx.state(_model(cfg)))
     assert "lm_head" not in params
     assert params["layers"]["attn"]["bq"].shape == (3, 4, 16)
     assert params["layers"]["attn"]["bk"].shape == (3, 2, 16)

@@ -1,0 +1,79 @@
+"""jaxtron entry point: config + overrides -> checks -> train (or --dry-run: the plan only).
+
+    python launch.py                                          # tiny model on the default corpus
+    python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
+    python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
+
+Bad input exits with status 2 and one line saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"error: {message} (see python launch.py --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(description="Train a Llama-family model with JAX SPMD.")
+    parser.add_argument("--config", action="append", default=[],
+                        help="YAML preset (repeatable; later files override earlier ones)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate and print the plan (parameters, memory) without compiling")
+    parser.add_argument("--devices", type=int, default=0,
+                        help="with --dry-run: plan for this many devices instead of the local ones")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+def _gib(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**30:.2f} GiB)"
+
+
+def dry_run(cfg, num_devices: int) -> None:
+    """Print the resolved config, mesh, parameter count and per-device memory; allocate nothing."""
+    from jaxtron import config as config_lib
+    from jaxtron.optim import make_optimizer
+    from jaxtron.train import make_plan
+
+    plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
+    print(config_lib.to_yaml(cfg), end="")
+    print("mesh: " + ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
+          + f" ({num_devices} devices)")
+    print(f"parameters: {plan.num_params:,}")
+    print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
+    print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from jaxtron.config import ConfigError, load
+
+    try:
+        cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+        import jax
+
+        if args.dry_run:
+            dry_run(cfg, args.devices or jax.device_count())
+            return 0
+        if args.devices:
+            raise ConfigError("--devices only applies to --dry-run")
+        from jaxtron.train import train
+
+        train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Presets, `base:` inheritance and typed overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxtron import config
+from jaxtron.model import abstract_model, count_params
+from flax import nnx
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+# Published parameter counts (Hugging Face safetensors totals).
+PUBLISHED = {
+    "llama3_1b": 1_235_814_400,  # Llama 3.2 1B, tied embeddings
+    "llama2_7b": 6_738_415_616,
+    "llama3_8b": 8_030_261_248,
+    "llama3_70b": 70_553_706_496,
+}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_loads(name):
+    cfg = config.load([CONFIGS / f"{name}.yaml"])
+    assert cfg.model.num_heads % cfg.model.num_kv_heads == 0
+
+
+@pytest.mark.parametrize("name,expected", sorted(PUBLISHED.items()))
+def test_preset_parameter_count_matches_published(name, expected):
+    cfg = config.load([CONFIGS / f"{name}.yaml"])
+    assert count_params(nnx.state(abstract_model(cfg.model))) == expected
+
+
+def test_gpt2_124m_preset_is_gpt2_small_sized():
+    cfg = config.load([CONFIGS / "gpt2_124m.yaml"])
+    assert count_params(nnx.state(abstract_model(cfg.model))) == 123_587_328
+
+
+def test_base_inheritance_and_override_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("train:\n  steps: 7\n  seq_len: 64\nmodel:\n  num_layers: 2\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\ntrain:\n  steps: 9\n")
+    cfg = config.load([tmp_path / "b.yaml"], ["train.seq_len=32", "optim.lr=1e-3"])
+    assert (cfg.train.steps, cfg.train.seq_len, cfg.model.num_layers) == (9, 32, 2)
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)
+
+
+def test_overrides_are_typed():
+    cfg = config.load([], ["model.tie_embeddings=true", "train.steps=5", "run.dir=x/y"])
+    assert cfg.model.tie_embeddings is True and cfg.train.steps == 5 and cfg.run.dir == "x/y"
+    with pytest.raises(config.ConfigError, match="model.tie_embeddings"):
+        config.load([], ["model.tie_embeddings=maybe"])
+
+
+def test_config_is_frozen_and_round_trips_through_yaml(tmp_path):
+    cfg = config.load([CONFIGS / "llama3_8b.yaml"])
+    with pytest.raises(AttributeError):
+        cfg.train.steps = 1
+    (tmp_path / "saved.yaml").write_text(config.to_yaml(cfg))
+    assert config.load([tmp_path / "saved.yaml"]) == cfg
+
+
+def test_yaml_base_cycle_is_reported(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(config.ConfigError, match="cycle"):
+        config.load([tmp_path / "a.yaml"])

@@ -1,0 +1,88 @@
+"""The real entry point: a 3-step run on `tiny`, the dry run, and every bad input -> one line, exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import launch
+from jaxtron import metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_three_step_run_writes_metrics_config_and_events(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch("train.steps=3", "train.log_every=1", "train.seq_len=128", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert tuple(row) == metrics.KEYS
+        assert row["mfu"] is None  # CPU: no peak in the table, so no guess
+        assert row["tokens_per_sec"] > 0 and row["step_time"] > 0 and row["tflops_per_device"] > 0
+    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] > 0  # linear warmup from 0
+    assert 8.0 < rows[0]["loss"] < 10.0  # ~ln(8192) = 9.01 at initialisation
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["train"]["steps"] == 3 and saved["train"]["seq_len"] == 128
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "parameters: 7,342,336" in proc.stdout
+
+
+def test_dry_run_plans_llama3_70b_without_allocating(capsys):
+    rc = launch.main(["--config", "configs/llama3_70b.yaml", "--dry-run", "--devices", "64",
+                      "mesh.tensor=8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "parameters: 70,553,706,496" in out
+    assert "mesh: data=1, stage=1, fsdp=8, tensor=8 (64 devices)" in out
+    # fp32 weights split 64 ways, except the (2 * 80 + 1) RMSNorm scales of 8192, kept whole.
+    norms = (2 * 80 + 1) * 8192
+    expected = (70_553_706_496 - norms) * 4 // 64 + norms * 4
+    assert f"parameter bytes per device: {expected:,} bytes" in out
+    # AdamW mu and nu, plus two int32 step counters (Adam's and the schedule's)
+    assert f"optimizer bytes per device: {2 * expected + 8:,} bytes" in out
+
+
+BAD_INPUTS = [
+    (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["train.steps=abc"], "bad value for 'train.steps'"),
+    (["mesh.fsdp=3"], "has 3 devices but 8 are available"),
+    (["mesh.tensor=8", "mesh.fsdp=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
+    (["train.batch_size=12"], "not divisible by data*fsdp=8"),
+    (["--config", "configs/nope.yaml"], "config file not found"),
+    (["model.dtype=fp8"], "model.dtype=fp8 is not one of"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis may be -1"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+def _main(args: list[str]) -> int:
+    """launch.main's status, also where argparse exits with SystemExit."""
+    try:
+        return launch.main(args)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_status_2(capsys, args, message):
+    rc = _main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_bad_input_in_a_real_process_exits_2_without_traceback():
+    proc = _launch("mesh.tensor=3")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: mesh")
