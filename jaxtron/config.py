@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +65,20 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class DatasetEntry:
+    """One prepared dataset (a directory made by tools/prepare_data.py) and its mixture weight."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # "stdlib": the Python standard library's own sources
+    source: str = "stdlib"  # "stdlib": the Python standard library's sources; "arrayrecord": mixture
+    mixture: list[DatasetEntry] = field(default_factory=list)  # source=arrayrecord: the datasets
     tokenizer: str = ""  # SentencePiece .model path; "" trains (once, cached) one on the corpus
     cache_dir: str = ""  # "" -> $JAXTRON_CACHE or ~/.cache/jaxtron
+    workers: int = 0  # Grain worker processes that prepare batches ahead; 0: in the main process
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,8 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation: batch_size is split into this many
     seed: int = 0
     log_every: int = 10
+    eval_every: int = 0  # steps between evaluations on the held-out split; 0: never
+    eval_batches: int = 4  # batches (of batch_size sequences) per evaluation
 
 
 @dataclass(frozen=True)
@@ -124,17 +137,21 @@ def _closest(name: str, options: list[str], where: str) -> str:
 
 def _check_keys(tree: dict, schema: type, where: str) -> None:
     """Reject keys the schema does not have, naming the closest valid one."""
-    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
     for key, value in tree.items():
         path = f"{where}{key}"
-        if key not in fields:
-            raise ConfigError(f"unknown config key '{path}'{_closest(key, list(fields), where)}")
-        sub = fields[key].type
-        sub = globals().get(sub, sub) if isinstance(sub, str) else sub
+        if key not in hints:
+            raise ConfigError(f"unknown config key '{path}'{_closest(key, list(hints), where)}")
+        sub = hints[key]
         if dataclasses.is_dataclass(sub):
             if not isinstance(value, dict):
                 raise ConfigError(f"'{path}' is a section; set its keys, e.g. {path}.<key>=...")
             _check_keys(value, sub, path + ".")
+        elif typing.get_origin(sub) is list and dataclasses.is_dataclass(typing.get_args(sub)[0]):
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"'{path}' is a list of mappings, e.g. {path}=[{{path: ...}}]")
+            for i, item in enumerate(value):
+                _check_keys(item, typing.get_args(sub)[0], f"{path}[{i}].")
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
