@@ -4,7 +4,8 @@
     python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
     python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
 
-Bad input exits with status 2 and one line saying what to change.
+Exit status: 0 done; 2 bad input (one line says what to change); 3 stopped on a non-finite loss
+(train.on_nonfinite=stop); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun resumes).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+EXIT_NONFINITE = 3  # train.on_nonfinite stopped the run; nothing new was saved
+EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: the current step was checkpointed; rerun to resume
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,6 +59,7 @@ def dry_run(cfg, num_devices: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from jaxtron.config import ConfigError, load
+    from jaxtron.train import NonFiniteError, Preempted, train
 
     try:
         cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
@@ -66,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.devices:
             raise ConfigError("--devices only applies to --dry-run")
-        from jaxtron.train import train
-
         train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except Preempted as e:
+        print(f"{e}: checkpoint saved, run the same command to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

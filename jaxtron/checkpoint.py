@@ -7,14 +7,17 @@ carry the current mesh's shardings, so no second, unsharded copy of the state is
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtron.config import CheckpointConfig
+from jaxtron import data as data_lib
+
+from jaxtron.config import CheckpointConfig, ConfigError
 
 
 class Checkpoints:
@@ -23,7 +26,8 @@ class Checkpoints:
     def __init__(self, cfg: CheckpointConfig, run_dir: Path):
         self.every = cfg.every
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True
+            max_to_keep=cfg.keep, keep_period=cfg.keep_every or None, create=True,
+            enable_async_checkpointing=True,
         )
         self.manager = ocp.CheckpointManager(
             (run_dir / "checkpoints").absolute(), options=options,
@@ -32,6 +36,10 @@ class Checkpoints:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, newest first (Orbax never lists unfinished temporary ones)."""
+        return sorted(self.manager.all_steps(), reverse=True)
 
     def due(self, step: int, last_step: int) -> bool:
         """Save at every `every`-th step and always at the last one."""
@@ -45,20 +53,78 @@ class Checkpoints:
             meta=ocp.args.JsonSave(meta),
         ))
 
-    def restore(self, step: int, abstract_state: Any, shardings: Any,
-                batches: grain.DatasetIterator) -> tuple[dict, dict]:
-        """Read `step` straight into `shardings`, and move `batches` to where it was saved."""
-        target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
-        )
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data=grain.checkpoint.CheckpointRestore(batches),
-            meta=ocp.args.JsonRestore(),
-        ))
-        return restored["state"], restored["meta"]
+    def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[dict, dict]:
+        """Read `step`'s state straight into `shardings`, and its metadata."""
+        return _restore(self.manager, step, _target(abstract_state, shardings))
+
+    def restore_latest(self, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
+                       warn: Callable[[str], None]) -> tuple[int, dict, dict] | None:
+        """The newest checkpoint that reads back whole, with `batches` moved to where it was;
+        damaged checkpoints are skipped with a warning naming them."""
+        for step in self.steps():
+            try:
+                state, meta = self.restore(step, abstract_state, shardings)
+                restore_input(self.manager.directory / str(step) / "data", batches, warn)
+                return step, state, meta
+            except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                warn(f"warning: checkpoint {self.manager.directory / str(step)} is unreadable "
+                     f"({type(e).__name__}: {first}); trying an older one")
+        return None
 
     def close(self) -> None:
         """Wait for the last async save to be complete on disk."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _target(abstract_state: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, target: Any) -> tuple[dict, dict]:
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore(),
+    ))
+    return restored["state"], restored["meta"]
+
+
+def restore_input(directory: Path, batches: grain.DatasetIterator,
+                  warn: Callable[[str], None]) -> bool:
+    """Move `batches` to the saved input position: exact for the same process and worker
+    counts; otherwise the data module resumes deterministically nearby and we say so."""
+    saved = data_lib.saved_iterator_state(directory, jax.process_index(), jax.process_count())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", data_lib.InexactResumeWarning)
+        exact = data_lib.restore_iterator(batches, saved)
+    for w in caught:
+        warn(f"warning: {w.message}")
+    return exact
+
+
+def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
+                 weights_only: bool) -> tuple[dict, dict]:
+    """Start from another run's checkpoint (`.../checkpoints/<step>`); with `weights_only`, take
+    its params alone (fine-tuning: fresh optimizer state, step 0, data from the start)."""
+    directory = Path(path).absolute()
+    if not directory.name.isdigit() or not (directory / "state").is_dir():
+        raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)")
+    manager = ocp.CheckpointManager(directory.parent, item_names=("state", "data", "meta"),
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        if not weights_only:
+            state, meta = _restore(manager, int(directory.name), _target(abstract_state, shardings))
+            restore_input(directory / "data", batches, print)
+            return state, meta
+        target = {"params": _target(abstract_state["params"], shardings["params"])}
+        restored = manager.restore(int(directory.name), args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True),
+            meta=ocp.args.JsonRestore(),
+        ))
+        return restored["state"], restored["meta"]
+    finally:
+        manager.close()

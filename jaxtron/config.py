@@ -91,6 +91,8 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 0  # steps between evaluations on the held-out split; 0: never
     eval_batches: int = 4  # batches (of batch_size sequences) per evaluation
+    on_nonfinite: str = "skip"  # a NaN/inf loss or gradient: "skip" the update, or "stop" the run
+    max_nonfinite_skips: int = 10  # with "skip": stop after this many in a row
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,11 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0  # steps between saves; 0 saves only at the end
-    keep: int = 3
+    every: int = 0  # steps between saves; 0 saves only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # the latest this many are kept ...
+    keep_every: int = 0  # ... plus, permanently, every step that is a multiple of this (0: none)
+    restore: str = ""  # start from this checkpoint directory (.../checkpoints/<step>) if run.dir has none
+    weights_only: bool = False  # with restore: take the params only (fine-tuning): fresh optimizer, step 0
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,10 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"model.remat={m.remat} is not one of {', '.join(REMAT_POLICIES)}")
     if m.attention not in ATTENTION_IMPLS:
         raise ConfigError(f"model.attention={m.attention} is not one of {', '.join(ATTENTION_IMPLS)}")
+    if t.on_nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"train.on_nonfinite={t.on_nonfinite} is not one of skip, stop")
+    if cfg.checkpoint.weights_only and not cfg.checkpoint.restore:
+        raise ConfigError("checkpoint.weights_only=true needs checkpoint.restore=PATH")
     if cfg.run.progress not in ("auto", "bar", "lines"):
         raise ConfigError(f"run.progress={cfg.run.progress} is not one of auto, bar, lines")
     positive = {

@@ -1,14 +1,19 @@
-"""Training batches: a source of token documents -> Grain shuffle -> shard -> pack -> batch.
+"""Training and eval batches: token documents -> chunk -> shuffle/repeat -> shard -> pack -> batch.
 
-The stages are separate so that sources can be swapped: the default source is the Python standard
-library's own sources, tokenized once and cached as one flat token array plus document offsets;
-the later production source (pre-tokenized ArrayRecord shards) is another sequence of token arrays
-fed to the same `chunk_dataset -> shuffle_and_shard -> pack_and_batch` chain.
+Two sources feed the same stages. `stdlib` (the default) is the Python standard library's own
+sources, tokenized once and cached as one flat token array; its documents are chunked up front and
+the chunks shuffled. `arrayrecord` is a weighted mixture of datasets made by tools/prepare_data.py
+(docs/data_format.md); there the documents are shuffled (reading every record's length up front
+would cost a pass over the data) and each one is cut into the same chunks after sharding.
 
 Every document is bos + tokens + eos, cut into chunks of at most seq_len + 1 tokens that overlap by
 one token, so each token after bos is a target exactly once per epoch. Chunks are packed first-fit
 into rows of seq_len; `segment_ids` number the chunks in a row from 1 (0 is padding) and
-`positions` count from 0 inside each chunk.
+`positions` count from 0 inside each chunk, so no token attends across a document boundary.
+
+Eval batches come the same way from held-out documents (the manifests' val splits, or ~1 % of the
+stdlib files), unshuffled. Resume is exact for the same process count, worker count and pipeline;
+otherwise `BatchIterator.restore` warns and skips ahead deterministically (docs/data.md).
 """
 
 from __future__ import annotations
@@ -17,27 +22,41 @@ import dataclasses
 import functools
 import hashlib
 import io
+import itertools
+import json
 import os
 import sysconfig
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grain
 import numpy as np
 import sentencepiece as spm
+from absl import flags as absl_flags
 
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
+from jaxtron.prepared import SOURCES, check_dataset, mixture_summary, read_manifest
+from jaxtron.prepared import split_documents
+from jaxtron.prepared import dataset_tokenizer  # noqa: F401  (the trainer's entry points are here)
 from jaxtron.tokenizer import cache_dir, load_tokenizer, write_atomic
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages"})
 PACKING_BINS_PER_ROW = 4  # packer bins = 4 x local batch: ~1 % padding on the stdlib at seq 256
+STDLIB_VAL_FRACTION = 0.01  # files held out for eval, chosen by a hash of their relative path
+READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # no threads: state is exact
+
+
+# ---------------------------------------------------------------- the default corpus (stdlib)
+def stdlib_root() -> Path:
+    """The standard library's directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def stdlib_files() -> list[Path]:
     """The standard library's own `.py` sources (no tests, no site-packages), UTF-8 only, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for folder, subdirs, names in os.walk(root):
+    for folder, subdirs, names in os.walk(stdlib_root()):
         subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS]  # prune: site-packages is big
         for name in names:
             path = Path(folder) / name
@@ -56,9 +75,12 @@ def _is_utf8(path: Path) -> bool:
 
 
 def source_files(data: DataConfig) -> list[Path]:
-    """The files of the default corpus that `data.source` names."""
+    """The files of the default corpus (all of them: the tokenizer is trained on every file)."""
+    if data.source == "arrayrecord":
+        raise ConfigError("data.source=arrayrecord has no source files; its tokenizer is the "
+                          "datasets' own (jaxtron.data.dataset_tokenizer)")
     if data.source != "stdlib":
-        raise ConfigError(f"data.source={data.source} is not supported yet; use stdlib")
+        raise ConfigError(f"data.source={data.source} is not one of {', '.join(SOURCES)}")
     return stdlib_files()
 
 
@@ -77,6 +99,19 @@ def files_digest(files: Sequence[Path]) -> str:
     return digest.hexdigest()
 
 
+def is_held_out(key: str, fraction: float) -> bool:
+    """Whether `key` (a relative path) falls in the held-out `fraction`, by its sha256."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) < fraction * 2**64
+
+
+def stdlib_split(files: Sequence[Path]) -> tuple[list[int], list[int]]:
+    """Indices of the (train, val) files: val is ~1 %, chosen by a hash of the relative path."""
+    root = stdlib_root()
+    val = {i for i, f in enumerate(files)
+           if is_held_out(f.relative_to(root).as_posix(), STDLIB_VAL_FRACTION)}
+    return [i for i in range(len(files)) if i not in val], sorted(val)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenCorpus(Sequence):
     """Documents as one flat token array: document i is tokens[offsets[i]:offsets[i + 1]]."""
@@ -90,6 +125,13 @@ class TokenCorpus(Sequence):
     def __getitem__(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
+    def subset(self, indices: Sequence[int]) -> TokenCorpus:
+        """The documents at `indices`, in that order, as a new corpus."""
+        docs = [self[i] for i in indices]
+        lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+        tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
+        return TokenCorpus(tokens, np.concatenate([[0], np.cumsum(lengths)]))
+
 
 def encode_corpus(sp: spm.SentencePieceProcessor, texts: Sequence[str]) -> TokenCorpus:
     """Tokenize documents with SentencePiece's multithreaded batch encoder."""
@@ -101,7 +143,7 @@ def encode_corpus(sp: spm.SentencePieceProcessor, texts: Sequence[str]) -> Token
 
 
 def load_corpus(data: DataConfig, sp: spm.SentencePieceProcessor) -> TokenCorpus:
-    """The default corpus tokenized by `sp`: encoded once, cached under tokenizer + files hash."""
+    """The whole default corpus tokenized by `sp`: encoded once, cached under tokenizer + files."""
     files = source_files(data)
     model = sp.serialized_model_proto()
     key = hashlib.sha256(model + files_digest(files).encode()).hexdigest()[:16]
@@ -124,6 +166,7 @@ def unigram_entropy(corpus: TokenCorpus, eos_id: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+# ---------------------------------------------------------------- stages shared by both sources
 def chunk_index(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     """[num_chunks, 2] (document, start) of every chunk; starts count in bos + doc + eos."""
     counts = (np.asarray(lengths, np.int64) + seq_len) // seq_len  # ceil((len + 1) / seq_len)
@@ -156,6 +199,20 @@ def chunk_dataset(
     return grain.MapDataset.source(chunk_index(lengths, seq_len)).map(chunk)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitDocument(grain.experimental.FlatMapTransform):
+    """One document -> its chunks, exactly as `chunk_dataset` cuts them (for streamed documents)."""
+
+    seq_len: int
+    bos_id: int
+    eos_id: int
+    max_fan_out: int = 1 << 20  # unused by the iterator flat-map; required by the interface
+
+    def flat_map(self, doc: np.ndarray) -> list[dict[str, np.ndarray]]:
+        index = chunk_index(np.array([len(doc)]), self.seq_len)
+        return [_chunk(row, [doc], self.seq_len, self.bos_id, self.eos_id) for row in index]
+
+
 def _stream_seed(seed: int, stream: int) -> int:
     """A 32-bit seed per random stage; unrelated across seeds (Grain adds the epoch to the seed)."""
     return int(np.random.SeedSequence([seed, stream]).generate_state(1)[0])
@@ -163,10 +220,10 @@ def _stream_seed(seed: int, stream: int) -> int:
 
 def shuffle_and_shard(
     ds: grain.MapDataset, seed: int, process_index: int = 0, process_count: int = 1,
-    num_epochs: int | None = None,
+    num_epochs: int | None = None, stream: int = 0,
 ) -> grain.MapDataset:
     """Shuffled anew each epoch, repeated (forever by default), then this process's share."""
-    ds = ds.shuffle(seed=_stream_seed(seed, 0)).repeat(num_epochs)
+    ds = ds.shuffle(seed=_stream_seed(seed, stream)).repeat(num_epochs)
     return ds[process_index::process_count]
 
 
@@ -181,10 +238,12 @@ def _as_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def pack_and_batch(
-    ds: grain.MapDataset, seq_len: int, local_batch: int, seed: int, drop_remainder: bool = True
+    ds: grain.MapDataset | grain.IterDataset, seq_len: int, local_batch: int, seed: int,
+    drop_remainder: bool = True,
 ) -> grain.IterDataset:
     """First-fit pack chunks into rows of seq_len, then batch rows: int32 [local_batch, seq_len]."""
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if isinstance(ds, grain.MapDataset):
+        ds = ds.to_iter_dataset(READ)
     ds = grain.experimental.FirstFitPackIterDataset(
         ds,
         length_struct={"tokens": seq_len, "targets": seq_len},
@@ -195,29 +254,199 @@ def pack_and_batch(
     return ds.batch(local_batch, drop_remainder=drop_remainder).map(_as_batch)
 
 
-def make_batches(
-    data: DataConfig, train: TrainConfig, vocab_size: int, process_index: int = 0,
-    process_count: int = 1,
-) -> grain.DatasetIterator:
-    """This process's endless stream of packed batches of the default corpus."""
-    if train.batch_size % process_count:
-        raise ConfigError(
-            f"train.batch_size={train.batch_size} is not divisible by the {process_count} processes"
-        )
-    source_files(data)  # fail on an unsupported source before training a tokenizer
+# ---------------------------------------------------------------- streams and iterators
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A global map dataset of pack inputs: chunks, or documents that `split` cuts into chunks."""
+
+    items: grain.MapDataset
+    split: SplitDocument | None  # None: items are already chunks
+    bos_id: int
+
+    def count(self, batch: dict[str, np.ndarray]) -> int:
+        """Items a batch consumed: its chunks, or (documents) its chunks that begin with bos."""
+        seg = batch["segment_ids"]
+        if self.split is None:
+            return int(seg.max(axis=1).sum())
+        starts = (batch["positions"] == 0) & (seg != 0)
+        return int((batch["tokens"][starts] == self.bos_id).sum())
+
+
+def _stdlib_stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
+    """Stdlib chunks: train files shuffled and repeated (seed), or the val files in order."""
     sp = load_tokenizer(data, vocab_size)
     if sp.get_piece_size() > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
                           f"{sp.get_piece_size()} pieces; raise it")
-    corpus = load_corpus(data, sp)
-    chunks = chunk_dataset(corpus, train.seq_len, sp.bos_id(), sp.eos_id())
-    rows = shuffle_and_shard(chunks, train.seed, process_index, process_count)
-    return iter(pack_and_batch(rows, train.seq_len, train.batch_size // process_count, train.seed))
+    train_ids, val_ids = stdlib_split(source_files(data))
+    docs = load_corpus(data, sp).subset(train_ids if seed is not None else val_ids)
+    chunks = chunk_dataset(docs, seq_len, sp.bos_id(), sp.eos_id())
+    if seed is None and not len(chunks):
+        raise ConfigError("no stdlib file is held out for eval; set train.eval_every=0")
+    items = chunks.repeat(None) if seed is None else shuffle_and_shard(chunks, seed)
+    return Stream(items, None, sp.bos_id())
+
+
+def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
+    """Mixture documents: train splits shuffled and repeated (seed), or the val splits in order."""
+    parts = []
+    for k, entry in enumerate(data.mixture):
+        docs = split_documents(entry.path, "train" if seed is not None else "val")
+        if docs is None:  # check_dataset made sure every train split has documents
+            raise ConfigError(f"data.mixture path {entry.path}: the val split is empty; set "
+                              "train.eval_every=0 or prepare the dataset with a val fraction")
+        parts.append(shuffle_and_shard(docs, seed, stream=2 + k) if seed is not None
+                     else docs.repeat(None))
+    weights = [entry.weight for entry in data.mixture]
+    items = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
+    tok = read_manifest(data.mixture[0].path)["tokenizer"]
+    return Stream(items, SplitDocument(seq_len, tok["bos_id"], tok["eos_id"]), tok["bos_id"])
+
+
+def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
+    """The training stream (seeded) or the held-out one (seed None) of `data.source`."""
+    check_dataset(data, vocab_size)
+    if data.source == "arrayrecord":
+        return _mixture_stream(data, seq_len, seed)
+    return _stdlib_stream(data, seq_len, vocab_size, seed)
+
+
+def _batches(stream: Stream, start: int, train: TrainConfig, local_batch: int,
+             process_index: int, process_count: int, workers: int) -> grain.IterDataset:
+    """Skip `start` items of the global stream, take this process's share, pack and batch."""
+    items = stream.items[start:] if start else stream.items
+    ds = items[process_index::process_count].to_iter_dataset(READ)
+    if stream.split is not None:
+        ds = grain.experimental.FlatMapIterDataset(ds, stream.split)
+    ds = pack_and_batch(ds, train.seq_len, local_batch, train.seed)
+    if workers:
+        if not absl_flags.FLAGS.is_parsed():  # grain 0.2.18 reads an absl flag once jax is loaded
+            absl_flags.FLAGS.mark_as_parsed()  # (google/grain#1355, fixed after that release)
+        options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=4)
+        ds = ds.mp_prefetch(options)  # each worker packs its own slice: output depends on workers
+    return ds
+
+
+class InexactResumeWarning(UserWarning):
+    """A saved input position could not be restored exactly (another layout)."""
+
+
+class BatchIterator(grain.DatasetIterator):
+    """Grain's iterator of packed batches, whose state also records the layout it is exact for."""
+
+    _it: grain.DatasetIterator | None = None  # None until built (Grain's __del__ calls close)
+
+    def __init__(self, build: Callable[[int], grain.IterDataset], count: Callable[[dict], int],
+                 layout: dict):
+        super().__init__()
+        self._build, self._count, self.layout = build, count, layout
+        self._start, self._consumed = 0, 0
+        self._it = iter(build(0))
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self._it)
+        self._consumed += self._count(batch)
+        return batch
+
+    def get_state(self) -> dict:
+        return {"grain": self._it.get_state(), "start": self._start,
+                "consumed": self._consumed, **self.layout}
+
+    def set_state(self, state: dict) -> None:
+        self.restore(state)
+
+    def restore(self, saved: dict) -> bool:
+        """Exact when `saved` has this layout; else warn and skip ahead about as far (False)."""
+        if {k: saved.get(k) for k in self.layout} == self.layout:
+            if saved["start"] != self._start:
+                self._restart(saved["start"])
+            self._it.set_state(saved["grain"])
+            self._consumed = saved["consumed"]
+            return True
+        start = saved["start"] + saved["consumed"] * saved["process_count"]
+        was, now = (f"{d['process_count']} processes x {d['workers']} workers ({d['pipeline']})"
+                    for d in (saved, self.layout))
+        warnings.warn(f"data: cannot resume the input exactly: it was saved with {was}, this run "
+                      f"has {now}; resuming deterministically near item {start:,} of the global "
+                      "stream instead", InexactResumeWarning, stacklevel=2)
+        self._restart(start)
+        return False
+
+    def _restart(self, start: int) -> None:
+        """A fresh Grain iterator over the global stream from item `start`."""
+        self._it.close()
+        self._it = iter(self._build(start))
+        self._start, self._consumed = start, 0
+
+    def start_prefetch(self) -> None:
+        self._it.start_prefetch()
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+
+
+def restore_iterator(it: BatchIterator, saved_state: dict) -> bool:
+    """Move `it` to a saved position: True if exact, else False after an InexactResumeWarning."""
+    return it.restore(saved_state)
+
+
+def saved_iterator_state(directory: Path, process_index: int, process_count: int) -> dict:
+    """The state Grain's checkpoint handler saved in `directory` for this process; process 0's
+    when the run had another process count (that handler itself would fail then)."""
+    mine = Path(directory) / f"process_{process_index}-of-{process_count}.json"
+    files = [mine] if mine.is_file() else sorted(Path(directory).glob("process_0-of-*.json"))
+    if not files:
+        raise FileNotFoundError(f"no saved input position in {directory}")
+    return json.loads(files[0].read_text())
+
+
+def _local_batch(train: TrainConfig, process_count: int) -> int:
+    """Rows per process."""
+    if train.batch_size % process_count:
+        raise ConfigError(
+            f"train.batch_size={train.batch_size} is not divisible by the {process_count} processes"
+        )
+    return train.batch_size // process_count
+
+
+def make_batches(
+    data: DataConfig, train: TrainConfig, vocab_size: int, process_index: int = 0,
+    process_count: int = 1,
+) -> BatchIterator:
+    """This process's endless stream of packed training batches."""
+    local_batch = _local_batch(train, process_count)
+    stream = _stream(data, train.seq_len, vocab_size, train.seed)
+    build = functools.partial(_batches, stream, train=train, local_batch=local_batch,
+                              process_index=process_index, process_count=process_count,
+                              workers=data.workers)
+    layout = {"process_count": process_count, "workers": data.workers,
+              "pipeline": f"{data.source} {data.mixture} seq_len={train.seq_len} "
+                          f"batch_size={train.batch_size} seed={train.seed}"}
+    return BatchIterator(build, stream.count, layout)
+
+
+def make_eval_batches(
+    data: DataConfig, train: TrainConfig, vocab_size: int, process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
+    """The first `train.eval_batches` batches of the held-out split, unshuffled, the same at every
+    call ([] when train.eval_every is 0); a split smaller than that is read again from its start."""
+    local_batch = _local_batch(train, process_count)
+    if train.eval_every <= 0:
+        return []
+    stream = _stream(data, train.seq_len, vocab_size, None)
+    ds = _batches(stream, 0, train, local_batch, process_index, process_count, workers=0)
+    return list(itertools.islice(ds, train.eval_batches))
 
 
 def corpus_summary(data: DataConfig, vocab_size: int) -> str:
     """One log line: documents, tokens and the unigram entropy a context-free model would score."""
+    if data.source == "arrayrecord":
+        return mixture_summary(data)
     sp = load_tokenizer(data, vocab_size)
     corpus = load_corpus(data, sp)
-    return (f"corpus: {len(corpus):,} documents, {len(corpus.tokens):,} tokens, unigram entropy "
+    held_out = len(stdlib_split(source_files(data))[1])
+    return (f"corpus: {len(corpus):,} documents ({held_out} held out for eval), "
+            f"{len(corpus.tokens):,} tokens, unigram entropy "
             f"{unigram_entropy(corpus, sp.eos_id()):.3f} nats (a context-free model's loss)")

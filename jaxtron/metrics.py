@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,7 @@ class MetricsWriter:
                  is_main: bool = True):
         self.is_main = is_main
         self.jsonl = (run_dir / "metrics.jsonl").open("a") if is_main else None
+        self.eval_jsonl = (run_dir / "eval.jsonl").open("a") if is_main else None
         self.tb = None
         if is_main and tensorboard:
             from tensorboardX import SummaryWriter
@@ -97,6 +99,18 @@ class MetricsWriter:
         else:
             self.info(format_row(row))
 
+    def write_eval(self, step: int, loss: float) -> None:
+        """Record one evaluation on the held-out split: loss (nats) and perplexity."""
+        if not self.is_main:
+            return
+        row = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+        self.eval_jsonl.write(json.dumps(row) + "\n")
+        self.eval_jsonl.flush()
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", row["eval_loss"], step)
+            self.tb.add_scalar("eval/perplexity", row["eval_perplexity"], step)
+        self.info(f"eval   {step:>6} | loss {loss:.4f} | perplexity {row['eval_perplexity']:.2f}")
+
     def scalar(self, name: str, value: float, step: int) -> None:
         """An extra TensorBoard scalar (timings that are not per-step metrics)."""
         if self.tb is not None:
@@ -105,8 +119,9 @@ class MetricsWriter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+        for f in (self.jsonl, self.eval_jsonl):
+            if f is not None:
+                f.close()
         if self.tb is not None:
             self.tb.close()
 
@@ -140,9 +155,11 @@ class Stopwatch:
 
     def __init__(self):
         self.totals: dict[str, float] = {}
+        self.last = 0.0  # duration of the most recent span
 
     @contextlib.contextmanager
     def time(self, name: str):
         start = time.perf_counter()
         yield
-        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+        self.last = time.perf_counter() - start
+        self.totals[name] = self.totals.get(name, 0.0) + self.last

@@ -7,6 +7,8 @@ pure dict, merged with a static graphdef inside the jitted step (no nnx.jit on t
 from __future__ import annotations
 
 import functools
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +18,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import metrics as metrics_lib
 from jaxtron import parallel
-from jaxtron.checkpoint import Checkpoints
+from jaxtron.checkpoint import Checkpoints, restore_from
 from jaxtron.config import Config
 from jaxtron.model import Transformer, abstract_model, count_params
 from jaxtron.optim import lr_schedule, make_optimizer
@@ -59,9 +62,9 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int,
         tx, lambda _, s: s, opt_state, param_specs,
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
     )
-    abstract = {"params": params, "opt_state": opt_state,
-                "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    specs = {"params": param_specs, "opt_state": opt_specs, "step": P()}
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    abstract = {"params": params, "opt_state": opt_state, "step": scalar, "nonfinite": scalar}
+    specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "nonfinite": P()}
     return Plan(graphdef, abstract, specs, sizes, count_params(params))
 
 
@@ -70,9 +73,15 @@ def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: 
 
     def init() -> dict:
         params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, nnx.Rngs(cfg.train.seed))))
-        return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+        return fresh_state(params, tx)
 
     return jax.jit(init, out_shardings=parallel.named(plan.specs, mesh))()
+
+
+def fresh_state(params: dict, tx: optax.GradientTransformation) -> dict:
+    """The train state around `params`: new optimizer state, step 0."""
+    zero = jnp.zeros((), jnp.int32)
+    return {"params": params, "opt_state": tx.init(params), "step": zero, "nonfinite": zero}
 
 
 # ---------------------------------------------------------------- the step
@@ -110,15 +119,24 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int):
 
 
 def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int):
-    """One optimizer update. Pure: the caller jits it once and donates `state`."""
+    """One optimizer update. Pure: the caller jits it once and donates `state`.
+
+    A non-finite loss or gradient leaves params and optimizer state as they were and counts the
+    skip in `nonfinite` (consecutive skips); the host decides whether to go on.
+    """
     loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {
-        "params": optax.apply_updates(state["params"], updates),
-        "opt_state": opt_state,
+        "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+        "opt_state": keep(opt_state, state["opt_state"]),
         "step": state["step"] + 1,
+        "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
     }
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+               "nonfinite": new_state["nonfinite"]}
     return new_state, metrics
 
 
@@ -137,6 +155,26 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
+
+
+def compile_eval(plan: Plan, mesh: Mesh):
+    """Summed loss and token count of one batch under the current params (no update)."""
+    fn = functools.partial(loss_sums, graphdef=plan.graphdef)
+    batch_sharding = NamedSharding(mesh, parallel.batch_spec())
+    return jax.jit(
+        lambda params, batch: fn(params, batch=batch),
+        in_shardings=(parallel.named(plan.specs["params"], mesh),
+                      {k: batch_sharding for k in BATCH_KEYS}),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+
+
+def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh) -> float:
+    """Mean next-token loss over the held-out batches (the same batches every time)."""
+    sums = jax.device_get([eval_fn(params, global_batch(b, mesh)) for b in eval_batches])
+    total = sum(float(s) for s, _ in sums)
+    count = sum(int(n) for _, n in sums)
+    return total / max(count, 1)
 
 
 def global_batch(local: dict, mesh: Mesh) -> dict:
@@ -166,32 +204,103 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     log.info(f"mesh: {plan.mesh_sizes} over {len(devices)} {devices[0].device_kind} devices")
     log.info(f"parameters: {plan.num_params:,}")
 
-    # Input.
+    # Input: checked against the model before anything compiles.
+    data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
     batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size,
                                     jax.process_index(), jax.process_count())
+    eval_batches = []
+    if cfg.train.eval_every:
+        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size,
+                                                  jax.process_index(), jax.process_count())
     log.info(data_lib.corpus_summary(cfg.data, cfg.model.vocab_size))
 
     # State: restored from the latest checkpoint, else born sharded; the step compiled once.
-    ckpt = Checkpoints(cfg.checkpoint, run_dir)
-    start = ckpt.latest_step() or 0
-    watch = metrics_lib.Stopwatch()
+    run = RunContext(mesh, devices, Checkpoints(cfg.checkpoint, run_dir), log,
+                     metrics_lib.Stopwatch())
     try:
-        with jax.set_mesh(mesh):
-            if start:
-                state, meta = ckpt.restore(start, plan.abstract, parallel.named(plan.specs, mesh),
-                                           batches)
-                log.info(f"resumed from {run_dir / 'checkpoints'} step {start} "
-                         f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
-            else:
-                state = init_state(cfg, plan, tx, mesh)
-            with watch.time("compile"):
+        with jax.set_mesh(mesh), Preemption() as preemption:
+            state, start = initial_state(cfg, plan, tx, run, batches)
+            if start >= cfg.train.steps:
+                log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
+                return []
+            with run.watch.time("compile"):
                 step_fn = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
                 step_fn = step_fn.compile()
-        log.info(f"compiled the train step in {watch.totals['compile']:.1f} s")
-        return _loop(cfg, state, step_fn, batches, mesh, ckpt, log, watch, start, devices)
+            log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s")
+            eval_fn = compile_eval(plan, mesh)
+            return _loop(cfg, run, state, step_fn, eval_fn, batches, eval_batches, start,
+                         preemption)
     finally:
-        ckpt.close()  # the last async save is on disk before we return, also on error
+        run.ckpt.close()  # the last async save is on disk before we return, also on error
         log.close()
+
+
+def initial_state(cfg: Config, plan: Plan, tx, run: "RunContext", batches) -> tuple[dict, int]:
+    """The newest readable checkpoint of run.dir, else checkpoint.restore, else fresh weights."""
+    shardings = parallel.named(plan.specs, run.mesh)
+    restored = run.ckpt.restore_latest(plan.abstract, shardings, batches, run.log.info)
+    if restored is not None:
+        step, state, meta = restored
+        run.log.info(f"resumed from {run.ckpt.manager.directory} step {step} "
+                     f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
+        return state, step
+    if not cfg.checkpoint.restore:
+        return init_state(cfg, plan, tx, run.mesh), 0
+    state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, batches,
+                               cfg.checkpoint.weights_only)
+    if cfg.checkpoint.weights_only:
+        state = jax.jit(functools.partial(fresh_state, tx=tx),
+                        out_shardings=shardings)(state["params"])
+        run.log.info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
+        return state, 0
+    run.log.info(f"started from {cfg.checkpoint.restore} (step {meta['step']})")
+    return state, int(meta["step"])
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a NaN/inf loss or gradient and train.on_nonfinite says to stop."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGINT arrived; a checkpoint of the current step was saved."""
+
+
+class Preemption:
+    """SIGTERM/SIGINT -> a flag the loop reads at step boundaries. Under jax.distributed JAX's
+    own notifier owns SIGTERM and its sync point makes every process stop at the same step."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Preemption":
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signal is not None
+
+
+@dataclass
+class RunContext:
+    """What the loop uses besides the state: where, and what it reports to."""
+
+    mesh: Mesh
+    devices: list
+    ckpt: Checkpoints
+    log: metrics_lib.MetricsWriter
+    watch: metrics_lib.Stopwatch
 
 
 def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
@@ -201,36 +310,63 @@ def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
 
 
-def _loop(cfg: Config, state, step_fn, batches, mesh, ckpt, log, watch, start, devices):
-    """Steps start+1 .. train.steps: feed, step, checkpoint, log."""
-    steps = cfg.train.steps
+def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> None:
+    """Act on a step's non-finite count (fetched one step late, so the device stays busy)."""
+    skips = int(pending["nonfinite"])
+    if skips == 0:
+        return
+    if cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(f"non-finite loss or gradient at step {step}; stopped without saving "
+                             "(train.on_nonfinite=stop)")
+    run.log.info(f"step {step}: non-finite loss or gradient, update skipped ({skips} in a row)")
+    if skips > cfg.train.max_nonfinite_skips:
+        raise NonFiniteError(f"{skips} non-finite steps in a row up to step {step}, more than "
+                             f"train.max_nonfinite_skips={cfg.train.max_nonfinite_skips}; stopped")
+
+
+def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_batches, start,
+          preemption: Preemption):
+    """Steps start+1 .. train.steps: feed, step, checkpoint, evaluate, log."""
+    steps, watch = cfg.train.steps, run.watch
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
     flops_per_step = metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len) * tokens_per_step
-    history, last_time, last_step = [], time.perf_counter(), start
+    history, last_time, last_step, previous = [], time.perf_counter(), start, None
     for step in range(start + 1, steps + 1):
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
-            batch = global_batch(next(batches), mesh)
+            batch = global_batch(next(batches), run.mesh)
         state, pending = step_fn(state, batch)
-        if ckpt.due(step, steps):
+        if previous is not None:
+            _check_finite(cfg, run, *previous)
+        previous = (step, pending)
+        stop = preemption.requested(step)
+        if run.ckpt.due(step, steps) or stop:
+            _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             with watch.time("checkpoint"):
                 meta = {"step": step, "loss": float(pending["loss"]),
                         "tokens_seen": step * tokens_per_step, "time": time.time(),
                         "config": config_lib.to_yaml(cfg)}
-                ckpt.save(step, state, batches, meta)
+                run.ckpt.save(step, state, batches, meta)
         if step % cfg.train.log_every == 0 or step == steps:
             fetched = jax.device_get(pending)  # host sync point
             now = time.perf_counter()
             row = metrics_lib.make_row(
                 step, float(fetched["loss"]), float(fetched["lr"]), float(fetched["grad_norm"]),
                 (now - last_time) / (step - last_step), tokens_per_step, flops_per_step,
-                len(devices), devices[0].device_kind,
+                len(run.devices), run.devices[0].device_kind,
             )
             history.append(row)
-            log.write(row)
+            run.log.write(row)
             last_time, last_step = now, step
-    for phase in ("data", "checkpoint"):
-        log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps):
+            with watch.time("eval"):
+                run.log.write_eval(step, evaluate(eval_fn, state["params"], eval_batches, run.mesh))
+            last_time += watch.last  # evaluation time is not training step time
+        if stop:
+            run.log.info(f"signal {preemption.signal}: saved step {step}; rerun to resume")
+            raise Preempted(f"preempted at step {step}")
+    for phase in ("data", "checkpoint", "eval"):
+        run.log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
     final = f"final loss {history[-1]['loss']:.4f}, " if history else ""
-    log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for data, "
-             f"{watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
+    run.log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for "
+                 f"data, {watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
     return history

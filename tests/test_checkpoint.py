@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import grain
 import numpy as np
 
 from jaxtron import config
@@ -40,3 +41,104 @@ def test_finished_run_is_not_trained_again(tmp_path):
     run_dir = tmp_path / "run"
     train(_cfg(run_dir, "train.steps=2"))
     assert train(_cfg(run_dir, "train.steps=2")) == []
+
+
+class _Poisoned(grain.DatasetIterator):
+    """Delegates to the real batch iterator; batches number `at` get a marker the loss turns to NaN."""
+
+    def __init__(self, it, at):
+        super().__init__()
+        self.it, self.at, self.count = it, set(at), 0
+
+    def __next__(self):
+        batch = next(self.it)
+        self.count += 1
+        if self.count in self.at:
+            batch = dict(batch, positions=batch["positions"].copy())
+            batch["positions"][0, 0] = -1
+        return batch
+
+    def get_state(self):
+        return self.it.get_state()
+
+    def set_state(self, state):
+        self.it.set_state(state)
+
+
+def _poison(monkeypatch, at):
+    import jax.numpy as jnp
+    from jaxtron import train as train_lib
+
+    real_loss, real_batches = train_lib.loss_sums, train_lib.data_lib.make_batches
+
+    def loss_sums(params, graphdef, batch):
+        total, count = real_loss(params, graphdef, batch)
+        return jnp.where(batch["positions"][0, 0] < 0, jnp.nan, total), count
+
+    monkeypatch.setattr(train_lib, "loss_sums", loss_sums)
+    monkeypatch.setattr(train_lib.data_lib, "make_batches",
+                        lambda *a, **k: _Poisoned(real_batches(*a, **k), at))
+
+
+def _saved_params(run_dir, step):
+    import orbax.checkpoint as ocp
+
+    path = run_dir / "checkpoints" / str(step) / "state"
+    return ocp.StandardCheckpointer().restore(path.absolute())
+
+
+def test_nonfinite_step_is_skipped(tmp_path, monkeypatch):
+    _poison(monkeypatch, at={3})
+    run_dir = tmp_path / "run"
+    rows = train(_cfg(run_dir, "checkpoint.every=1", "checkpoint.keep=10"))
+    assert np.isnan(rows[2]["loss"]) and np.all(np.isfinite([r["loss"] for r in rows[3:]]))
+    before, at, after = (_saved_params(run_dir, s) for s in (2, 3, 4))
+    for a, b in zip(jax_leaves(before["params"]), jax_leaves(at["params"])):
+        np.testing.assert_array_equal(a, b)  # step 3's update was dropped entirely
+    for a, b in zip(jax_leaves(before["opt_state"]), jax_leaves(at["opt_state"])):
+        np.testing.assert_array_equal(a, b)
+    assert int(at["nonfinite"]) == 1 and int(after["nonfinite"]) == 0
+    assert any(np.any(a != b) for a, b in zip(jax_leaves(at["params"]), jax_leaves(after["params"])))
+
+
+def test_nonfinite_step_stops_without_saving(tmp_path, monkeypatch):
+    import pytest
+    from jaxtron.train import NonFiniteError
+
+    _poison(monkeypatch, at={3})
+    run_dir = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match="step 3"):
+        train(_cfg(run_dir, "checkpoint.every=1", "checkpoint.keep=10", "train.on_nonfinite=stop"))
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [1, 2]
+
+
+def test_too_many_consecutive_skips_stop(tmp_path, monkeypatch):
+    import pytest
+    from jaxtron.train import NonFiniteError
+
+    _poison(monkeypatch, at={2, 3, 4})
+    with pytest.raises(NonFiniteError, match="3 non-finite steps in a row"):
+        train(_cfg(tmp_path / "run", "train.max_nonfinite_skips=2"))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    straight = train(_cfg(run_dir, "checkpoint.keep=3"))  # checkpoints 2, 4, 6
+    shutil.rmtree(run_dir / "checkpoints" / "6")
+    files = [p for p in (run_dir / "checkpoints" / "4" / "state").rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])  # truncated
+    (run_dir / "checkpoints" / "5.orbax-checkpoint-tmp-1234").mkdir()  # a save killed mid-write
+    capsys.readouterr()
+    resumed = train(_cfg(run_dir, "checkpoint.keep=3"))
+    out = capsys.readouterr().out
+    assert "checkpoints/4 is unreadable" in out
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, the newest good one
+    np.testing.assert_array_equal([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]])

@@ -1,0 +1,84 @@
+"""Input-pipeline throughput: the tokens/s that `make_batches` delivers to one host, after warm-up.
+
+    python tools/bench_data.py                                  # configs/tiny.yaml, workers 0 and 2
+    python tools/bench_data.py --config configs/llama3_1b.yaml data.source=arrayrecord \\
+        'data.mixture=[{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]' \\
+        --batches 300 --workers 0,2,4 --processes 8
+
+Config files and `section.key=value` overrides work as in launch.py; `--workers` replaces
+`data.workers`. Setup (tokenizer, corpus cache, starting workers) and the first `--warmup` batches
+are not timed. "tokens" counts every position delivered (batch x seq_len), "real" the non-padding
+ones. This measures the loader alone: compare it with the tokens/s the train step consumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jaxtron import config as config_lib  # noqa: E402
+from jaxtron import data as data_lib  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", action="append", default=[], help="YAML preset (repeatable)")
+    parser.add_argument("--batches", type=int, default=200, help="timed batches per setting")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
+    parser.add_argument("--workers", default="0,2", help="comma-separated data.workers values")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="measure as process 0 of this many (local batch = batch / processes)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int, processes: int) -> dict:
+    """Pull warmup + batches from make_batches; time the last `batches`."""
+    data = dataclasses.replace(cfg.data, workers=workers)
+    start = time.perf_counter()
+    it = data_lib.make_batches(data, cfg.train, cfg.model.vocab_size, 0, processes)
+    for _ in range(warmup):
+        next(it)
+    ready = time.perf_counter()
+    real = 0
+    for _ in range(batches):
+        real += int((next(it)["segment_ids"] != 0).sum())
+    elapsed = time.perf_counter() - ready
+    it.close()
+    tokens = batches * cfg.train.batch_size // processes * cfg.train.seq_len
+    return {"workers": workers, "setup_s": ready - start, "elapsed_s": elapsed,
+            "tokens_per_s": tokens / elapsed, "real_per_s": real / elapsed,
+            "padding": 1 - real / tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = config_lib.load(args.config or [ROOT / "configs" / "tiny.yaml"], args.overrides)
+        data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+        local = cfg.train.batch_size // args.processes
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"Python {platform.python_version()}")
+        print(f"data.source={cfg.data.source}, local batch {local} x seq_len {cfg.train.seq_len}, "
+              f"{args.warmup} warm-up + {args.batches} timed batches")
+        for workers in (int(w) for w in args.workers.split(",")):
+            r = bench(cfg, workers, args.batches, args.warmup, args.processes)
+            print(f"workers={workers}: {r['tokens_per_s']:,.0f} tokens/s per host "
+                  f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
+                  f"{r['elapsed_s']:.2f} s timed, {r['setup_s']:.2f} s setup + warm-up", flush=True)
+    except config_lib.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
