@@ -1,0 +1,353 @@
+"""tools/prepare_data.py end to end: raw text in, shards and a manifest out, checked against
+tokenizing the same documents directly; many small files in few shards; resuming after a kill;
+bad input reports; usage errors."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections import Counter
+from pathlib import Path
+
+import grain
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import sentencepiece as spm
+
+from jaxtron.tokenizer import train_tokenizer
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_data.py"
+sys.path.insert(0, str(TOOL.parent))  # tools/ is no package: import its modules as the tool does
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+PY_FILES = ["textwrap.py", "string.py", "json/decoder.py", "csv.py"]
+UNICODE = "héllo — 世界 🐍 naïve\tcafé\r\n"
+
+
+def run_tool(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """The tool as a subprocess, as users run it."""
+    done = subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def snapshot(out: Path, mtimes: bool = False) -> dict:
+    """Every file of a dataset directory (temporary ones aside): relative path -> bytes, mtime."""
+    files = sorted(p for p in out.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return {str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns if mtimes else 0)
+            for p in files}
+
+
+def read_split(out: Path, split: str) -> list[tuple[int, ...]]:
+    """The documents of one split, read back with Grain's ArrayRecord source."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    shards = [str(out / name) for name in manifest["splits"][split]["shards"]]
+    if not shards:
+        return []
+    source = grain.sources.ArrayRecordDataSource(shards)
+    return [tuple(np.frombuffer(source[i], manifest["dtype"]).tolist()) for i in range(len(source))]
+
+
+def is_val(rel: str, index: int, val_fraction: float) -> bool:
+    """The val rule of docs/data_format.md, written out apart from the tool's own."""
+    digest = hashlib.blake2b(f"{rel}\0{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    """A 1000-piece model trained, as jaxtron trains its own, on a few stdlib files."""
+    lines = [line for name in PY_FILES for line in (STDLIB / name).read_text().split("\n") if line]
+    path = tmp_path_factory.mktemp("tok") / "small.model"
+    path.write_bytes(train_tokenizer(lines + UNICODE.split("\n"), 1000))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[list[str], dict[str, list[str]]]:
+    """Mixed inputs (.py files, a .jsonl, a .parquet, a directory, a glob) and each file's texts."""
+    root = tmp_path_factory.mktemp("corpus")
+    chunks = [c for name in PY_FILES for c in (STDLIB / name).read_text().split("\ndef ")]
+    texts: dict[str, list[str]] = {str(STDLIB / name): [(STDLIB / name).read_text()]
+                                   for name in PY_FILES[:2]}
+    jsonl = [chunks[i % len(chunks)] + UNICODE * (i % 3) for i in range(300)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
+                                             for i, t in enumerate(jsonl)))
+    parquet = [UNICODE + chunks[-i % len(chunks)] for i in range(1, 150)]
+    pq.write_table(pa.table({"n": list(range(len(parquet))), "text": parquet}),
+                   root / "rows.parquet", row_group_size=40)
+    for rel, text in {"tree/a.md": "# A\n\nsome *markdown*\n", "tree/sub/b.txt": UNICODE,
+                      "tree/sub/c.py": chunks[7], "globbed/x.txt": chunks[3],
+                      "globbed/y.txt": chunks[5]}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, newline="")
+        texts[str(root / rel)] = [text]
+    texts.update({str(root / "docs.jsonl"): jsonl, str(root / "rows.parquet"): parquet})
+    inputs = [*(STDLIB / name for name in PY_FILES[:2]), root / "docs.jsonl", root / "rows.parquet",
+              root / "tree", root / "globbed" / "*.txt"]
+    return [str(p) for p in inputs], texts
+
+
+def test_tokens_equal_direct_tokenization(tmp_path, tokenizer, corpus):
+    inputs, texts = corpus
+    out = tmp_path / "ds"
+    run_tool(*inputs, "--out", out, "--tokenizer", tokenizer, "--val-fraction", 0.1,
+             "--part-tokens", 3000)
+    manifest = json.loads((out / "manifest.json").read_text())
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    expected = {path: [tuple(sp.encode(t)) for t in docs] for path, docs in texts.items()}
+    every = [doc for docs in expected.values() for doc in docs]
+    train, val = read_split(out, "train"), read_split(out, "val")
+    assert Counter(train + val) == Counter(every)
+    assert 0 < len(val) < len(train)  # ~10 % of 459 documents
+    for name, docs in (("train", train), ("val", val)):
+        assert manifest["splits"][name]["documents"] == len(docs)
+        assert manifest["splits"][name]["tokens"] == sum(map(len, docs))
+    assert {s["path"]: (s["documents"], s["tokens"], s["bad"]) for s in manifest["sources"]} == {
+        path: (len(docs), sum(map(len, docs)), 0) for path, docs in expected.items()}
+    assert len([s for s in manifest["splits"]["train"]["shards"] if "-00002-" in s]) > 1  # rollover
+    assert manifest["dtype"] == "uint16" and manifest["bad_input"] == {"count": 0, "examples": []}
+    assert manifest["tokenizer"]["vocab_size"] == 1000
+    assert (out / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
+
+
+def test_plan_units_groups_small_files_and_keeps_a_large_one_alone():
+    from prepare_data import plan_units
+    from text_inputs import Source
+
+    sources = [Source(Path(f"/in/{i}"), str(i)) for i in range(7)]
+    units = plan_units(sources, [10, 20, 9, 50, 1, 0, 39], part_tokens=10)  # 40 bytes a unit
+    assert [[s.rel for s in unit.sources] for unit in units] == [["0", "1", "2"], ["3"],
+                                                                 ["4", "5", "6"]]
+    assert [unit.index for unit in units] == [0, 1, 2] and units[1].size == 50
+
+
+def test_many_small_files_share_shards(tmp_path, tokenizer):
+    """240 files of 250 bytes in 3 folders: 2 units of <= 40,000 bytes, 5 shards (not 240+)."""
+    text = "".join((STDLIB / name).read_text() for name in PY_FILES).encode("ascii", "ignore")
+    size, count, texts = 250, 240, {}
+    for i in range(count):
+        rel = f"d{i // 100}/f{i:03d}.txt"  # relative to the INPUT directory: the val hash's key
+        texts[rel] = (text * 2)[i * size:(i + 1) * size].decode()
+        (tmp_path / "in" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / rel).write_text(texts[rel])
+    out = tmp_path / "ds"
+    run_tool(tmp_path / "in", "--out", out, "--tokenizer", tokenizer, "--val-fraction", 0.1,
+             "--part-tokens", 10_000)  # units of 4 bytes/token * 10,000 = 40,000 bytes: 160 files
+    manifest = json.loads((out / "manifest.json").read_text())
+    records = [json.loads(p.read_text()) for p in sorted(out.glob(".parts/0*.json"))]
+    assert [len(r["files"]) for r in records] == [160, 80] and len(manifest["sources"]) == count
+    tokens = [sum(f["tokens"] for f in r["files"]) for r in records]
+    assert 10_000 <= tokens[0] < 20_000 and tokens[1] < 10_000  # ~3 bytes a token: 2 + 1 parts
+    assert manifest["splits"]["train"]["shards"] == [
+        "train-00000-00000.arrayrecord", "train-00000-00001.arrayrecord",
+        "train-00001-00000.arrayrecord"]
+    assert manifest["splits"]["val"]["shards"] == ["val-00000-00000.arrayrecord",
+                                                   "val-00001-00000.arrayrecord"]
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    val = {rel: is_val(rel, 0, 0.1) for rel in texts}  # a plain-text file is document 0
+    assert read_split(out, "val") == [tuple(sp.encode(t)) for rel, t in texts.items() if val[rel]]
+    assert read_split(out, "train") == [tuple(sp.encode(t)) for rel, t in texts.items()
+                                        if not val[rel]]  # in file order
+
+
+def test_interrupt_and_rerun_equal_one_run(tmp_path, tokenizer, corpus):
+    inputs, _ = corpus
+    args = [*inputs, "--tokenizer", tokenizer, "--val-fraction", 0.1, "--part-tokens", 3000]
+    run_tool(*args, "--out", tmp_path / "ref", "--workers", 2)
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut),
+                             "--workers", "1"], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and len(list(cut.glob(".parts/0*.json"))) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    records = sorted(cut.glob(".parts/0*.json"), key=lambda p: p.stat().st_mtime_ns)
+    print(f"killed after {len(records)} completion records")
+    records[-1].unlink()  # as if killed before this unit's record: its shards are leftovers
+    (cut / ".train-00003-00000.arrayrecord.tmp").write_bytes(b"partial")
+    (cut / "val-00003-00009.arrayrecord").write_bytes(b"renamed, no record")
+    (cut / "manifest.json").unlink(missing_ok=True)
+    rerun = run_tool(*args, "--out", cut, "--workers", 1)
+    splits = json.loads((cut / "manifest.json").read_text())["splits"]
+    redone = int(rerun.stderr.split("this run tokenized ")[1].split()[0].replace(",", ""))
+    assert 0 < redone < splits["train"]["tokens"] + splits["val"]["tokens"]  # resumed, not redone
+    assert snapshot(cut) == snapshot(tmp_path / "ref")
+    assert not [p for p in cut.iterdir() if p.name.endswith(".tmp")]
+    before = snapshot(cut, mtimes=True)
+    run_tool(*args, "--out", cut)
+    assert snapshot(cut, mtimes=True) == before  # a rerun of a finished run changes nothing
+
+
+def test_rerun_with_other_settings_refused(tmp_path, tokenizer, corpus):
+    inputs, _ = corpus
+    out = tmp_path / "ds"
+    run_tool(*inputs[:3], "--out", out, "--tokenizer", tokenizer)
+    other = tmp_path / "other.model"
+    other.write_bytes(train_tokenizer(UNICODE.split("\n") * 10 + ["abc def"] * 50, 300))
+    for change, key in ((["--tokenizer", tokenizer, "--val-fraction", 0.5], "val_fraction"),
+                        (["--tokenizer", tokenizer, "--text-field", "body"], "text_field"),
+                        (["--tokenizer", other], "tokenizer_sha256"),
+                        (["--train-tokenizer", 500], "tokenizer_sha256"),
+                        (["--tokenizer", tokenizer, "--part-tokens", 123], "part_tokens")):
+        done = run_tool(*inputs[:3], "--out", out, *change, check=False)
+        lines = [line for line in done.stderr.splitlines() if not line.startswith("training")]
+        assert done.returncode == 2 and len(lines) == 1 and key in lines[0], done.stderr
+    done = run_tool(*inputs[1:3], "--out", out, "--tokenizer", tokenizer, check=False)
+    assert done.returncode == 2 and "same INPUTs" in done.stderr
+    grown, grown_out = tmp_path / "in" / "a.txt", tmp_path / "grown"
+    grown.parent.mkdir()
+    grown.write_text("one\n")
+    run_tool(grown.parent, "--out", grown_out, "--tokenizer", tokenizer)
+    grown.write_text("one\ntwo\n")  # a changed input: its unit, and those after it, may move
+    done = run_tool(grown.parent, "--out", grown_out, "--tokenizer", tokenizer, check=False)
+    assert done.returncode == 2 and "same INPUTs" in done.stderr
+    assert f"holds {grown} (4 bytes) where the INPUTs now give {grown} (8 bytes)" in done.stderr
+
+
+def test_workers_do_not_change_output(tmp_path, tokenizer, corpus):
+    inputs, _ = corpus
+    for workers in (1, 2):
+        run_tool(*inputs, "--out", tmp_path / str(workers), "--tokenizer", tokenizer,
+                 "--val-fraction", 0.2, "--part-tokens", 5000, "--workers", workers)
+    assert snapshot(tmp_path / "1") == snapshot(tmp_path / "2")
+
+
+def test_train_tokenizer_uses_jaxtron_settings(tmp_path, corpus):
+    inputs, texts = corpus
+    out = tmp_path / "ds"
+    first = run_tool(*inputs, "--out", out, "--train-tokenizer", 400)
+    assert "training a 400-piece tokenizer" in first.stderr
+    lines = [line for path in texts for text in texts[path] for line in text.split("\n") if line]
+    model = (out / "tokenizer.model").read_bytes()
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    assert sp.get_piece_size() == 400 and sp.encode("\n") == [sp.piece_to_id("\n")]
+    assert sorted(lines) == sorted(sp.decode(sp.encode(line)) for line in lines)  # lossless
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["tokens"] + manifest["splits"]["val"]["tokens"] == sum(
+        len(sp.encode(t)) for docs in texts.values() for t in docs)
+    before = snapshot(out, mtimes=True)
+    again = run_tool(*inputs, "--out", out, "--train-tokenizer", 400)
+    assert "training" not in again.stderr and snapshot(out, mtimes=True) == before
+
+
+@pytest.fixture
+def bad_inputs(tmp_path) -> tuple[Path, set[tuple]]:
+    """A directory with every kind of bad input, and the (file, where, reason) each should give."""
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "good.txt").write_text("fine\n")
+    (d / "latin1.txt").write_bytes(b"ok\nstill ok\ncaf\xe9\n")
+    (d / "empty.md").write_text("")
+    (d / "broken.txt").symlink_to(tmp_path / "nowhere")
+    lines = [b'{"text": "ok"}', b"not json", b'{"title": "x"}', b'{"text": ""}',
+             b'{"text": "caf\xe9"}', b'{"text": 5}', b"", b'{"text": "\\ud800"}',
+             b'{"text": "end"}']
+    (d / "docs.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    pq.write_table(pa.table({"content": ["x"]}), d / "nocol.parquet")
+    pq.write_table(pa.table({"text": ["a", None, ""]}), d / "rows.parquet")
+    f = lambda name: str(d / name)  # noqa: E731
+    expected = {
+        (f("latin1.txt"), ":3", "invalid UTF-8"), (f("empty.md"), "", "empty document"),
+        (f("docs.jsonl"), ":2", "not JSON"), (f("docs.jsonl"), ":3", "no field 'text'"),
+        (f("docs.jsonl"), ":4", "empty document"), (f("docs.jsonl"), ":5", "invalid UTF-8"),
+        (f("docs.jsonl"), ":6", "'text' not text"), (f("docs.jsonl"), ":7", "blank line"),
+        (f("docs.jsonl"), ":8", "invalid UTF-8"), (f("nocol.parquet"), "", "no column 'text'"),
+        (f("rows.parquet"), ": row 1", "no field 'text'"),
+        (f("rows.parquet"), ": row 2", "empty document"),
+    }
+    return d, expected
+
+
+def test_bad_input_reported_and_counted(tmp_path, tokenizer, bad_inputs):
+    d, expected = bad_inputs
+    done = run_tool(d, "--out", tmp_path / "ds", "--tokenizer", tokenizer)
+    reported = {line for line in done.stderr.splitlines() if line.startswith("bad input: /")}
+    unreadable = f"bad input: {d / 'broken.txt'}: unreadable file (No such file or directory)"
+    assert reported == {f"bad input: {file}{where}: {reason}" for file, where, reason in expected
+                        } | {unreadable}
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert manifest["bad_input"]["count"] == len(expected) + 1
+    examples = {(e["file"], f":{e['line']}" if "line" in e else f": row {e['row']}" if "row" in e
+                 else "", e["reason"].split(" (")[0]) for e in manifest["bad_input"]["examples"]}
+    assert examples == expected | {(str(d / "broken.txt"), "", "unreadable file")}
+    bad = {s["path"]: s["bad"] for s in manifest["sources"]}
+    assert bad[str(d / "docs.jsonl")] == 7 and bad[str(d / "good.txt")] == 0
+    assert sorted(read_split(tmp_path / "ds", "train") + read_split(tmp_path / "ds", "val")) == \
+        sorted(tuple(spm.SentencePieceProcessor(model_file=str(tokenizer)).encode(t))
+               for t in ("fine\n", "ok", "end", "a"))
+    assert "bad input skipped: 13" in done.stderr
+
+
+def test_strict_stops_on_bad_input(tmp_path, tokenizer, bad_inputs):
+    d, expected = bad_inputs
+    done = run_tool(d, "--out", tmp_path / "all", "--tokenizer", tokenizer, "--strict", check=False)
+    assert done.returncode == 1 and "bad input (--strict): " + str(d) in done.stderr
+    assert not (tmp_path / "all" / "manifest.json").exists()
+    done = run_tool(d / "docs.jsonl", "--out", tmp_path / "one", "--tokenizer", tokenizer,
+                    "--strict", check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == \
+        f"prepare_data.py: error: bad input (--strict): {d / 'docs.jsonl'}:2: not JSON"
+    run_tool(d / "docs.jsonl", "--out", tmp_path / "one", "--tokenizer", tokenizer)
+    done = run_tool(d / "docs.jsonl", "--out", tmp_path / "one", "--tokenizer", tokenizer,
+                    "--strict", check=False)  # finished without --strict: still refused
+    assert done.returncode == 1 and f"{d / 'docs.jsonl'}:2: not JSON" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nowhere/*.jsonl", "--tokenizer", "{tok}"], "no file matches"),
+    (["{corpus}", "--tokenizer", "missing.model"], "no such SentencePiece model file"),
+    (["{corpus}"], "one of the arguments --tokenizer --train-tokenizer is required"),
+    (["{corpus}", "--tokenizer", "{tok}", "--val-fraction", "2"], "between 0 and 1"),
+])
+def test_usage_errors_exit_2_with_one_line(tmp_path, tokenizer, corpus, args, message):
+    args = [a.format(tok=tokenizer, corpus=corpus[0][0]) for a in args]
+    done = run_tool(*args, "--out", tmp_path / "ds", check=False)
+    assert done.returncode == 2 and message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_scale_stdlib_copies(tmp_path):
+    """~110 MB: the standard library's sources copied 9 times, tokenized on every core."""
+    from jaxtron.data import stdlib_files
+
+    files = stdlib_files()
+    texts = [path.read_bytes().decode("utf-8") for path in files]
+    sp_path = tmp_path / "tok.model"
+    sp_path.write_bytes(train_tokenizer([ln for t in texts for ln in t.split("\n") if ln], 8192))
+    copies = 9
+    for k in range(copies):
+        for path, text in zip(files, texts):
+            dest = tmp_path / "in" / f"copy{k}" / path.relative_to(STDLIB)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text, newline="")
+    started = time.monotonic()
+    done = run_tool(tmp_path / "in", "--out", tmp_path / "ds", "--tokenizer", sp_path)
+    seconds = time.monotonic() - started
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    one_copy = sum(map(len, spm.SentencePieceProcessor(model_file=str(sp_path)).encode(
+        texts, num_threads=os.cpu_count())))
+    tokens = manifest["splits"]["train"]["tokens"] + manifest["splits"]["val"]["tokens"]
+    assert tokens == copies * one_copy
+    assert manifest["bad_input"]["count"] == copies * texts.count("")  # empty __init__.py files
+    assert len(read_split(tmp_path / "ds", "val")) == manifest["splits"]["val"]["documents"] > 0
+    megabytes = copies * sum(len(t.encode()) for t in texts) / 1e6
+    assert len(manifest["sources"]) == copies * len(files)
+    shards = sorted((tmp_path / "ds").glob("*.arrayrecord"))
+    assert megabytes < 200  # under 4 bytes * 50,000,000 (--part-tokens' default): one unit
+    assert [len(manifest["splits"][s]["shards"]) for s in ("train", "val")] == [1, 1]
+    print(f"\n{megabytes:.0f} MB, {tokens:,} tokens in {seconds:.1f} s "
+          f"({tokens / seconds:,.0f} tokens/s, {os.cpu_count()} workers), {len(files) * copies} "
+          f"files -> {len(shards)} shards, {sum(p.stat().st_size for p in shards) / 1e6:.1f} MB"
+          f"\n{done.stderr[-300:]}")

@@ -1,0 +1,452 @@
+"""Raw text -> tokenized ArrayRecord shards in the format of docs/data_format.md.
+
+INPUT is a file, a directory (recursed; hidden names skipped) or a glob: `.jsonl`/`.json` hold one
+JSON document per line, `.parquet` one per row (--text-field names the key/column), any other file
+is one plain-text document (tools/text_inputs.py finds and reads them). The unit of work is a run of
+consecutive files worth about --part-tokens tokens (estimated from their bytes), or one larger file
+alone; units are tokenized in worker processes, each into its own shards, a new part every
+--part-tokens tokens of a split. Safe to interrupt: shards get their names when complete, a unit's
+completion record (.parts/NNNNN.json) is written atomically after all its shards, and a rerun
+redoes only units without one, then rewrites manifest.json from the records. Bad input is reported
+by file and line (0-based row for Parquet), skipped and counted; --strict exits 1 on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import jaxtron` without installing
+
+import numpy as np  # noqa: E402
+import sentencepiece as spm  # noqa: E402
+from array_record.python.array_record_module import ArrayRecordWriter  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from jaxtron.config import ConfigError  # noqa: E402
+from jaxtron.tokenizer import train_tokenizer, write_atomic  # noqa: E402
+from text_inputs import (Source, absolute, bad_entry, describe, file_size,  # noqa: E402
+                         find_sources, read_documents, sample_lines)
+
+FORMAT, SPLITS, PARTS = "jaxtron.tokens.v1", ("train", "val"), ".parts"
+SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
+RUN_KEYS = ("format", "tokenizer_sha256", "dtype", "val_fraction", "text_field", "part_tokens")
+BYTES_PER_TOKEN = 4  # sizes units before tokenizing; BPE on English or code gives ~3-5
+MAX_REPORTED = 20  # bad-input lines printed and kept as examples, per input file
+MAX_EXAMPLES = 100  # bad-input examples in the manifest
+ENCODE_BATCH_CHARS = 4 << 20  # documents are encoded in batches of about this much text
+
+
+class StrictStop(Exception):
+    """Bad input under --strict; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every worker needs to know of the command line."""
+
+    out: Path
+    text_field: str
+    val_fraction: float
+    dtype: str
+    part_tokens: int
+    strict: bool
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Consecutive input files that one worker tokenizes into one set of shards."""
+
+    index: int
+    sources: tuple[Source, ...]
+    sizes: tuple[int, ...]  # each file's bytes when planned; a completion record must match them
+
+    @property
+    def size(self) -> int:
+        """The unit's bytes of input."""
+        return sum(self.sizes)
+
+
+def plan_units(sources: list[Source], sizes: list[int], part_tokens: int) -> list[Unit]:
+    """Files in order, grouped while they fit ~part_tokens tokens of bytes; a larger file alone."""
+    budget, groups, total = part_tokens * BYTES_PER_TOKEN, [[]], 0
+    for source, size in zip(sources, sizes):
+        if groups[-1] and total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append((source, size))
+        total += size
+    return [Unit(i, tuple(s for s, _ in group), tuple(n for _, n in group))
+            for i, group in enumerate(groups)]
+
+
+def is_val(rel: str, index: int, val_fraction: float) -> bool:
+    """Whether a document goes to val: a hash of (file's rel path, document index) < fraction."""
+    digest = hashlib.blake2b(f"{rel}\0{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+class SplitShards:
+    """One split's shards of one unit: a new part every `part_tokens` tokens, named when done."""
+
+    def __init__(self, out: Path, split: str, index: int, part_tokens: int):
+        self.out, self.prefix, self.part_tokens = out, f"{split}-{index:05d}", part_tokens
+        self.shards: list[str] = []
+        self.documents = self.tokens = self.part_written = 0
+        self.writer: ArrayRecordWriter | None = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        """Append one document, rolling over to a new part once this one holds enough tokens."""
+        if self.writer is None:
+            self.shards.append(f"{self.prefix}-{len(self.shards):05d}.arrayrecord")
+            temporary = self.out / f".{self.shards[-1]}.tmp"
+            self.writer = ArrayRecordWriter(str(temporary), "group_size:1")  # random access
+            self.part_written = 0
+        self.writer.write(tokens.tobytes())
+        self.documents, self.tokens = self.documents + 1, self.tokens + len(tokens)
+        self.part_written += len(tokens)
+        if self.part_written >= self.part_tokens:
+            self.finish()
+
+    def finish(self) -> dict:
+        """Close the open part, give it its final name; this split's shards, documents, tokens."""
+        if self.writer is not None:
+            self.writer.close()
+            os.replace(self.out / f".{self.shards[-1]}.tmp", self.out / self.shards[-1])
+            self.writer = None
+        return {"shards": self.shards, "documents": self.documents, "tokens": self.tokens}
+
+
+_WORKER: dict = {}  # this worker process's settings, tokenizer and message queue
+
+
+def init_worker(settings: Settings, messages: mp.Queue) -> None:
+    """Load the tokenizer once per worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends the pool
+    sp = spm.SentencePieceProcessor(model_file=str(settings.out / "tokenizer.model"))
+    _WORKER.update(settings=settings, messages=messages, sp=sp)
+
+
+def process_unit(unit: Unit, threads: int) -> dict:
+    """Tokenize one unit into its shards, then write its completion record."""
+    try:
+        record = UnitJob(unit, threads).run()
+        write_atomic(_WORKER["settings"].out / PARTS / f"{unit.index:05d}.json",
+                     json.dumps(record, indent=1).encode())
+        return record
+    finally:
+        _WORKER["messages"].put(("done", unit.index))
+
+
+class UnitJob:
+    """Tokenizing one unit: its shards per split, each file's tally, the unit's bad input."""
+
+    def __init__(self, unit: Unit, threads: int):
+        self.unit, self.threads, self.settings = unit, threads, _WORKER["settings"]
+        self.dtype = np.dtype(self.settings.dtype).newbyteorder("<")
+        self.splits = {s: SplitShards(self.settings.out, s, unit.index, self.settings.part_tokens)
+                       for s in SPLITS}
+        self.files = [{"path": str(source.path), "rel": source.rel, "bytes": size,
+                       "documents": 0, "tokens": 0, "bad": 0}
+                      for source, size in zip(unit.sources, unit.sizes)]
+        self.bad_reasons: Counter = Counter()
+        self.bad_examples: list[dict] = []
+
+    def run(self) -> dict:
+        """Read, encode and write every document of every file; the completion record."""
+        batch: list[tuple[int, int, dict, str]] = []  # (file, document index, where, text)
+        chars = nbytes = 0
+        for k, source in enumerate(self.unit.sources):
+            for index, where, text, reason, size in read_documents(source.path,
+                                                                   self.settings.text_field):
+                nbytes += size
+                if reason is not None or not text:
+                    self.bad(k, where, reason or "empty document")
+                    continue
+                batch.append((k, index, where, text))
+                chars += len(text)
+                if chars >= ENCODE_BATCH_CHARS:
+                    self.encode(batch, nbytes)
+                    batch, chars, nbytes = [], 0, 0
+        self.encode(batch, nbytes)
+        splits = {name: shards.finish() for name, shards in self.splits.items()}
+        return {"files": self.files, "bad_reasons": dict(self.bad_reasons),
+                "bad_examples": self.bad_examples, "splits": splits}
+
+    def bad(self, k: int, where: dict, reason: str) -> None:
+        """Count and report one bad document of file k; under --strict, stop."""
+        self.bad_reasons[reason] += 1
+        self.files[k]["bad"] += 1
+        entry = bad_entry(self.unit.sources[k], where, reason)
+        if self.files[k]["bad"] <= MAX_REPORTED:
+            self.bad_examples.append(entry)
+            _WORKER["messages"].put(("bad", describe(entry)))
+        if self.settings.strict:
+            raise StrictStop(describe(entry))
+
+    def encode(self, batch: list[tuple[int, int, dict, str]], nbytes: int) -> None:
+        """Tokenize a batch of documents and write each to its split."""
+        ids = _WORKER["sp"].encode([text for *_, text in batch], num_threads=self.threads)
+        documents = tokens = 0
+        for (k, index, where, _), doc in zip(batch, ids):
+            if not doc:  # possible with a tokenizer that normalizes whitespace away
+                self.bad(k, where, "empty document")
+                continue
+            val = is_val(self.unit.sources[k].rel, index, self.settings.val_fraction)
+            self.splits["val" if val else "train"].write(np.asarray(doc, self.dtype))
+            self.files[k]["documents"] += 1
+            self.files[k]["tokens"] += len(doc)
+            documents, tokens = documents + 1, tokens + len(doc)
+        _WORKER["messages"].put(("progress", documents, tokens, nbytes))
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file's content, or None if it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_if_changed(path: Path, payload: bytes) -> None:
+    """Write atomically unless the file holds exactly `payload` (so a rerun changes nothing)."""
+    if not (path.is_file() and path.read_bytes() == payload):
+        write_atomic(path, payload)
+
+
+def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path) -> bytes:
+    """The --tokenizer file's bytes, or a model trained on a sample (reused from an earlier run)."""
+    if args.tokenizer:
+        path = Path(args.tokenizer).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"--tokenizer {args.tokenizer}: no such SentencePiece model file")
+        try:
+            spm.SentencePieceProcessor(model_proto=path.read_bytes())
+        except RuntimeError:
+            raise ConfigError(f"--tokenizer {args.tokenizer}: not a SentencePiece model") from None
+        return path.read_bytes()
+    previous, cached = read_json(out / PARTS / "run.json") or {}, out / "tokenizer.model"
+    if (previous.get("trained_with") == args.trained_with and cached.is_file()
+            and hashlib.sha256(cached.read_bytes()).hexdigest() == previous["tokenizer_sha256"]):
+        return cached.read_bytes()
+    lines = sample_lines(sources, args.text_field, args.sample_bytes)
+    if not lines:
+        raise ConfigError("--train-tokenizer: the inputs hold no text to train on")
+    print(f"training a {args.train_tokenizer}-piece tokenizer on {len(lines):,} lines",
+          file=sys.stderr)
+    try:
+        return train_tokenizer(lines, args.train_tokenizer)
+    except ConfigError as e:
+        reason = str(e).split(": ", 1)[-1]
+        raise ConfigError(f"--train-tokenizer {args.train_tokenizer}: {reason}") from None
+
+
+def check_run(out: Path, run: dict) -> None:
+    """Refuse to mix outputs of different settings in one directory; else record the settings."""
+    previous = read_json(out / PARTS / "run.json")
+    if previous and any((out / PARTS).glob("[0-9]*.json")):
+        for key in RUN_KEYS:
+            if previous.get(key) != run[key]:
+                raise ConfigError(f"--out {out} holds data made with {key}={previous.get(key)}, "
+                                  f"not {run[key]}: rerun with the same arguments or a new --out")
+    write_if_changed(out / PARTS / "run.json", json.dumps(run, indent=1).encode())
+
+
+def load_records(out: Path, units: list[Unit]) -> dict[int, dict]:
+    """Earlier runs' completion records whose shards are all present, checked against the plan."""
+    records = {}
+    for path in sorted((out / PARTS).glob("[0-9]*.json")):
+        index, record = int(path.stem), read_json(path)
+        if record is None or not all((out / name).is_file() for split in record["splits"].values()
+                                     for name in split["shards"]):
+            path.unlink()  # shards gone: redo the unit
+            continue
+        check_record(out, record, units[index] if index < len(units) else None)
+        records[index] = record
+    return records
+
+
+def check_record(out: Path, record: dict, unit: Unit | None) -> None:
+    """Refuse a completion record of other files, or other file sizes, than its unit has now."""
+    then = [(f["path"], f["rel"], f["bytes"]) for f in record["files"]]
+    now = [(str(s.path), s.rel, n) for s, n in zip(unit.sources, unit.sizes)] if unit else []
+    for old, new in itertools.zip_longest(then, now):
+        if old != new:
+            raise ConfigError(f"--out {out} holds {_label(old)} where the INPUTs now give "
+                              f"{_label(new)}: rerun with the same INPUTs or a new --out")
+
+
+def _label(file: tuple[str, str, int] | None) -> str:
+    """A planned file as an error message names it."""
+    return f"{file[0]} ({file[2]:,} bytes)" if file else "no file"
+
+
+def remove_unlisted(out: Path, records: dict[int, dict]) -> None:
+    """Delete shards of ours, complete or not, that no completion record lists: leftovers."""
+    listed = {name for r in records.values() for split in r["splits"].values()
+              for name in split["shards"]}
+    for path in out.iterdir():
+        if SHARD_NAME.match(path.name) and path.name not in listed:
+            path.unlink()
+
+
+def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> dict[int, dict]:
+    """Tokenize units in a process pool, streaming progress and bad-input lines to stderr."""
+    if not todo:
+        return {}
+    context = mp.get_context("spawn")  # never fork a parent that may hold threads
+    messages = context.Queue()
+    threads = max(1, workers // len(todo))  # fewer units than workers: encode with more threads
+    started, documents, tokens, done = time.monotonic(), 0, 0, 0
+    with context.Pool(min(workers, len(todo)), init_worker, (settings, messages)) as pool:
+        results = {unit.index: pool.apply_async(process_unit, (unit, threads))
+                   for unit in sorted(todo, key=lambda unit: -unit.size)}  # biggest first
+        while done < len(results):
+            kind, *payload = messages.get()
+            done += kind == "done"
+            if kind == "bad" and settings.strict:
+                raise StrictStop(payload[0])  # leaving the pool terminates the other workers
+            if kind == "bad":
+                bar.write(f"bad input: {payload[0]}", file=sys.stderr)
+            if kind == "progress":
+                documents, tokens = documents + payload[0], tokens + payload[1]
+                rate = tokens / max(time.monotonic() - started, 1e-9)
+                bar.set_postfix_str(f"{documents:,} docs, {tokens:,} tokens, {rate:,.0f} tok/s",
+                                    refresh=False)
+                bar.update(payload[2])
+        return {i: result.get() for i, result in results.items()}
+
+
+def build_manifest(records: list[dict], sp: spm.SentencePieceProcessor, run: dict) -> dict:
+    """manifest.json of docs/data_format.md, from the units' completion records in order."""
+    splits = {name: {"shards": [], "documents": 0, "tokens": 0} for name in SPLITS}
+    for record in records:
+        for name, split in splits.items():
+            for key in split:
+                split[key] += record["splits"][name][key]
+    files = [f for record in records for f in record["files"]]
+    examples = [entry for record in records for entry in record["bad_examples"]]
+    tokenizer = {"file": "tokenizer.model", "sha256": run["tokenizer_sha256"],
+                 "vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id()}
+    return {"format": FORMAT, "tokenizer": tokenizer, "dtype": run["dtype"],
+            "val_fraction": run["val_fraction"], "splits": splits,
+            "sources": [{k: f[k] for k in ("path", "documents", "tokens", "bad")} for f in files],
+            "bad_input": {"count": sum(f["bad"] for f in files),
+                          "examples": examples[:MAX_EXAMPLES]}}
+
+
+def summary(manifest: dict, records: list[dict], new_tokens: int, seconds: float) -> str:
+    """The closing lines: totals per split, this run's token rate, bad input by reason."""
+    splits = "; ".join(f"{name} {s['documents']:,} documents, {s['tokens']:,} tokens, "
+                       f"{len(s['shards'])} shards" for name, s in manifest["splits"].items())
+    text = (f"{len(manifest['sources'])} files in {len(records)} units -> {splits}\n"
+            f"this run tokenized {new_tokens:,} tokens in {seconds:.1f} s "
+            f"({new_tokens / max(seconds, 1e-9):,.0f} tokens/s)")
+    reasons = sum((Counter(record["bad_reasons"]) for record in records), Counter())
+    counts = ", ".join(f"{reason}: {n}" for reason, n in reasons.most_common())
+    return text + (f"\nbad input skipped: {reasons.total()} ({counts})" if reasons else "")
+
+
+def prepare(args: argparse.Namespace) -> int:
+    """The whole tool: inputs -> tokenizer -> units -> shards per unit -> manifest."""
+    out = absolute(Path(args.out).expanduser())
+    sources = find_sources(args.inputs, out)
+    model = obtain_tokenizer(args, sources, out)
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    run = {"format": FORMAT, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
+           "dtype": "uint16" if sp.get_piece_size() <= 1 << 16 else "int32",
+           "val_fraction": args.val_fraction, "text_field": args.text_field,
+           "part_tokens": args.part_tokens, "trained_with": args.trained_with}
+    check_run(out, run)
+    write_if_changed(out / "tokenizer.model", model)
+    units = plan_units(sources, [file_size(s.path) for s in sources], args.part_tokens)
+    records = load_records(out, units)
+    bad = [entry for record in records.values() for entry in record["bad_examples"]]
+    if args.strict and bad:  # from an earlier run without --strict
+        raise StrictStop(describe(bad[0]))
+    remove_unlisted(out, records)
+    todo = [unit for unit in units if unit.index not in records]
+    settings = Settings(out, args.text_field, args.val_fraction, run["dtype"], args.part_tokens,
+                        args.strict)
+    total, started = sum(unit.size for unit in units), time.monotonic()
+    with tqdm(total=total, initial=total - sum(unit.size for unit in todo), unit="B",
+              unit_scale=True, unit_divisor=1024, desc="tokenizing", file=sys.stderr,
+              mininterval=0.5, dynamic_ncols=True) as bar:
+        records.update(run_units(todo, settings, args.workers, bar))
+    seconds, ordered = time.monotonic() - started, [records[unit.index] for unit in units]
+    manifest = build_manifest(ordered, sp, run)
+    write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    new_tokens = sum(f["tokens"] for unit in todo for f in records[unit.index]["files"])
+    print(summary(manifest, ordered, new_tokens, seconds), file=sys.stderr)
+    return 0
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one line and exit status 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = Parser(prog="prepare_data.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
+    p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
+    tok = p.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", help="SentencePiece .model to tokenize with")
+    tok.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
+                     help="train a SentencePiece model of VOCAB pieces on a sample of the inputs")
+    p.add_argument("--sample-bytes", type=int, default=50_000_000,
+                   help="bytes of text to train on, an equal share per file (%(default)s)")
+    p.add_argument("--text-field", default="text", help="JSON key / Parquet column (%(default)s)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of documents in val (%(default)s)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (%(default)s: the CPU count)")
+    p.add_argument("--part-tokens", type=int, default=50_000_000,
+                   help="tokens per shard; files are grouped into units of about this many "
+                   "(%(default)s)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on the first bad input")
+    args = p.parse_args(argv)
+    for name in ("workers", "part_tokens", "sample_bytes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0.0 <= args.val_fraction <= 1.0:
+        p.error("--val-fraction must be between 0 and 1")
+    args.trained_with = None if args.tokenizer else {"vocab_size": args.train_tokenizer,
+                                                     "sample_bytes": args.sample_bytes}
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool; exit status 0, 1 (bad input under --strict), 2 (usage) or 130 (interrupted)."""
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a batch system's stop: as Ctrl-C
+    try:
+        return prepare(args)
+    except ConfigError as e:
+        print(f"prepare_data.py: error: {e}", file=sys.stderr)
+        return 2
+    except StrictStop as e:
+        print(f"prepare_data.py: error: bad input (--strict): {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("prepare_data.py: interrupted; rerun the same command to finish", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The inputs of tools/prepare_data.py: which files INPUTs name, and the documents in each.
+
+A `.jsonl`/`.json` file holds one JSON document per line, a `.parquet` file one per row (the text
+under a key/column), any other file is one plain-text document. Readers never raise on bad input:
+they yield it as an item with a reason, located by line (1-based) or Parquet row (0-based).
+Needs the repository root on sys.path (for `jaxtron.config`), as prepare_data.py arranges.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxtron.config import ConfigError
+
+# (index of the document in its file, where to report it, text, why it is bad, bytes read)
+Item = tuple[int, dict, str | None, str | None, int]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file."""
+
+    path: Path  # absolute
+    rel: str  # relative to the directory or glob it was found under: the val split's hash key
+
+
+def find_sources(patterns: list[str], out: Path) -> list[Source]:
+    """Files named by INPUTs in argument order (directories and globs sorted), deduplicated."""
+    sources, seen = [], set()
+    for pattern in patterns:
+        found = [s for s in _expand(pattern, out) if not (s.path in seen or seen.add(s.path))]
+        if not found:
+            raise ConfigError(f"INPUT {pattern}: no such file or directory, or no file matches")
+        sources += found
+    return sources
+
+
+def _expand(pattern: str, out: Path) -> list[Source]:
+    """The files one INPUT names, each with its path relative to the root it was given as."""
+    parts = Path(pattern).expanduser().parts
+    magic = [i for i, part in enumerate(parts) if glob.has_magic(part)]
+    matches = sorted(glob.glob(str(Path(*parts)), recursive=True)) if magic else [str(Path(*parts))]
+    found = []
+    for match in map(Path, matches):
+        if not (match.exists() or match.is_symlink()) or absolute(match) == out:
+            continue
+        root = Path(*parts[: magic[0]]) if magic else match if match.is_dir() else match.parent
+        found += [Source(absolute(f), Path(os.path.relpath(f, root)).as_posix())
+                  for f in (_walk(match, out) if match.is_dir() else [match])]
+    return found
+
+
+def absolute(path: Path) -> Path:
+    """An absolute, normalized path (symlinks kept)."""
+    return Path(os.path.abspath(path))
+
+
+def _walk(folder: Path, out: Path) -> list[Path]:
+    """Every file under `folder`, sorted, skipping hidden names and the output directory."""
+    files = []
+    for parent, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d[0] != "." and absolute(Path(parent, d)) != out)
+        files += [Path(parent, name) for name in sorted(names) if name[0] != "."]
+    return files
+
+
+def file_size(path: Path) -> int:
+    """A file's size in bytes; 0 for what is not a readable regular file (a broken link)."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except OSError:
+        return 0
+
+
+def read_documents(path: Path, text_field: str) -> Iterator[Item]:
+    """The documents of one file, bad ones with a reason; an unreadable file is one bad item."""
+    suffix = path.suffix.lower()
+    reader = (_parquet_docs if suffix == ".parquet"
+              else _jsonl_docs if suffix in (".jsonl", ".json") else _text_docs)
+    try:
+        yield from reader(path, text_field)
+    except OSError as e:
+        yield -1, {}, None, f"unreadable file ({e.strerror or str(e).splitlines()[0]})", 0
+
+
+def _text_docs(path: Path, text_field: str) -> Iterator[Item]:
+    """A plain-text file as one document; invalid UTF-8 is reported at its first bad line."""
+    data = path.read_bytes()
+    try:
+        yield 0, {}, data.decode("utf-8"), None, len(data)
+    except UnicodeDecodeError as e:
+        yield 0, {"line": data.count(b"\n", 0, e.start) + 1}, None, "invalid UTF-8", len(data)
+
+
+def _jsonl_docs(path: Path, text_field: str) -> Iterator[Item]:
+    """One document per line of a JSON Lines file: the string under `text_field`."""
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            yield i, {"line": i + 1}, *_json_text(raw, text_field), len(raw)
+
+
+def _json_text(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
+    """The text of one JSON line, or None and the reason there is none."""
+    if not raw.strip():
+        return None, "blank line"
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:  # a ValueError too: catch it first
+        return None, "invalid UTF-8"
+    except ValueError:
+        return None, "not JSON"
+    return _as_text(value.get(text_field) if isinstance(value, dict) else None, text_field)
+
+
+def _parquet_docs(path: Path, text_field: str) -> Iterator[Item]:
+    """One document per row of a Parquet file's `text_field` column (string or UTF-8 binary)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table, size = pq.ParquetFile(path), path.stat().st_size
+        if table.schema_arrow.get_field_index(text_field) < 0:
+            yield -1, {}, None, f"no column '{text_field}'", size
+            return
+        rows, row = max(table.metadata.num_rows, 1), 0
+        for batch in table.iter_batches(batch_size=1024, columns=[text_field]):
+            for value in batch.column(0).to_pylist():
+                nbytes = size * (row + 1) // rows - size * row // rows
+                yield row, {"row": row}, *_as_text(value, text_field), nbytes
+                row += 1
+    except pa.ArrowException as e:
+        raise OSError(str(e).splitlines()[0]) from None
+
+
+def _as_text(value: object, text_field: str) -> tuple[str | None, str | None]:
+    """A field's value as text, or None and the reason it is not."""
+    if value is None:
+        return None, f"no field '{text_field}'"
+    if not isinstance(value, (str, bytes)):
+        return None, f"'{text_field}' not text"
+    try:
+        if isinstance(value, bytes):
+            return value.decode("utf-8"), None
+        value.encode("utf-8")  # JSON escapes can spell lone surrogates, which UTF-8 cannot hold
+        return value, None
+    except UnicodeError:
+        return None, "invalid UTF-8"
+
+
+def bad_entry(source: Source, where: dict, reason: str) -> dict:
+    """A bad-input record: {"file", then "line" or "row" when known, "reason"}."""
+    return {"file": str(source.path), **where, "reason": reason}
+
+
+def describe(entry: dict) -> str:
+    """`file:line: reason`, `file: row N: reason` or `file: reason`."""
+    line, row = entry.get("line"), entry.get("row")
+    where = f":{line}" if line else f": row {row}" if row is not None else ""
+    return f"{entry['file']}{where}: {entry['reason']}"
+
+
+def sample_lines(sources: list[Source], text_field: str, sample_bytes: int) -> list[str]:
+    """Non-empty lines of the files' first documents: an equal share of sample_bytes per file."""
+    lines, left = [], sample_bytes
+    for i, source in enumerate(sources):
+        share = remaining = left // (len(sources) - i)
+        for _, _, text, reason, _ in read_documents(source.path, text_field):
+            if remaining <= 0:
+                break
+            if reason is None and text:
+                text = text[:remaining]
+                remaining -= len(text.encode("utf-8"))
+                lines += [line for line in text.split("\n") if line]
+        left -= share - max(remaining, 0)
+    return lines
