@@ -104,3 +104,33 @@ def test_default_run_learns_well_below_unigram_entropy(tmp_path):
     final = np.mean([row["loss"] for row in rows[-3:]])  # last 30 steps: single steps are noisy
     assert rows[-1]["step"] == 200
     assert final < entropy - 1.5, (final, entropy)  # measured: 4.38 vs 6.19
+
+
+def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
+    """The production path end to end: raw files -> tools/prepare_data.py -> launch.py."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path / "ds"
+    prep = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "prepare_data.py"), str(stdlib / "json" / "*.py"),
+         str(stdlib / "email" / "*.py"), "--out", str(out), "--train-tokenizer", "1000",
+         "--val-fraction", "0.1"], capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["val"]["documents"] > 0
+    run_dir = tmp_path / "run"
+    rc = launch.main(["data.source=arrayrecord", f"data.mixture=[{{path: {out}}}]",
+                      "model.vocab_size=1024", "train.steps=2", "train.log_every=1",
+                      "train.eval_every=2", "train.seq_len=64", f"run.dir={run_dir}",
+                      "run.tensorboard=false", "run.progress=lines"])
+    assert rc == 0
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2]
+    assert abs(evals[0]["eval_perplexity"] - np.exp(evals[0]["eval_loss"])) < 1e-6 * evals[0]["eval_perplexity"]
+    # A model too small for the dataset's tokenizer stops before compiling, in one line.
+    capsys.readouterr()
+    assert launch.main(["data.source=arrayrecord", f"data.mixture=[{{path: {out}}}]",
+                        "model.vocab_size=512", f"run.dir={run_dir}2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "vocab" in err[0]
