@@ -60,8 +60,10 @@ class Checkpoints:
     def restore_latest(self, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
                        warn: Callable[[str], None]) -> tuple[int, dict, dict] | None:
         """The newest checkpoint that reads back whole, with `batches` moved to where it was;
-        damaged checkpoints are skipped with a warning naming them."""
-        for step in self.steps():
+        damaged checkpoints are skipped with a warning naming them. None when there are none;
+        an error when there are some but none is readable (starting over could overwrite them)."""
+        steps = self.steps()
+        for step in steps:
             try:
                 state, meta = self.restore(step, abstract_state, shardings)
                 restore_input(self.manager.directory / str(step) / "data", batches, warn)
@@ -70,6 +72,11 @@ class Checkpoints:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                 warn(f"warning: checkpoint {self.manager.directory / str(step)} is unreadable "
                      f"({type(e).__name__}: {first}); trying an older one")
+        if steps:
+            raise ConfigError(
+                f"none of the {len(steps)} checkpoints in {self.manager.directory} is readable; "
+                "move them aside to start over, or set run.dir to a new directory"
+            )
         return None
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     shape = tuple(sizes[a] for a in MESH_AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     if len(devices) == len(jax.devices()):
-        return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 

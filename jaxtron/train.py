@@ -219,7 +219,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
                      metrics_lib.Stopwatch())
     try:
         with jax.set_mesh(mesh), Preemption() as preemption:
-            state, start = initial_state(cfg, plan, tx, run, batches)
+            state, start, tokens_seen = initial_state(cfg, plan, tx, run, batches)
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
                 return []
@@ -229,32 +229,34 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
             log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s")
             eval_fn = compile_eval(plan, mesh)
             return _loop(cfg, run, state, step_fn, eval_fn, batches, eval_batches, start,
-                         preemption)
+                         tokens_seen, preemption)
     finally:
         run.ckpt.close()  # the last async save is on disk before we return, also on error
         log.close()
 
 
-def initial_state(cfg: Config, plan: Plan, tx, run: "RunContext", batches) -> tuple[dict, int]:
-    """The newest readable checkpoint of run.dir, else checkpoint.restore, else fresh weights."""
+def initial_state(cfg: Config, plan: Plan, tx, run: "RunContext",
+                  batches) -> tuple[dict, int, int]:
+    """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
+    checkpoint.restore, else fresh weights."""
     shardings = parallel.named(plan.specs, run.mesh)
     restored = run.ckpt.restore_latest(plan.abstract, shardings, batches, run.log.info)
     if restored is not None:
         step, state, meta = restored
         run.log.info(f"resumed from {run.ckpt.manager.directory} step {step} "
                      f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
-        return state, step
+        return state, step, meta["tokens_seen"]
     if not cfg.checkpoint.restore:
-        return init_state(cfg, plan, tx, run.mesh), 0
+        return init_state(cfg, plan, tx, run.mesh), 0, 0
     state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, batches,
                                cfg.checkpoint.weights_only)
     if cfg.checkpoint.weights_only:
         state = jax.jit(functools.partial(fresh_state, tx=tx),
                         out_shardings=shardings)(state["params"])
         run.log.info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
-        return state, 0
+        return state, 0, 0
     run.log.info(f"started from {cfg.checkpoint.restore} (step {meta['step']})")
-    return state, int(meta["step"])
+    return state, int(meta["step"]), meta["tokens_seen"]
 
 
 class NonFiniteError(RuntimeError):
@@ -325,7 +327,7 @@ def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> Non
 
 
 def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_batches, start,
-          preemption: Preemption):
+          tokens_seen: int, preemption: Preemption):
     """Steps start+1 .. train.steps: feed, step, checkpoint, evaluate, log."""
     steps, watch = cfg.train.steps, run.watch
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len
@@ -335,6 +337,7 @@ def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_b
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
             batch = global_batch(next(batches), run.mesh)
         state, pending = step_fn(state, batch)
+        tokens_seen += tokens_per_step
         if previous is not None:
             _check_finite(cfg, run, *previous)
         previous = (step, pending)
@@ -343,7 +346,7 @@ def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_b
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             with watch.time("checkpoint"):
                 meta = {"step": step, "loss": float(pending["loss"]),
-                        "tokens_seen": step * tokens_per_step, "time": time.time(),
+                        "tokens_seen": tokens_seen, "time": time.time(),
                         "config": config_lib.to_yaml(cfg)}
                 run.ckpt.save(step, state, batches, meta)
         if step % cfg.train.log_every == 0 or step == steps:

@@ -142,3 +142,15 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
     assert "checkpoints/4 is unreadable" in out
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, the newest good one
     np.testing.assert_array_equal([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]])
+
+    # Every checkpoint damaged: stop with one line rather than start over on top of them.
+    import pytest
+    from jaxtron.config import ConfigError
+
+    for step_dir in (run_dir / "checkpoints").iterdir():
+        if step_dir.name.isdigit():
+            for f in (step_dir / "state").rglob("*"):
+                if f.is_file() and f.stat().st_size > 1000:
+                    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ConfigError, match="none of the 3 checkpoints"):
+        train(_cfg(run_dir, "checkpoint.keep=3"))

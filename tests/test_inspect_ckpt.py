@@ -1,0 +1,84 @@
+"""tools/inspect_ckpt.py on a real 2-step run of the tiny config: it prints what was saved."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxtron import config
+from jaxtron.train import train
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "inspect_ckpt.py"
+ARRAY_LINE = re.compile(r"^  (\S+)\s+(\(.*?\))\s+(\w+)\s+([\d,]+) B$")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("inspect") / "run"
+    train(config.load(["configs/tiny.yaml"], [
+        "train.steps=2", "train.seq_len=64", "train.log_every=1", "train.eval_every=0",
+        "checkpoint.every=1", "run.tensorboard=false", "run.progress=lines", f"run.dir={run_dir}",
+    ]))
+    return run_dir
+
+
+def _inspect(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), str(path)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _field(out: str, name: str) -> str:
+    return re.search(rf"^{name}:\s+(.*)$", out, re.MULTILINE).group(1)
+
+
+def _logged_losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def test_run_dir_lists_checkpoints_and_shows_the_latest(run_dir):
+    (run_dir / "checkpoints" / "3.orbax-checkpoint-tmp-99").mkdir()  # a save killed mid-write
+    result = _inspect(run_dir)
+    assert result.returncode == 0, result.stderr
+    out, losses = result.stdout, _logged_losses(run_dir)
+    listed = re.findall(r"^  step\s+(\d+)\s+loss (\S+)$", out, re.MULTILINE)
+    assert [(int(s), float(loss)) for s, loss in listed] == [(1, losses[1]), (2, losses[2])]
+    assert _field(out, "step") == "2"
+    assert float(_field(out, "loss")) == losses[2]  # printed with full precision: exactly equal
+    assert _field(out, "tokens seen") == f"{2 * 16 * 64:,}"
+    assert _field(out, "parameters") == "7,342,336"
+    assert _field(out, "params bytes").startswith(f"{7_342_336 * 4:,} ")
+    assert "num_layers=4, d_model=256" in _field(out, "model")
+    assert _field(out, "saved mesh") == "data=1 stage=1 fsdp=8 tensor=1"
+
+
+def test_table_matches_the_restored_arrays(run_dir):
+    """Shapes, dtypes and bytes read from metadata alone equal those of the loaded state."""
+    result = _inspect(run_dir / "checkpoints" / "1")
+    assert result.returncode == 0, result.stderr
+    assert _field(result.stdout, "step") == "1"
+    table = {m[1]: (m[2], m[3], int(m[4].replace(",", "")))
+             for m in map(ARRAY_LINE.match, result.stdout.splitlines()) if m}
+    state = ocp.StandardCheckpointer().restore((run_dir / "checkpoints" / "1" / "state").absolute())
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    loaded = {jax.tree_util.keystr(path, simple=True, separator="."):
+              (str(tuple(x.shape)), np.dtype(x.dtype).name, x.nbytes) for path, x in leaves}
+    assert table == loaded
+    optimizer_bytes = sum(b for name, (_, _, b) in table.items() if name.startswith("opt_state."))
+    assert _field(result.stdout, "optimizer bytes").startswith(f"{optimizer_bytes:,} ")
+
+
+@pytest.mark.parametrize("name", ["missing", "empty_dir", "metrics.jsonl"])
+def test_not_a_checkpoint_exits_2_with_one_line(run_dir, tmp_path, name):
+    path = {"missing": tmp_path / "nowhere", "empty_dir": tmp_path,
+            "metrics.jsonl": run_dir / "metrics.jsonl"}[name]
+    result = _inspect(path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and str(path) in result.stderr

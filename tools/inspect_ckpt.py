@@ -1,0 +1,183 @@
+"""Show what a jaxtron checkpoint holds, without loading its arrays.
+
+    python tools/inspect_ckpt.py runs/tiny                  # list the checkpoints, show the latest
+    python tools/inspect_ckpt.py runs/tiny/checkpoints      # the same
+    python tools/inspect_ckpt.py runs/tiny/checkpoints/200  # one checkpoint
+
+Prints the step, the saved metadata (loss, tokens seen, save time, the model section of the config),
+every array of the `state` item with its shape, dtype and bytes (from Orbax's metadata: nothing is
+read but the small metadata files) and totals. A path that is not a checkpoint: one line on stderr,
+exit status 2. Only files and Orbax are used, not jaxtron's config schema, so checkpoints written
+under older or newer schemas still read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+              "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
+
+
+class NotACheckpoint(Exception):
+    """The path is missing, or is not a checkpoint, a checkpoints directory or a run directory."""
+
+
+# ---------------------------------------------------------------- finding checkpoints
+def is_complete(step_dir: Path) -> bool:
+    """A finalized jaxtron checkpoint: a step-named directory whose items were all written.
+    Orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames, so unfinished ones never match."""
+    return (step_dir.name.isdigit() and (step_dir / "state" / "_METADATA").is_file()
+            and (step_dir / "meta" / "metadata").is_file())
+
+
+def complete_steps(checkpoints_dir: Path) -> list[Path]:
+    """The complete checkpoints under `checkpoints_dir`, oldest first."""
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def resolve(path: Path) -> tuple[Path | None, Path]:
+    """-> (the checkpoints directory to list, None for a single checkpoint; the one to show)."""
+    if not path.exists():
+        raise NotACheckpoint(f"{path}: no such file or directory")
+    if path.name.isdigit() and (path / "state").is_dir():
+        if not is_complete(path):
+            raise NotACheckpoint(f"{path}: an incomplete checkpoint (state/_METADATA or "
+                                 "meta/metadata is missing)")
+        return None, path
+    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = complete_steps(checkpoints_dir) if checkpoints_dir.is_dir() else []
+    if not steps:
+        raise NotACheckpoint(f"{path}: not a checkpoint (.../checkpoints/<step>), nor a run or "
+                             "checkpoints directory holding a complete one")
+    return checkpoints_dir, steps[-1]
+
+
+# ---------------------------------------------------------------- reading metadata
+def read_meta(step_dir: Path) -> dict:
+    """The `meta` item: step, loss, tokens_seen, time, config (YAML text)."""
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, ValueError) as e:
+        raise NotACheckpoint(f"{step_dir}: unreadable meta item ({e})") from None
+
+
+def read_arrays(step_dir: Path) -> tuple[list[tuple[str, tuple, np.dtype]], Any]:
+    """(dotted name, shape, dtype) of every array in the `state` item, and the first array's
+    saved sharding; from Orbax's tree metadata, no array data read."""
+    # Imported here so that a bad path is reported at once, without jax's start-up.
+    import jax
+    import orbax.checkpoint as ocp
+
+    try:
+        tree = ocp.PyTreeCheckpointHandler().metadata(step_dir.absolute() / "state").tree
+    except Exception as e:  # noqa: BLE001 - any Orbax failure means an unreadable checkpoint
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise NotACheckpoint(f"{step_dir}: unreadable state metadata ({first})") from None
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]  # empty optax states (None) drop out
+    arrays = [(jax.tree_util.keystr(path, simple=True, separator="."), tuple(leaf.shape),
+               np.dtype(leaf.dtype)) for path, leaf in leaves]
+    return arrays, getattr(leaves[0][1], "sharding", None) if leaves else None
+
+
+# ---------------------------------------------------------------- printing
+def human(num_bytes: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    power = min((num_bytes.bit_length() - 1) // 10, 4)  # 1024**power <= num_bytes
+    return f"{num_bytes / 1024**power:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[power - 1]}"
+
+
+def model_summary(config_yaml: str) -> str:
+    """The config's model section on one line (the keys of MODEL_KEYS that it has)."""
+    try:
+        model = (yaml.safe_load(config_yaml) or {}).get("model", {})
+    except yaml.YAMLError:
+        return "(config unreadable)"
+    return ", ".join(f"{k}={model[k]}" for k in MODEL_KEYS if k in model) or "(no model section)"
+
+
+def mesh_summary(sharding: Any) -> str | None:
+    """'data=1 stage=1 fsdp=8 tensor=1' from a saved NamedSharding's metadata, if it is one."""
+    names, shape = getattr(sharding, "axis_names", None), getattr(sharding, "shape", None)
+    if names is None or shape is None:
+        return None
+    return " ".join(f"{n}={int(s)}" for n, s in zip(names, np.asarray(shape).ravel()))
+
+
+def print_listing(checkpoints_dir: Path) -> None:
+    """Every complete checkpoint with its loss."""
+    steps = complete_steps(checkpoints_dir)
+    print(f"{checkpoints_dir.absolute()}: {len(steps)} complete checkpoint(s)")
+    for step_dir in steps:
+        loss = read_meta(step_dir).get("loss")
+        print(f"  step {int(step_dir.name):>8}  loss {loss!r}")
+    print()
+
+
+def print_checkpoint(step_dir: Path) -> None:
+    """Metadata, the array tree and the totals of one checkpoint."""
+    meta = read_meta(step_dir)
+    arrays, sharding = read_arrays(step_dir)
+    saved = meta.get("time")
+    when = "unknown"
+    if isinstance(saved, (int, float)):
+        local = datetime.datetime.fromtimestamp(saved).astimezone()
+        when = local.isoformat(sep=" ", timespec="seconds")
+    tokens = meta.get("tokens_seen")
+    print(f"checkpoint:  {step_dir.absolute()}")
+    print(f"step:        {meta.get('step', step_dir.name)}")
+    print(f"loss:        {meta.get('loss')!r}")
+    print(f"tokens seen: {tokens:,}" if isinstance(tokens, int) else f"tokens seen: {tokens}")
+    print(f"saved at:    {when}")
+    print(f"model:       {model_summary(meta.get('config', ''))}")
+    mesh = mesh_summary(sharding)
+    if mesh:
+        print(f"saved mesh:  {mesh}")
+    print("state:")
+    width = max((len(name) for name, _, _ in arrays), default=0)
+    totals: dict[str, list[int]] = {}
+    for name, shape, dtype in arrays:
+        size = math.prod(shape)
+        num_bytes = size * dtype.itemsize
+        print(f"  {name:<{width}}  {str(shape):<18} {dtype.name:<9} {num_bytes:>13,} B")
+        part = totals.setdefault(name.split(".")[0], [0, 0])
+        part[0], part[1] = part[0] + size, part[1] + num_bytes
+    params, opt = totals.get("params", [0, 0]), totals.get("opt_state", [0, 0])
+    print(f"parameters:      {params[0]:,}")
+    print(f"params bytes:    {params[1]:,} ({human(params[1])})")
+    print(f"optimizer bytes: {opt[1]:,} ({human(opt[1])})")
+    print(f"total bytes:     {sum(b for _, b in totals.values()):,} "
+          f"({human(sum(b for _, b in totals.values()))})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", type=Path, help="a checkpoint (.../checkpoints/<step>), "
+                        "a checkpoints directory or a run directory")
+    args = parser.parse_args(argv)
+    try:
+        listing, step_dir = resolve(args.path)
+        if listing is not None:
+            print_listing(listing)
+        print_checkpoint(step_dir)
+    except NotACheckpoint as e:
+        print(f"inspect_ckpt: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
