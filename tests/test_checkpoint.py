@@ -154,3 +154,26 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
                     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(ConfigError, match="none of the 3 checkpoints"):
         train(_cfg(run_dir, "checkpoint.keep=3"))
+
+
+def test_restore_from_another_runs_checkpoint(tmp_path):
+    source = tmp_path / "source"
+    straight = train(_cfg(source, "train.steps=4"))  # checkpoints 2 and 4
+    # Full restore: a new run dir continues from step 2 exactly as the source did.
+    cont = train(_cfg(tmp_path / "cont", "train.steps=4",
+                      f"checkpoint.restore={source / 'checkpoints' / '2'}"))
+    assert [r["step"] for r in cont] == [3, 4]
+    np.testing.assert_array_equal([r["loss"] for r in cont], [r["loss"] for r in straight[2:]])
+    # Weights only (fine-tuning): params carried over, optimizer fresh, step 0. With warmup the
+    # first step's learning rate is 0, so after one step the params are still the source's.
+    tuned = tmp_path / "tuned"
+    train(_cfg(tuned, "train.steps=1", "checkpoint.weights_only=true",
+               f"checkpoint.restore={source / 'checkpoints' / '2'}"))
+    src, new = _saved_params(source, 2), _saved_params(tuned, 1)
+    for a, b in zip(jax_leaves(src["params"]), jax_leaves(new["params"])):
+        np.testing.assert_array_equal(a, b)
+    assert int(new["step"]) == 1 and int(src["step"]) == 2
+    # The optimizer restarted: Adam's and the schedule's counters count this run's one step
+    # (carried over they would read 3), while the source's read 2.
+    assert [int(x) for x in jax_leaves(new["opt_state"]) if x.dtype == np.int32] == [1, 1]
+    assert [int(x) for x in jax_leaves(src["opt_state"]) if x.dtype == np.int32] == [2, 2]
