@@ -3,9 +3,13 @@
     python launch.py                                          # tiny model on the default corpus
     python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
     python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
+    python launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0   # and id 1
+    srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
 
 Exit status: 0 done; 2 bad input (one line says what to change); 3 stopped on a non-finite loss
 (train.on_nonfinite=stop); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun resumes).
+Several processes: when one dies, JAX aborts the others (SIGABRT) within about 30 s
+(jaxtron/distributed.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="validate and print the plan (parameters, memory) without compiling")
     parser.add_argument("--devices", type=int, default=0,
                         help="with --dry-run: plan for this many devices instead of the local ones")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="several processes: process 0's address and a free port there")
+    parser.add_argument("--num-processes", type=int, metavar="N",
+                        help="several processes: how many (with --coordinator and --process-id)")
+    parser.add_argument("--process-id", type=int, metavar="I",
+                        help="several processes: this one's index, 0..N-1")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -58,18 +68,22 @@ def dry_run(cfg, num_devices: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from jaxtron import distributed
     from jaxtron.config import ConfigError, load
     from jaxtron.train import NonFiniteError, Preempted, train
 
     try:
         cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
-        import jax
+        if args.dry_run:  # a plan needs no other process: it never joins them
+            import jax
 
-        if args.dry_run:
             dry_run(cfg, args.devices or jax.device_count())
             return 0
         if args.devices:
             raise ConfigError("--devices only applies to --dry-run")
+        # Join the other processes (if any) before anything touches a jax device: train() checks
+        # the mesh against the global device count.
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -70,6 +70,11 @@ class Checkpoints:
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                if jax.process_count() > 1:  # the others may have read it: none may go on alone
+                    raise ConfigError(
+                        f"checkpoint {self.manager.directory / str(step)} is unreadable on process "
+                        f"{jax.process_index()} ({type(e).__name__}: {first}); move it aside and "
+                        "rerun to resume from an older one") from None
                 warn(f"warning: checkpoint {self.manager.directory / str(step)} is unreadable "
                      f"({type(e).__name__}: {first}); trying an older one")
         if steps:

@@ -311,14 +311,14 @@ def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -
     return _stdlib_stream(data, seq_len, vocab_size, seed)
 
 
-def _batches(stream: Stream, start: int, train: TrainConfig, local_batch: int,
-             process_index: int, process_count: int, workers: int) -> grain.IterDataset:
-    """Skip `start` items of the global stream, take this process's share, pack and batch."""
+def _batches(stream: Stream, start: int, train: TrainConfig, workers: int) -> grain.IterDataset:
+    """Skip `start` items of the global stream, then pack and batch it into *global* batches:
+    the same for every process and any process count (each process keeps its own rows)."""
     items = stream.items[start:] if start else stream.items
-    ds = items[process_index::process_count].to_iter_dataset(READ)
+    ds = items.to_iter_dataset(READ)
     if stream.split is not None:
         ds = grain.experimental.FlatMapIterDataset(ds, stream.split)
-    ds = pack_and_batch(ds, train.seq_len, local_batch, train.seed)
+    ds = pack_and_batch(ds, train.seq_len, train.batch_size, train.seed)
     if workers:
         if not absl_flags.FLAGS.is_parsed():  # grain 0.2.18 reads an absl flag once jax is loaded
             absl_flags.FLAGS.mark_as_parsed()  # (google/grain#1355, fixed after that release)
@@ -337,16 +337,16 @@ class BatchIterator(grain.DatasetIterator):
     _it: grain.DatasetIterator | None = None  # None until built (Grain's __del__ calls close)
 
     def __init__(self, build: Callable[[int], grain.IterDataset], count: Callable[[dict], int],
-                 layout: dict):
+                 layout: dict, rows: slice):
         super().__init__()
-        self._build, self._count, self.layout = build, count, layout
+        self._build, self._count, self.layout, self._rows = build, count, layout, rows
         self._start, self._consumed = 0, 0
         self._it = iter(build(0))
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = next(self._it)
+        batch = next(self._it)  # the global batch: count all of it, hand out this process's rows
         self._consumed += self._count(batch)
-        return batch
+        return {k: v[self._rows] for k, v in batch.items()}
 
     def get_state(self) -> dict:
         return {"grain": self._it.get_state(), "start": self._start,
@@ -363,8 +363,8 @@ class BatchIterator(grain.DatasetIterator):
             self._it.set_state(saved["grain"])
             self._consumed = saved["consumed"]
             return True
-        start = saved["start"] + saved["consumed"] * saved["process_count"]
-        was, now = (f"{d['process_count']} processes x {d['workers']} workers ({d['pipeline']})"
+        start = saved["start"] + saved["consumed"]
+        was, now = (f"{d['workers']} workers ({d['pipeline']})"
                     for d in (saved, self.layout))
         warnings.warn(f"data: cannot resume the input exactly: it was saved with {was}, this run "
                       f"has {now}; resuming deterministically near item {start:,} of the global "
@@ -410,6 +410,11 @@ def _local_batch(train: TrainConfig, process_count: int) -> int:
     return train.batch_size // process_count
 
 
+def _rows(process_index: int, local_batch: int) -> slice:
+    """This process's rows of a global batch (matches jax.make_array_from_process_local_data)."""
+    return slice(process_index * local_batch, (process_index + 1) * local_batch)
+
+
 def make_batches(
     data: DataConfig, train: TrainConfig, vocab_size: int, process_index: int = 0,
     process_count: int = 1,
@@ -417,13 +422,11 @@ def make_batches(
     """This process's endless stream of packed training batches."""
     local_batch = _local_batch(train, process_count)
     stream = _stream(data, train.seq_len, vocab_size, train.seed)
-    build = functools.partial(_batches, stream, train=train, local_batch=local_batch,
-                              process_index=process_index, process_count=process_count,
-                              workers=data.workers)
-    layout = {"process_count": process_count, "workers": data.workers,
+    build = functools.partial(_batches, stream, train=train, workers=data.workers)
+    layout = {"workers": data.workers,
               "pipeline": f"{data.source} {data.mixture} seq_len={train.seq_len} "
                           f"batch_size={train.batch_size} seed={train.seed}"}
-    return BatchIterator(build, stream.count, layout)
+    return BatchIterator(build, stream.count, layout, _rows(process_index, local_batch))
 
 
 def make_eval_batches(
@@ -436,8 +439,9 @@ def make_eval_batches(
     if train.eval_every <= 0:
         return []
     stream = _stream(data, train.seq_len, vocab_size, None)
-    ds = _batches(stream, 0, train, local_batch, process_index, process_count, workers=0)
-    return list(itertools.islice(ds, train.eval_batches))
+    rows = _rows(process_index, local_batch)
+    ds = _batches(stream, 0, train, workers=0)
+    return [{k: v[rows] for k, v in b.items()} for b in itertools.islice(ds, train.eval_batches)]
 
 
 def corpus_summary(data: DataConfig, vocab_size: int) -> str:

@@ -344,11 +344,13 @@ def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_b
         stop = preemption.requested(step)
         if run.ckpt.due(step, steps) or stop:
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
-            with watch.time("checkpoint"):
-                meta = {"step": step, "loss": float(pending["loss"]),
-                        "tokens_seen": tokens_seen, "time": time.time(),
-                        "config": config_lib.to_yaml(cfg)}
+            meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
+                    "tokens_seen": tokens_seen, "time": time.time(),
+                    "config": config_lib.to_yaml(cfg)}
+            with watch.time("checkpoint"):  # only the save's own blocking part
                 run.ckpt.save(step, state, batches, meta)
+            run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
+                         "(the write goes on in the background)")
         if step % cfg.train.log_every == 0 or step == steps:
             fetched = jax.device_get(pending)  # host sync point
             now = time.perf_counter()
@@ -365,7 +367,8 @@ def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_b
                 run.log.write_eval(step, evaluate(eval_fn, state["params"], eval_batches, run.mesh))
             last_time += watch.last  # evaluation time is not training step time
         if stop:
-            run.log.info(f"signal {preemption.signal}: saved step {step}; rerun to resume")
+            why = f"signal {preemption.signal}" if preemption.signal else "preemption notice"
+            run.log.info(f"{why}: saved step {step}; rerun to resume")
             raise Preempted(f"preempted at step {step}")
     for phase in ("data", "checkpoint", "eval"):
         run.log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)

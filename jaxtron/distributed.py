@@ -1,0 +1,123 @@
+"""jax.distributed bootstrap: join the other processes of a multi-process run, or do nothing.
+
+A run is multi-process when launch.py is given --coordinator/--num-processes/--process-id, or when
+Slurm (srun) or Open MPI (mpirun) started several tasks; JAX reads those clusters' variables
+itself. Call `initialize` before anything touches jax devices.
+
+If one process dies, the others must not hang in a collective forever. JAX's coordination service
+(on process 0) notices a process whose heartbeats stop, and one that exits while the others are
+still running (its shutdown barrier times out); it then terminates every process with a fatal
+error that names the cause. The timeouts below bound that: a killed peer stops the rest in about
+HEARTBEAT_TIMEOUT_S, a peer that exits on a Python error in about SHUTDOWN_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from jaxtron.config import ConfigError
+
+# A process whose heartbeats stop for this long is dead. JAX's default (100 s) leaves a job hanging
+# for well over a minute; heartbeats come from a C++ thread, so a busy or compiling process still
+# sends them, and 20 s also rides out a few seconds of network trouble.
+HEARTBEAT_TIMEOUT_S = 20
+# How long processes that finished wait at exit for the others. Every step, and the last
+# checkpoint's commit, is synchronous across processes, so healthy processes end within seconds of
+# each other; a longer wait means a peer stopped early (an exception) and is waiting for nothing.
+SHUTDOWN_TIMEOUT_S = 30
+# How long processes wait for each other to start (JAX's default): big jobs start slowly.
+INIT_TIMEOUT_S = 300
+
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")  # host:port, [v6]:port
+
+# The variables JAX's own detection reads (jax/_src/clusters): process count, this process's rank,
+# and what else it needs to find process 0.
+CLUSTERS = {
+    "Slurm": ("SLURM_NTASKS", "SLURM_PROCID",
+              ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_LOCALID")),
+    "Open MPI": ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", ("OMPI_MCA_orte_hnp_uri",)),
+}
+
+
+def cluster_processes() -> tuple[str, int, int]:
+    """(cluster manager, process count, this process's rank) when Slurm or Open MPI started
+    several processes here; ("", 1, 0) otherwise."""
+    for name, (count_var, rank_var, needed) in CLUSTERS.items():
+        count = os.environ.get(count_var, "1")
+        if not count.isdigit():
+            raise ConfigError(f"{count_var}={count} is not a number of processes")
+        if int(count) <= 1:
+            continue
+        missing = [var for var in (rank_var, *needed) if var not in os.environ]
+        if missing:
+            raise ConfigError(
+                f"{count_var}={count} but {', '.join(missing)} unset, so JAX cannot find the other "
+                f"processes ({name}: launch with srun/mpirun); or pass --coordinator HOST:PORT "
+                "--num-processes N --process-id I")
+        return name, int(count), int(os.environ.get(rank_var, "0"))
+    return "", 1, 0
+
+
+def check_flags(coordinator: str | None, num_processes: int | None,
+                process_id: int | None) -> None:
+    """The three launch flags come together, with a host:port and a process id in range."""
+    given = {"--coordinator": coordinator, "--num-processes": num_processes,
+             "--process-id": process_id}
+    missing = [flag for flag, value in given.items() if value is None]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} missing: --coordinator, --num-processes and "
+                          "--process-id go together (or none, for one process or Slurm/Open MPI)")
+    match = _ADDRESS.match(coordinator)
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ConfigError(f"--coordinator={coordinator} is not HOST:PORT (e.g. 10.0.0.1:1234, "
+                          "the address of process 0 and a free port there)")
+    if num_processes < 1:
+        raise ConfigError(f"--num-processes={num_processes} must be at least 1")
+    if not 0 <= process_id < num_processes:
+        raise ConfigError(f"--process-id={process_id} must be in 0..{num_processes - 1}")
+
+
+def initialize(coordinator: str | None, num_processes: int | None,
+               process_id: int | None) -> None:
+    """Join the run's other processes: from the flags, else from Slurm/Open MPI, else do nothing."""
+    if (coordinator, num_processes, process_id) == (None, None, None):
+        cluster, count, rank = cluster_processes()
+        if count == 1:
+            return
+        where = f"the {count} {cluster} processes"
+    else:
+        check_flags(coordinator, num_processes, process_id)
+        rank, where = process_id, f"{num_processes} processes at {coordinator}"
+    import jax
+
+    if rank == 0:
+        print(f"jax.distributed: waiting up to {INIT_TIMEOUT_S} s for {where}", flush=True)
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, initialization_timeout=INIT_TIMEOUT_S,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S, shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+    )
+    if jax.process_index() == 0:
+        print(joined_summary(jax.devices()), flush=True)
+
+
+def joined_summary(devices: list) -> str:
+    """One line: how many processes joined and which devices each brought."""
+    by_process: dict[int, list[int]] = {}
+    for device in devices:
+        by_process.setdefault(device.process_index, []).append(device.id)
+    shown = list(by_process.items())[:8]
+    parts = [f"process {p}: {_ids(ids)}" for p, ids in shown]
+    if len(by_process) > len(shown):
+        parts.append(f"... {len(by_process) - len(shown)} more")
+    return (f"jax.distributed: {len(by_process)} processes joined, {len(devices)} "
+            f"{devices[0].device_kind} devices ({'; '.join(parts)}); a dead process stops the "
+            f"others within ~{HEARTBEAT_TIMEOUT_S} s")
+
+
+def _ids(ids: list[int]) -> str:
+    """Device ids, a contiguous run written first-last."""
+    ids = sorted(ids)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"devices {ids[0]}-{ids[-1]}"
+    return "devices " + ",".join(map(str, ids))

@@ -1,0 +1,235 @@
+"""Several processes: 2 x 4 CPU devices (gloo collectives) train exactly as 1 x 8 devices on the
+same global batches, checkpoint together, resume together, and a killed peer stops the other.
+
+The real launch.py runs in two subprocesses joined at a localhost coordinator; the reference runs
+in this pytest process on conftest's 8 simulated devices.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import launch
+from jaxtron import config, data, distributed
+from jaxtron import train as train_lib
+
+ROOT = Path(__file__).resolve().parent.parent
+PROCESSES = 2
+# decay_steps fixed: the learning rate of a step does not depend on train.steps, so a run of 4
+# steps resumed to 6 follows the same schedule as a straight 6-step run.
+OVERRIDES = ["train.log_every=1", "train.seq_len=64", "train.eval_every=0", "checkpoint.every=2",
+             "optim.warmup_steps=2", "optim.decay_steps=8", "run.tensorboard=false",
+             "run.progress=lines"]
+RTOL = 1e-5  # fp32: the cross-process all-reduce sums in another order than the in-process one
+DEAD_PEER_LIMIT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    """This environment with 4 CPU devices per process and nothing that suggests a cluster."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
+               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _start(run_dir: Path, logs: Path, name: str, *overrides: str) -> list[subprocess.Popen]:
+    """Both processes of one run; their output goes to logs/<name>-<i>.txt."""
+    port, env = _free_port(), _env()
+    procs = []
+    for i in range(PROCESSES):
+        log = (logs / f"{name}-{i}.txt").open("w")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", str(PROCESSES), "--process-id", str(i), *OVERRIDES,
+             f"run.dir={run_dir}", *overrides],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float = 400) -> list[int]:
+    deadline = time.monotonic() + timeout
+    return [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two processes train 4 steps; rerun to 1000 steps, they resume, and once step 6 is logged
+    process 1 is killed. The reference: 6 steps in this one process over all 8 devices."""
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    run_dir, logs = tmp / "run", tmp / "logs"
+    logs.mkdir()
+    procs = []
+    try:
+        procs = _start(run_dir, logs, "first", "train.steps=4")
+        codes, saved = _wait(procs), run_dir / "checkpoints"
+        first = dict(codes=codes, rows=_rows(run_dir),
+                     checkpoints=sorted(p.name for p in saved.iterdir()) if saved.is_dir() else [])
+
+        procs = _start(run_dir, logs, "second", "train.steps=1000")
+        while len(_rows(run_dir)) < 6 and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            code = procs[0].wait(timeout=DEAD_PEER_LIMIT_S + 60)
+        except subprocess.TimeoutExpired:
+            code = None
+        second = dict(code=code, stopped_after=time.monotonic() - killed, rows=_rows(run_dir)[4:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outputs = {p.name: p.read_text() for p in sorted(logs.iterdir())}
+
+    cfg = config.load([ROOT / "configs" / "tiny.yaml"],
+                      [*OVERRIDES, "train.steps=6", f"run.dir={tmp / 'reference'}"])
+    reference = train_lib.train(cfg)
+    return dict(first=first, second=second, reference=reference, outputs=outputs,
+                run_dir=run_dir)
+
+
+def _losses(rows: list[dict]) -> list[float]:
+    return [row["loss"] for row in rows]
+
+
+def test_two_processes_train_as_one(runs):
+    first, outputs = runs["first"], runs["outputs"]
+    assert first["codes"] == [0, 0], outputs
+    assert [r["step"] for r in first["rows"]] == [1, 2, 3, 4]
+    np.testing.assert_allclose(_losses(first["rows"]), _losses(runs["reference"][:4]), rtol=RTOL)
+    np.testing.assert_allclose([r["grad_norm"] for r in first["rows"]],
+                               [r["grad_norm"] for r in runs["reference"][:4]], rtol=RTOL)
+    assert "jax.distributed: 2 processes joined, 8 cpu devices" in outputs["first-0.txt"]
+
+
+def test_processes_checkpoint_together_and_resume(runs):
+    run_dir, outputs = runs["run_dir"], runs["outputs"]
+    assert runs["first"]["checkpoints"] == ["2", "4"]  # one directory per step, none left temporary
+    for step in (2, 4):
+        step_dir = run_dir / "checkpoints" / str(step)
+        assert (step_dir / "commit_success.txt").is_file()
+        for i in range(PROCESSES):  # each process wrote its own shards and input position into it
+            assert (step_dir / "state" / f"ocdbt.process_{i}").is_dir()
+            assert (step_dir / "data" / f"process_{i}-of-{PROCESSES}.json").is_file()
+    assert "resumed from" in outputs["second-0.txt"] and "step 4" in outputs["second-0.txt"]
+    for text in outputs.values():
+        assert "unreadable" not in text and "cannot resume the input exactly" not in text, text
+    resumed = runs["second"]["rows"][:2]
+    assert [r["step"] for r in resumed] == [5, 6]
+    np.testing.assert_allclose(_losses(resumed), _losses(runs["reference"][4:]), rtol=RTOL)
+
+
+def test_killed_process_stops_the_other(runs):
+    second = runs["second"]
+    assert second["code"] is not None and second["code"] != 0, runs["outputs"]["second-0.txt"]
+    assert second["stopped_after"] < DEAD_PEER_LIMIT_S, second["stopped_after"]
+    print(f"process 0 exited {second['code']} {second['stopped_after']:.1f} s after process 1 "
+          "was killed")
+
+
+def test_global_batches_do_not_depend_on_process_count():
+    """Two processes' local batches, stacked, are exactly one process's batch (disjoint, covering),
+    for training and eval batches alike."""
+    cfg = config.load([ROOT / "configs" / "tiny.yaml"], ["train.seq_len=64", "train.eval_every=1"])
+    args = (cfg.data, cfg.train, cfg.model.vocab_size)
+    one = data.make_batches(*args)
+    parts = [data.make_batches(*args, i, PROCESSES) for i in range(PROCESSES)]
+    for _ in range(3):
+        whole, local = next(one), [next(p) for p in parts]
+        for key in whole:
+            np.testing.assert_array_equal(whole[key], np.concatenate([b[key] for b in local]))
+    evals = [data.make_eval_batches(*args, i, PROCESSES) for i in range(PROCESSES)]
+    for whole, *local in zip(data.make_eval_batches(*args), *evals):
+        for key in whole:
+            np.testing.assert_array_equal(whole[key], np.concatenate([b[key] for b in local]))
+
+
+@pytest.fixture
+def no_joining(monkeypatch):
+    """No cluster in the environment, and jax.distributed.initialize fails the test if called."""
+    for var in list(os.environ):
+        if var.startswith(("SLURM_", "OMPI_")):
+            monkeypatch.delenv(var)
+
+    def initialize(*args, **kwargs):
+        raise AssertionError("jax.distributed.initialize was called")
+
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    return monkeypatch
+
+
+BAD_FLAGS = [
+    (["--coordinator", "127.0.0.1:1234"], "--num-processes, --process-id missing"),
+    (["--num-processes", "2", "--process-id", "0"], "--coordinator missing"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator=localhost is not HOST:PORT"),
+    (["--coordinator", "localhost:99999", "--num-processes", "2", "--process-id", "0"],
+     "is not HOST:PORT"),
+    (["--coordinator", "[::1]:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id=2 must be in 0..1"),
+    (["--coordinator", "a:1", "--num-processes", "0", "--process-id", "0"], "at least 1"),
+    (["--num-processes", "two"], "invalid int value"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_process_flags_are_one_line_and_status_2(no_joining, capsys, args, message):
+    try:
+        rc = launch.main([*args, "train.steps=1"])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_cluster_environments(no_joining):
+    assert distributed.cluster_processes() == ("", 1, 0)
+    distributed.initialize(None, None, None)  # one process: nothing to join
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_LOCALID": "1",
+             "SLURM_PROCID": "3", "SLURM_NTASKS": "1"}
+    for var, value in slurm.items():
+        no_joining.setenv(var, value)
+    assert distributed.cluster_processes() == ("", 1, 0)  # one task: single process
+    no_joining.setenv("SLURM_NTASKS", "8")
+    assert distributed.cluster_processes() == ("Slurm", 8, 3)
+    no_joining.delenv("SLURM_STEP_NODELIST")  # an sbatch script that forgot srun
+    with pytest.raises(config.ConfigError, match="SLURM_STEP_NODELIST unset.*srun"):
+        distributed.cluster_processes()
+    for var in slurm:
+        no_joining.delenv(var, raising=False)
+    no_joining.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    no_joining.setenv("OMPI_COMM_WORLD_RANK", "1")
+    with pytest.raises(config.ConfigError, match="OMPI_MCA_orte_hnp_uri unset"):
+        distributed.cluster_processes()
+    no_joining.setenv("OMPI_MCA_orte_hnp_uri", "1531576320.0;tcp://10.0.0.1:34911")
+    assert distributed.cluster_processes() == ("Open MPI", 2, 1)
+
+
+def test_dry_run_never_joins(no_joining, capsys):
+    rc = launch.main(["--dry-run", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                      "--process-id", "1"])
+    assert rc == 0 and "parameters: 7,342,336" in capsys.readouterr().out
