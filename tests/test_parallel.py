@@ -46,6 +46,6 @@ def test_mesh_matches_one_device(tmp_path, one_device, mesh):
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, one_device):
-    """train.microbatches=4 sums the same gradients as one batch of 16 (here on data=2,fsdp=4)."""
+    """train.microbatches=2 sums the same gradients as one batch of 16 (here on data=2,fsdp=4)."""
     losses = _losses(tmp_path, jax.devices(), {"data": 2, "fsdp": 4}, "train.microbatches=2")
     np.testing.assert_allclose(losses, one_device, rtol=RTOL)
