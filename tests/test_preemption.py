@@ -6,7 +6,6 @@ uninterrupted run.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
