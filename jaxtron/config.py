@@ -86,13 +86,34 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16  # global, in sequences
     seq_len: int = 256
-    microbatches: int = 1  # gradient accumulation: batch_size is split into this many
+    # batch_size is split into this many microbatches: run one after another (gradient
+    # accumulation), or with mesh.stage > 1 flowing through the pipeline stages
+    microbatches: int = 1
     seed: int = 0
     log_every: int = 10
     eval_every: int = 0  # steps between evaluations on the held-out split; 0: never
     eval_batches: int = 4  # batches (of batch_size sequences) per evaluation
     on_nonfinite: str = "skip"  # a NaN/inf loss or gradient: "skip" the update, or "stop" the run
     max_nonfinite_skips: int = 10  # with "skip": stop after this many in a row
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How microbatches flow through the mesh.stage pipeline stages (see docs/parallelism.md)."""
+
+    schedule: str = "gpipe"  # gpipe | circular (interleaved: `repeats` layer groups per stage)
+    repeats: int = 1  # circular: layer groups per stage; bubble (S-1)/(repeats*M+S-1)
+    passes: int = 1  # microbatches go through the pipeline in this many sequential passes
+    # (gradient accumulation around the pipeline): activation memory ~ microbatches / passes
+
+
+@dataclass(frozen=True)
+class XlaConfig:
+    """XLA compiler flags, set before JAX starts a backend (jaxtron/distributed.py)."""
+
+    preset: str = "auto"  # none | gpu | auto (gpu when a CUDA build of jax is installed)
+    collective_matmul: bool = False  # tensor parallelism: overlap matmuls with their collectives
+    flags: list[str] = field(default_factory=list)  # raw flags, e.g. ["--xla_dump_to=/tmp/hlo"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +149,8 @@ class RunConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

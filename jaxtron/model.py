@@ -9,6 +9,7 @@ V vocab, L layers.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,9 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtron import pipeline
 from jaxtron.attention import attention
 from jaxtron.config import ModelConfig
 from jaxtron.parallel import constrain
+from jaxtron.pipeline import Pipeline
 
 _names = jax.checkpoint_policies.save_only_these_names
 # What a remat policy keeps for the backward pass (everything else is recomputed).
@@ -30,7 +33,8 @@ REMAT_POLICIES = {
     "save_attn_out": _names("attn_out"),
 }
 
-BATCH_SEQ = ("act_batch", "act_seq")
+BATCH_SEQ = ("act_batch", "act_seq")  # between blocks: sequence split over tensor (RULES)
+BATCH_WHOLE_SEQ = ("act_batch", None)  # inside attention/MLP: heads or mlp split, sequence whole
 
 
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -96,7 +100,7 @@ class Attention(nnx.Module):
         y = jnp.einsum("btd,dnh->btnh", x_BTD, getattr(self, "w" + name)[...].astype(dtype))
         if self.cfg.qkv_bias:
             y = y + getattr(self, "b" + name)[...].astype(dtype)
-        return constrain(y, (*BATCH_SEQ, heads, None))
+        return constrain(y, (*BATCH_WHOLE_SEQ, heads, None))
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
         q_BTNH = self._project(x_BTD, "q", "act_heads")
@@ -105,7 +109,7 @@ class Attention(nnx.Module):
         q_BTNH = checkpoint_name(apply_rope(q_BTNH, positions_BT, inv_freq), "query_proj")
         k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
         out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
-        out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_SEQ, "act_heads", None)), "attn_out")
+        out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)), "attn_out")
         wo = self.wo[...].astype(out_BTNH.dtype)
         return jnp.einsum("btnh,nhd->btd", out_BTNH, wo)
 
@@ -123,7 +127,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         gate_BTF = x_BTD @ self.w_gate[...].astype(self.dtype)
         up_BTF = x_BTD @ self.w_up[...].astype(self.dtype)
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_SEQ, "act_mlp"))
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
         return h_BTF @ self.w_down[...].astype(self.dtype)
 
 
@@ -157,39 +161,48 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
-    def _run_layers(self, x_BTD, positions_BT, segment_ids_BT) -> jax.Array:
-        """All layers: one scanned (or unrolled) body over the stacked weights, remat per policy."""
-        inv_freq = rope_frequencies(self.cfg)
+    def _run_layers(self, x_BTD, positions_BT, segment_ids_BT, pipe: Pipeline | None):
+        """All layers, one after another, or through the pipeline stages when `pipe` is set."""
         graphdef, stacked = nnx.split(self.layers)
+        run_group = functools.partial(_run_stack, self.cfg, graphdef)
+        if pipe is None:
+            return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
+        return pipeline.run(run_group, stacked, x_BTD, positions_BT, segment_ids_BT, pipe)
 
-        def body(x, layer_state):
-            block = nnx.merge(graphdef, layer_state)
-            return block(x, positions_BT, segment_ids_BT, inv_freq), None
-
-        policy = REMAT_POLICIES[self.cfg.remat]
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=policy, prevent_cse=not self.cfg.scan_layers)
-        if self.cfg.scan_layers:
-            return jax.lax.scan(body, x_BTD, stacked)[0]
-        for i in range(self.cfg.num_layers):
-            x_BTD = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))[0]
-        return x_BTD
-
-    def __call__(self, tokens_BT, positions_BT, segment_ids_BT) -> jax.Array:
-        """Token ids -> float32 logits[B, T, V]."""
+    def __call__(self, tokens_BT, positions_BT, segment_ids_BT,
+                 pipe: Pipeline | None = None) -> jax.Array:
+        """Token ids -> float32 logits[B, T, V]; `pipe`: the layers' pipeline over mesh stages."""
         dtype = jnp.dtype(self.cfg.dtype)
         # Gather the table over fsdp first (as FSDP does for any weight), keeping vocab split over
         # tensor; a lookup straight from the 2-D-sharded table makes XLA replicate the output.
         table_VD = constrain(self.embed[...].astype(dtype), ("vocab", None))
         x_BTD = table_VD[tokens_BT]
         x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
-        x_BTD = self._run_layers(x_BTD, positions_BT, segment_ids_BT)
+        x_BTD = self._run_layers(x_BTD, positions_BT, segment_ids_BT, pipe)
         x_BTD = self.final_norm(x_BTD)
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits_BTV = jnp.einsum(
             "btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
         )
-        return constrain(logits_BTV, (*BATCH_SEQ, "act_vocab"))
+        return constrain(logits_BTV, (*BATCH_WHOLE_SEQ, "act_vocab"))
+
+
+def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT):
+    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy."""
+    inv_freq = rope_frequencies(cfg)
+
+    def body(x, layer_state):
+        block = nnx.merge(graphdef, layer_state)
+        return block(x, positions_BT, segment_ids_BT, inv_freq), None
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
+                              prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+        return jax.lax.scan(body, x_BTD, stacked)[0]
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BTD = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))[0]
+    return x_BTD
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

@@ -31,15 +31,17 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),  # H stays whole: RoPE rotates within it
     ("mlp", "tensor"),  # W_gate[D, F_tensor], W_down[F_tensor, D]
     ("norm", None),  # RMSNorm scales [D] are tiny: replicated
-    ("layers", "stage"),  # stacked layers [L_stage, ...]; stage is size 1 until pipelining
+    ("layers", "stage"),  # stacked layers [L_stage, ...]: each pipeline stage holds its own
     # activations
     ("act_batch", ("data", "fsdp")),  # x[B_(data,fsdp), T, D]: batch split over every DP-like axis
-    ("act_seq", None),  # x[B, T, D]: sequence whole (sequence parallelism comes with pipelining)
+    ("act_seq", "tensor"),  # x[B, T_tensor, D] between blocks: Megatron sequence parallelism;
+    # norms and residual adds run on T/tensor positions; all-gather in, reduce-scatter out
     ("act_embed", None),  # x[B, T, D]: D whole between blocks
     ("act_heads", "tensor"),  # q[B, T, N_tensor, H]: attention runs on local heads
     ("act_kv_heads", "tensor"),  # k[B, S, K_tensor, H]
     ("act_mlp", "tensor"),  # h[B, T, F_tensor]
     ("act_vocab", "tensor"),  # logits[B, T, V_tensor]
+    ("act_stage", "stage"),  # pipeline buffers x[S_stage, b, T, D]: each stage's microbatch
 )
 _RULES = dict(RULES)
 
@@ -147,11 +149,12 @@ def bytes_per_device(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) 
 def check_layout(cfg: Config, sizes: dict[str, int], process_count: int = 1) -> None:
     """Checks that need the mesh: batch, heads and layers against the axes that split them."""
     m, t = cfg.model, cfg.train
-    if sizes["stage"] != 1:
-        raise ConfigError("mesh.stage must be 1: pipeline parallelism is not available yet")
     for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
         if value % sizes["tensor"]:
             raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={sizes['tensor']}")
+    if t.seq_len % sizes["tensor"]:
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor="
+                          f"{sizes['tensor']} (sequence parallelism splits it between blocks)")
     batch_ways = _split(_RULES["act_batch"], sizes)
     micro = t.batch_size // t.microbatches
     if micro % batch_ways:

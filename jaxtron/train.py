@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -25,6 +26,7 @@ from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import metrics as metrics_lib
 from jaxtron import parallel
+from jaxtron import pipeline
 from jaxtron.checkpoint import Checkpoints, restore_from
 from jaxtron.config import Config
 from jaxtron.model import Transformer, abstract_model, count_params
@@ -43,6 +45,9 @@ class Plan:
     specs: dict  # the same tree of mesh PartitionSpecs
     mesh_sizes: dict[str, int]
     num_params: int
+    pipe: pipeline.Pipeline | None  # the layers' pipeline over mesh.stage, None for one stage
+    accumulation: int  # sequential gradient-accumulation steps: microbatches, or pipeline passes
+    layer_order: np.ndarray  # stored index -> model layer (pipeline.layer_order)
 
     def bytes_per_device(self, part: str) -> int:
         return parallel.bytes_per_device(self.abstract[part], self.specs[part], self.mesh_sizes)
@@ -53,6 +58,7 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int,
     """Validate the layout against `num_devices` and derive every shape and sharding."""
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     parallel.check_layout(cfg, sizes, process_count)
+    pipeline.check(cfg, sizes["stage"])
     graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
     params = nnx.to_pure_dict(abstract_state)
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
@@ -65,7 +71,10 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int,
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     abstract = {"params": params, "opt_state": opt_state, "step": scalar, "nonfinite": scalar}
     specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "nonfinite": P()}
-    return Plan(graphdef, abstract, specs, sizes, count_params(params))
+    pipe = pipeline.from_config(cfg, sizes["stage"])
+    accumulation = cfg.pipeline.passes if pipe else cfg.train.microbatches
+    return Plan(graphdef, abstract, specs, sizes, count_params(params), pipe, accumulation,
+                pipeline.config_order(cfg, sizes["stage"]))
 
 
 def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: Mesh) -> dict:
@@ -73,6 +82,8 @@ def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: 
 
     def init() -> dict:
         params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, nnx.Rngs(cfg.train.seed))))
+        model_order = np.arange(cfg.model.num_layers)
+        params["layers"] = pipeline.reorder(params["layers"], model_order, plan.layer_order)
         return fresh_state(params, tx)
 
     return jax.jit(init, out_shardings=parallel.named(plan.specs, mesh))()
@@ -85,19 +96,22 @@ def fresh_state(params: dict, tx: optax.GradientTransformation) -> dict:
 
 
 # ---------------------------------------------------------------- the step
-def loss_sums(params: dict, graphdef: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+def loss_sums(params: dict, graphdef: Any, batch: dict,
+              pipe: pipeline.Pipeline | None = None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count."""
     model = nnx.merge(graphdef, params)
-    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"], pipe)
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_BT = jnp.take_along_axis(logits_BTV, batch["targets"][..., None], axis=-1)[..., 0]
     mask_BT = batch["segment_ids"] != 0
     return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0)), jnp.sum(mask_BT)
 
 
-def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int):
-    """Mean loss and its gradient; with microbatches > 1, summed over microbatches in a scan."""
-    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
+                   pipe: pipeline.Pipeline | None = None):
+    """Mean loss and its gradient; with microbatches > 1, summed over microbatches in a scan
+    (each one a pass through the pipeline when `pipe` is set)."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_sums, pipe=pipe), has_aux=True)
     if microbatches == 1:
         (total, count), grads = grad_fn(params, graphdef, batch)
     else:
@@ -118,13 +132,14 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int):
     return total / count, jax.tree.map(lambda g: g / count, grads)
 
 
-def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int):
+def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
+               pipe: pipeline.Pipeline | None = None):
     """One optimizer update. Pure: the caller jits it once and donates `state`.
 
     A non-finite loss or gradient leaves params and optimizer state as they were and counts the
     skip in `nonfinite` (consecutive skips); the host decides whether to go on.
     """
-    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches)
+    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -144,7 +159,8 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
     """jit with explicit in/out shardings and state donation."""
     step_fn = functools.partial(
         train_step, graphdef=plan.graphdef, tx=tx,
-        schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=cfg.train.microbatches,
+        schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
+        pipe=plan.pipe,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
@@ -159,7 +175,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
 
 def compile_eval(plan: Plan, mesh: Mesh):
     """Summed loss and token count of one batch under the current params (no update)."""
-    fn = functools.partial(loss_sums, graphdef=plan.graphdef)
+    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
     return jax.jit(
         lambda params, batch: fn(params, batch=batch),
@@ -203,6 +219,8 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     log.info(config_lib.to_yaml(cfg).rstrip())
     log.info(f"mesh: {plan.mesh_sizes} over {len(devices)} {devices[0].device_kind} devices")
     log.info(f"parameters: {plan.num_params:,}")
+    if plan.pipe:
+        log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
 
     # Input: checked against the model before anything compiles.
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)

@@ -1,0 +1,186 @@
+"""Pipeline parallelism over the `stage` mesh axis, inside one SPMD program.
+
+The stacked layer weights [L, ...] are split into S stages (sharded over `stage`), each stage into
+R repeats of L/(S*R) consecutive layers. A step's batch is split into M microbatches. Every
+iteration, all S stages run at once (one stage function `jax.vmap`-ed over the stage dimension with
+`spmd_axis_name="stage"`), then the activations move one stage on (a roll over the stage-sharded
+dimension, which XLA turns into a collective permute; the last stage's output rings back to stage
+0). Item k = r*M + m (microbatch m in repeat r) is at stage s in iteration k + s, so the schedule
+takes M*R + S - 1 iterations, of which S - 1 per stage are idle: the bubble.
+
+    gpipe     R = 1: stage s holds layers [s*L/S, (s+1)*L/S). Bubble (S-1)/(M+S-1).
+    circular  R > 1 (interleaved): stage s holds the R non-adjacent groups s, S+s, 2S+s, ... and
+              a microbatch goes round the ring R times. Bubble (S-1)/(R*M+S-1); needs M >= S.
+
+Autodiff of the iteration scan gives the backward pass in reverse (all forwards, then all
+backwards), so activation memory grows with M; `pipeline.passes` bounds it by running the
+microbatches in sequential groups. The schedule lives in `_iteration` alone: a 1F1B schedule
+replaces it with an explicit backward (custom_vjp) and keeps the rest.
+
+Storage order. A circular stage's layers are not contiguous in model order, so the stacked weights
+are kept in *stage order* (`layer_order`): stage s's groups next to each other, so that the
+reshape to [S, R, L/(S*R)] is local to each device. Checkpoints record the order; restoring under
+another layout permutes the layers back (`reorder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxtron.config import Config, ConfigError
+from jaxtron.parallel import constrain
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: int  # S
+    repeats: int  # R: layer groups per stage (1 for gpipe)
+    microbatches: int  # M: per pass through the pipeline
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of stage-iterations that are idle: (S-1) / (M*R + S-1)."""
+        return (self.stages - 1) / self.iterations
+
+
+def describe(pipe: Pipeline, schedule: str, passes: int) -> str:
+    """One log line: the schedule and its bubble fraction."""
+    s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
+    return (f"pipeline: {schedule}, {s} stages x {r} repeats, {m} microbatches per pass x "
+            f"{passes} passes: bubble {pipe.bubble:.4f} = (S-1)/(R*M+S-1) = "
+            f"{s - 1}/{pipe.iterations}")
+
+
+def from_config(cfg: Config, stages: int) -> Pipeline | None:
+    """The pipeline a config asks for on `stages` stages; None when there is one stage."""
+    if stages == 1:
+        return None
+    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    return Pipeline(stages, repeats, cfg.train.microbatches // cfg.pipeline.passes)
+
+
+def check(cfg: Config, stages: int) -> None:
+    """Schedule, repeats, passes and microbatches against the stage count (before compiling)."""
+    p, layers, micro = cfg.pipeline, cfg.model.num_layers, cfg.train.microbatches
+    if p.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={p.schedule} is not one of {', '.join(SCHEDULES)}")
+    if p.repeats < 1 or p.passes < 1:
+        raise ConfigError("pipeline.repeats and pipeline.passes must be at least 1")
+    if p.schedule == "gpipe" and p.repeats != 1:
+        raise ConfigError(f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular")
+    if micro % p.passes:
+        raise ConfigError(f"train.microbatches={micro} is not divisible by "
+                          f"pipeline.passes={p.passes}")
+    if stages == 1:
+        return
+    repeats = p.repeats if p.schedule == "circular" else 1
+    if layers % (stages * repeats):
+        raise ConfigError(f"model.num_layers={layers} is not divisible by mesh.stage={stages} x "
+                          f"pipeline.repeats={repeats}; change the stage count or repeats")
+    per_pass = micro // p.passes
+    if p.schedule == "circular" and per_pass < stages:
+        raise ConfigError(
+            f"the circular schedule needs at least mesh.stage={stages} microbatches per pass, got "
+            f"train.microbatches={micro} / pipeline.passes={p.passes} = {per_pass}; raise "
+            "train.microbatches")
+
+
+def layer_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
+    """order[i] = the model layer stored at index i: stage s's groups s, S+s, ... side by side."""
+    per_group = num_layers // (stages * repeats)
+    logical = np.arange(num_layers).reshape(repeats, stages, per_group)
+    return logical.transpose(1, 0, 2).reshape(-1)
+
+
+def config_order(cfg: Config, stages: int) -> np.ndarray:
+    """The storage order of the layers of a run with this config on `stages` stages."""
+    pipe = from_config(cfg, stages)
+    return layer_order(cfg.model.num_layers, stages, pipe.repeats if pipe else 1)
+
+
+def reorder(layers: Any, src: np.ndarray, dst: np.ndarray) -> Any:
+    """Stacked layer arrays stored in order `src` -> stored in order `dst`."""
+    if np.array_equal(src, dst):
+        return layers
+    where = np.argsort(src)[dst]  # dst[i] sits at src index where[i]
+    return jax.tree.map(lambda w: w[where], layers)
+
+
+def _microbatches(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...]; row i*M + j goes to microbatch j, so no row changes device."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _stage_sharded(w: jax.Array) -> jax.Array:
+    """Pin dimension 0 to `stage`, leaving the others as the compiler has them."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return w
+    return jax.lax.with_sharding_constraint(w, P("stage", *[P.UNCONSTRAINED] * (w.ndim - 1)))
+
+
+LayerFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Array,
+        segment_ids_BT: jax.Array, pipe: Pipeline) -> jax.Array:
+    """Apply all stacked layers (stored in `layer_order`) to x through the pipeline.
+
+    `layers_fn(stacked_group, x, positions, segment_ids)` runs one stage's group of layers.
+    """
+    s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
+    staged = jax.tree.map(
+        lambda w: _stage_sharded(w.reshape(s, r, w.shape[0] // (s * r), *w.shape[1:])), stacked)
+    x_MbTD = _microbatches(x_BTD, m)
+    positions_MbT, segments_MbT = _microbatches(positions_BT, m), _microbatches(segment_ids_BT, m)
+    names = ("act_stage", None, "act_batch", "act_seq", "act_embed")
+    # Microbatches enter from, and the last stage's outputs return to, a buffer; every stage has
+    # a slot, only stage 0's is read (it keeps everything local to the stage that uses it).
+    buffer_SMbTD = constrain(jnp.broadcast_to(x_MbTD, (s, *x_MbTD.shape)), names)
+    state_SbTD = constrain(jnp.zeros_like(buffer_SMbTD[:, 0]), names[:1] + names[2:])
+
+    def stage_fn(weights_R, repeat, x_bTD, micro):
+        group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, False),
+                             weights_R)
+        return layers_fn(group, x_bTD, positions_MbT[micro], segments_MbT[micro])
+
+    stages_fn = jax.vmap(stage_fn, spmd_axis_name="stage")
+    carry = (state_SbTD, buffer_SMbTD)
+    carry, _ = jax.lax.scan(lambda c, t: (_iteration(stages_fn, staged, c, t, pipe), None),
+                            carry, jnp.arange(pipe.iterations))
+    out_MbTD = carry[1][0]
+    return out_MbTD.swapaxes(0, 1).reshape(x_BTD.shape)
+
+
+def _iteration(stages_fn, staged, carry, t, pipe: Pipeline):
+    """One tick of the schedule: every stage runs its current item, then all move one stage on."""
+    state_SbTD, buffer_SMbTD = carry
+    s, items, m = pipe.stages, pipe.microbatches * pipe.repeats, pipe.microbatches
+    stage = jnp.arange(s)
+    item = t - stage  # stage s works on item t - s: microbatch item % M in repeat item // M
+    fresh_SbTD = jax.lax.dynamic_index_in_dim(buffer_SMbTD, t % m, 1, False)
+    first = (stage == 0).reshape(s, *[1] * (state_SbTD.ndim - 1))
+    inputs_SbTD = jnp.where(first, fresh_SbTD, state_SbTD)
+    repeat = jnp.clip(item // m, 0, pipe.repeats - 1)
+    out_SbTD = stages_fn(staged, repeat, inputs_SbTD, item % m)
+    moved_SbTD = jnp.roll(out_SbTD, 1, axis=0)  # stage s -> s+1; the last rings back to stage 0
+    # Stage 0 now holds the last stage's output of item t-(S-1): keep it for its next repeat, or
+    # as the result when it was the last one.
+    done = t - (s - 1)
+    slot = done % m
+    old_SbTD = jax.lax.dynamic_index_in_dim(buffer_SMbTD, slot, 1, False)
+    keep = (done >= 0) & (done < items)
+    buffer_SMbTD = jax.lax.dynamic_update_index_in_dim(
+        buffer_SMbTD, jnp.where(keep, moved_SbTD, old_SbTD), slot, 1)
+    return moved_SbTD, buffer_SMbTD
