@@ -261,6 +261,7 @@ def initial_state(cfg: Config, plan: Plan, tx, run: "RunContext",
     restored = run.ckpt.restore_latest(plan.abstract, shardings, batches, run.log.info)
     if restored is not None:
         step, state, meta = restored
+        state = in_layer_order(state, meta, plan, tx, shardings, run.log.info)
         run.log.info(f"resumed from {run.ckpt.manager.directory} step {step} "
                      f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
         return state, step, meta["tokens_seen"]
@@ -269,12 +270,34 @@ def initial_state(cfg: Config, plan: Plan, tx, run: "RunContext",
     state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, batches,
                                cfg.checkpoint.weights_only)
     if cfg.checkpoint.weights_only:
-        state = jax.jit(functools.partial(fresh_state, tx=tx),
-                        out_shardings=shardings)(state["params"])
+        params = in_layer_order(state, meta, plan, tx, shardings, run.log.info)["params"]
+        state = jax.jit(functools.partial(fresh_state, tx=tx), out_shardings=shardings)(params)
         run.log.info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
         return state, 0, 0
+    state = in_layer_order(state, meta, plan, tx, shardings, run.log.info)
     run.log.info(f"started from {cfg.checkpoint.restore} (step {meta['step']})")
     return state, int(meta["step"]), meta["tokens_seen"]
+
+
+def in_layer_order(state: dict, meta: dict, plan: Plan, tx, shardings, info) -> dict:
+    """A restored state with its stacked layers (params and optimizer moments) permuted from
+    the checkpoint's storage order (meta["layer_order"]) to this run's (pipeline.layer_order)."""
+    saved = np.asarray(meta.get("layer_order", range(plan.layer_order.size)))
+    if np.array_equal(saved, plan.layer_order):
+        return state
+    is_layer = {k: jax.tree.map(lambda _: k == "layers", v)
+                for k, v in plan.abstract["params"].items()}
+
+    def permute(state: dict) -> dict:
+        move = lambda x, layer: pipeline.reorder(x, saved, plan.layer_order) if layer else x
+        out = {**state, "params": jax.tree.map(move, state["params"], is_layer)}
+        if "opt_state" in state:  # absent when only the weights were restored
+            out["opt_state"] = optax.tree_map_params(tx, move, state["opt_state"], is_layer,
+                                                     transform_non_params=lambda x: x)
+        return out
+
+    info("layers reordered from the checkpoint's pipeline layout to this run's")
+    return jax.jit(permute, out_shardings={k: shardings[k] for k in state})(state)
 
 
 class NonFiniteError(RuntimeError):
@@ -364,7 +387,8 @@ def _loop(cfg: Config, run: RunContext, state, step_fn, eval_fn, batches, eval_b
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
                     "tokens_seen": tokens_seen, "time": time.time(),
-                    "config": config_lib.to_yaml(cfg)}
+                    "config": config_lib.to_yaml(cfg),
+                    "layer_order": pipeline.config_order(cfg, run.mesh.shape["stage"]).tolist()}
             with watch.time("checkpoint"):  # only the save's own blocking part
                 run.ckpt.save(step, state, batches, meta)
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "

@@ -1,4 +1,5 @@
-"""Any mesh: a run saved on fsdp=8 resumes on (data=2, fsdp=2, tensor=2) and on one device.
+"""Any mesh: a run saved on fsdp=8 resumes on (data=2, fsdp=2, tensor=2), on one device and
+under a circular pipeline (its layers stored in another order).
 
 The restore reads the fsdp=8 checkpoint straight into the target mesh's shardings (from RULES):
 every array equal bit for bit. The resumed step 3 gives the loss of the fsdp=8 run continued on
@@ -27,11 +28,11 @@ TARGETS = {
 }
 
 
-def _cfg(run_dir, mesh: dict, steps: int) -> config.Config:
+def _cfg(run_dir, mesh: dict, steps: int, *extra: str) -> config.Config:
     return config.load(["configs/tiny.yaml"], [f"mesh.{a}={n}" for a, n in mesh.items()] + [
         f"train.steps={steps}", "train.seq_len=64", "train.log_every=1", "train.eval_every=0",
         "optim.warmup_steps=1", "checkpoint.every=2", "run.tensorboard=false",
-        "run.progress=lines", f"run.dir={run_dir}",
+        "run.progress=lines", f"run.dir={run_dir}", *extra,
     ])
 
 
@@ -47,10 +48,10 @@ def _restore(cfg: config.Config, devices: list, step: int) -> tuple[dict, dict]:
     return state, shardings
 
 
-def _continue(source, run_dir, mesh: dict, devices: list) -> list[dict]:
+def _continue(source, run_dir, mesh: dict, devices: list, *extra: str) -> list[dict]:
     """A copy of the saved run, trained on to step 3 on `mesh`."""
     shutil.copytree(source, run_dir)
-    return train(_cfg(run_dir, mesh, SAVED_STEP + 1), devices=devices)
+    return train(_cfg(run_dir, mesh, SAVED_STEP + 1, *extra), devices=devices)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,17 @@ def test_resume_on_another_mesh(saved, tmp_path, target):
 
     # (b) Training on from there: step 3 as on fsdp=8.
     rows = _continue(run_dir, tmp_path / "run", mesh, devices)
+    assert [r["step"] for r in rows] == [SAVED_STEP + 1]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(rows[0][key], saved_row[key], rtol=RTOL, err_msg=key)
+
+
+def test_resume_under_a_circular_pipeline(saved, tmp_path):
+    """Layers saved in model order are permuted into the circular schedule's stage order
+    (stage 0 holds layers 0 and 2, stage 1 layers 1 and 3) and train on as before."""
+    run_dir, _, saved_row = saved
+    rows = _continue(run_dir, tmp_path / "run", {"stage": 2, "fsdp": 4}, jax.devices(),
+                     "pipeline.schedule=circular", "pipeline.repeats=2", "train.microbatches=2")
     assert [r["step"] for r in rows] == [SAVED_STEP + 1]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(rows[0][key], saved_row[key], rtol=RTOL, err_msg=key)
