@@ -19,19 +19,34 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron import pipeline
 from jaxtron.attention import attention
-from jaxtron.config import ModelConfig
+from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
 from jaxtron.pipeline import Pipeline
 
-_names = jax.checkpoint_policies.save_only_these_names
-# What a remat policy keeps for the backward pass (everything else is recomputed).
+_policies = jax.checkpoint_policies
+_names = _policies.save_only_these_names
+# What a remat policy keeps for the backward pass; everything else is recomputed. Ordered from
+# most memory to least; docs/parallelism.md says when to use which.
 REMAT_POLICIES = {
     "none": None,  # no remat: keep every activation (fastest, most memory)
-    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "save_dots": _policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
     "save_qkv_out": _names("query_proj", "key_proj", "value_proj", "attn_out"),
-    "save_attn_out": _names("attn_out"),
+    "save_attn_out": _names("attn_out"),  # keep the attention output only
+    "full": _policies.nothing_saveable,  # keep only each layer's input
+    # keep matmul outputs in pinned host memory, copied back for the backward pass
+    "offload_dots": _policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+OFFLOADING = ("offload_dots",)  # policies that need a pinned_host memory space on the device
+
+
+def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
+    """An offloading policy needs host memory the device can copy to; say so before compiling."""
+    kinds = [memory.kind for memory in device.addressable_memories()]
+    if cfg.remat in OFFLOADING and "pinned_host" not in kinds:
+        raise ConfigError(
+            f"model.remat={cfg.remat} needs pinned host memory, which {device.platform} devices "
+            f"here do not have (memories: {', '.join(kinds)}); use model.remat=save_dots or full")
+
 
 BATCH_SEQ = ("act_batch", "act_seq")  # between blocks: sequence split over tensor (RULES)
 BATCH_WHOLE_SEQ = ("act_batch", None)  # inside attention/MLP: heads or mlp split, sequence whole

@@ -29,7 +29,7 @@ from jaxtron import parallel
 from jaxtron import pipeline
 from jaxtron.checkpoint import Checkpoints, restore_from
 from jaxtron.config import Config
-from jaxtron.model import Transformer, abstract_model, count_params
+from jaxtron.model import Transformer, abstract_model, check_remat, count_params
 from jaxtron.optim import lr_schedule, make_optimizer
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
@@ -206,6 +206,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     devices = jax.devices() if devices is None else devices
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices), jax.process_count())
+    check_remat(cfg.model, devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices)
 
     # Run directory and writers.

@@ -1,0 +1,89 @@
+"""Memory, read from the compiled train step's memory analysis (CPU, nothing allocated).
+
+Measured on a mid-sized model (4 layers, d_model 512, seq 512, batch 8, one device), temporary
+memory per remat policy: none 1.90 GB, save_dots 0.72 GB, full 0.62 GB.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+from jaxtron import config, parallel
+from jaxtron.model import check_remat
+from jaxtron.optim import make_optimizer
+from jaxtron.train import abstract_batch, compile_step, make_plan
+
+MID = ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.num_kv_heads=4",
+       "model.mlp_dim=1536", "model.vocab_size=1024", "train.seq_len=512"]
+
+
+def _compiled(num_devices: int, *overrides: str):
+    """(memory analysis of the compiled step, plan, config)."""
+    cfg = config.load(["configs/tiny.yaml"], [*MID, *overrides])
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, num_devices)
+    mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:num_devices])
+    shardings = parallel.named(plan.specs, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         plan.abstract, shardings)
+    with jax.set_mesh(mesh):
+        step = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
+        return step.compile().memory_analysis(), plan, cfg
+
+
+def _layer_bytes(plan) -> int:
+    """Params and both Adam moments of the stacked layers, unsharded."""
+    leaves = jax.tree.leaves(plan.abstract["params"]["layers"])
+    return 3 * sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_state_bytes_per_device_fall_by_the_stage_count(stages):
+    """mesh (data=8/S, stage=S): each device holds 1/S of the layers' params and optimizer state.
+
+    The embedding, LM head and final norm are not split over stages (every stage computes them),
+    so the whole argument size falls by exactly the layers' share: layer_state * (1 - 1/S), once
+    the batch's bytes (split over data) are set aside.
+    """
+    common = ("mesh.fsdp=1", "train.batch_size=32", "train.microbatches=4")
+    one, plan, cfg = _compiled(8, "mesh.data=8", *common)
+    split, _, _ = _compiled(8, f"mesh.data={8 // stages}", f"mesh.stage={stages}", *common)
+
+    def batch_bytes(data: int) -> int:  # 4 int32 arrays [batch, seq], split over data
+        return 4 * 4 * cfg.train.batch_size * cfg.train.seq_len // data
+
+    state_one = one.argument_size_in_bytes - batch_bytes(8)
+    state_split = split.argument_size_in_bytes - batch_bytes(8 // stages)
+    assert state_one == plan.bytes_per_device("params") + plan.bytes_per_device("opt_state") + 8
+    assert state_one - state_split == _layer_bytes(plan) * (stages - 1) // stages
+
+
+def test_remat_policies_trade_memory_for_recompute():
+    """Peak temporary memory: none > save_dots > full, by the factors measured in the docstring."""
+    temp = {remat: _compiled(1, "mesh.fsdp=1", "train.batch_size=8", f"model.remat={remat}")[0]
+            .temp_size_in_bytes
+            for remat in ("none", "save_dots", "full")}
+    assert temp["none"] > 2.5 * temp["save_dots"]  # measured 2.6x
+    assert temp["save_dots"] > 1.1 * temp["full"]  # measured 1.16x
+
+
+class _Memory:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+
+class _DeviceWithoutPinnedHost:
+    platform = "fake"
+
+    def addressable_memories(self):
+        return [_Memory("device")]
+
+
+def test_offloading_needs_pinned_host_memory():
+    cfg = config.load(["configs/tiny.yaml"], ["model.remat=offload_dots"]).model
+    check_remat(cfg, jax.devices()[0])  # the CPU backend has a pinned_host memory space
+    with pytest.raises(config.ConfigError, match="model.remat=offload_dots needs pinned host"):
+        check_remat(cfg, _DeviceWithoutPinnedHost())
