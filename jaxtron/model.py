@@ -50,6 +50,7 @@ def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
 
 BATCH_SEQ = ("act_batch", "act_seq")  # between blocks: sequence split over tensor (RULES)
 BATCH_WHOLE_SEQ = ("act_batch", None)  # inside attention/MLP: heads or mlp split, sequence whole
+IO_SEQ = ("act_batch_io", "act_seq")  # embedding and LM head: the pipeline stages split the batch
 
 
 def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -192,14 +193,14 @@ class Transformer(nnx.Module):
         # tensor; a lookup straight from the 2-D-sharded table makes XLA replicate the output.
         table_VD = constrain(self.embed[...].astype(dtype), ("vocab", None))
         x_BTD = table_VD[tokens_BT]
-        x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+        x_BTD = constrain(x_BTD, (*IO_SEQ, "act_embed"))
         x_BTD = self._run_layers(x_BTD, positions_BT, segment_ids_BT, pipe)
-        x_BTD = self.final_norm(x_BTD)
+        x_BTD = self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits_BTV = jnp.einsum(
             "btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
         )
-        return constrain(logits_BTV, (*BATCH_WHOLE_SEQ, "act_vocab"))
+        return constrain(logits_BTV, ("act_batch_io", None, "act_vocab"))
 
 
 def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT):

@@ -34,6 +34,9 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("layers", "stage"),  # stacked layers [L_stage, ...]: each pipeline stage holds its own
     # activations
     ("act_batch", ("data", "fsdp")),  # x[B_(data,fsdp), T, D]: batch split over every DP-like axis
+    # embedding, LM head and loss, outside the pipeline: the stages split the batch too instead
+    # of each repeating the work (stage last, so it refines the (data, fsdp) split locally)
+    ("act_batch_io", ("data", "fsdp", "stage")),
     ("act_seq", "tensor"),  # x[B, T_tensor, D] between blocks: Megatron sequence parallelism;
     # norms and residual adds run on T/tensor positions; all-gather in, reduce-scatter out
     ("act_embed", None),  # x[B, T, D]: D whole between blocks
@@ -162,6 +165,13 @@ def check_layout(cfg: Config, sizes: dict[str, int], process_count: int = 1) -> 
             f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {micro} "
             f"sequences per microbatch is not divisible by data*fsdp={batch_ways}"
         )
+    io_ways = _split(_RULES["act_batch_io"], sizes)
+    per_pass = t.batch_size // cfg.pipeline.passes
+    if sizes["stage"] > 1 and per_pass % io_ways:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} / pipeline.passes={cfg.pipeline.passes} = {per_pass} "
+            f"sequences per pass is not divisible by data*fsdp*stage={io_ways} (the stages share "
+            "the embedding and LM head work)")
     if t.batch_size % process_count:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by the {process_count} processes"

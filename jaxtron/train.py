@@ -57,8 +57,8 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int,
               process_count: int = 1) -> Plan:
     """Validate the layout against `num_devices` and derive every shape and sharding."""
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
-    parallel.check_layout(cfg, sizes, process_count)
     pipeline.check(cfg, sizes["stage"])
+    parallel.check_layout(cfg, sizes, process_count)
     graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
     params = nnx.to_pure_dict(abstract_state)
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
