@@ -3,6 +3,7 @@
     python launch.py                                          # tiny model on the default corpus
     python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
     python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
+    python launch.py xla.collective_matmul=true xla.flags=[--xla_dump_to=/tmp/hlo]   # XLA flags
     python launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0   # and id 1
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
 
@@ -54,6 +55,7 @@ def _gib(n: int) -> str:
 def dry_run(cfg, num_devices: int) -> None:
     """Print the resolved config, mesh, parameter count and per-device memory; allocate nothing."""
     from jaxtron import config as config_lib
+    from jaxtron import pipeline
     from jaxtron.optim import make_optimizer
     from jaxtron.train import make_plan
 
@@ -64,6 +66,10 @@ def dry_run(cfg, num_devices: int) -> None:
     print(f"parameters: {plan.num_params:,}")
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
+    saved = pipeline.saved_activation_bytes(cfg, plan.mesh_sizes)
+    print(f"saved activations per device (model.remat=full estimate): {_gib(saved)}")
+    if plan.pipe:
+        print(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+        # XLA reads its flags once, when the first backend starts: set them before anything
+        # touches a device, dry runs included (a misspelled flag stops here, in one line).
+        print(f"xla flags: {' '.join(distributed.apply_xla_flags(cfg.xla)) or 'none'}", flush=True)
         if args.dry_run:  # a plan needs no other process: it never joins them
             import jax
 

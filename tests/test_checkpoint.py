@@ -71,8 +71,8 @@ def _poison(monkeypatch, at):
 
     real_loss, real_batches = train_lib.loss_sums, train_lib.data_lib.make_batches
 
-    def loss_sums(params, graphdef, batch):
-        total, count = real_loss(params, graphdef, batch)
+    def loss_sums(params, graphdef, batch, pipe=None):
+        total, count = real_loss(params, graphdef, batch, pipe)
         return jnp.where(batch["positions"][0, 0] < 0, jnp.nan, total), count
 
     monkeypatch.setattr(train_lib, "loss_sums", loss_sums)

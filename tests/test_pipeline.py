@@ -162,3 +162,22 @@ def test_invalid_pipeline_layouts_fail_before_compiling(overrides, message):
     cfg = _cfg("mesh.fsdp=-1", *overrides)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), 8)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (("mesh.stage=4", "train.microbatches=8"), 3 / 11),
+    (("mesh.stage=4", "train.microbatches=8", "pipeline.schedule=circular", "pipeline.repeats=2"),
+     3 / 19),
+    (("mesh.stage=2", "train.microbatches=8", "pipeline.passes=2", "train.batch_size=32"), 1 / 5),
+])
+def test_the_log_reports_the_schedule_bubble(capsys, overrides, expected):
+    import re
+
+    import launch
+
+    assert launch.main(["--dry-run", "--devices", "8", *MODEL, *TRAIN[:2], "mesh.fsdp=-1",
+                        *overrides]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("pipeline: ")]
+    assert len(lines) == 1
+    assert float(re.search(r"bubble ([0-9.]+)", lines[0]).group(1)) == pytest.approx(
+        expected, abs=5e-5)

@@ -1,0 +1,134 @@
+"""XLA flag presets (jaxtron/distributed.py): what each preset sets, which flag wins, and that a
+flag this jaxlib does not know stops launch.py in one line instead of killing it inside XLA."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launch
+from jaxtron import distributed
+from jaxtron.config import ConfigError, XlaConfig, load
+
+ROOT = Path(__file__).resolve().parent.parent
+TYPO = "--xla_gpu_enable_latency_hidding_scheduler=true"  # "hidding": not a flag of any jaxlib
+COLLECTIVE_MATMUL = ["--xla_gpu_threshold_for_windowed_einsum_mib=0",
+                     "--xla_gpu_multi_streamed_windowed_einsum=true"]
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_presets_resolve_per_table(monkeypatch):
+    assert distributed.xla_flags(XlaConfig(preset="none")) == []
+    gpu = distributed.xla_flags(XlaConfig(preset="gpu"))
+    assert gpu == list(distributed.XLA_PRESETS["gpu"])
+    for flag in ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                 "--xla_gpu_enable_pipelined_all_gather=true",
+                 "--xla_gpu_enable_pipelined_reduce_scatter=true",
+                 "--xla_gpu_enable_pipelined_all_reduce=true",
+                 "--xla_gpu_enable_while_loop_double_buffering=true",
+                 "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+                 "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+                 "--xla_gpu_all_reduce_combine_threshold_bytes=134217728"):
+        assert flag in gpu
+    # auto: gpu exactly when a CUDA build of jax is installed and JAX_PLATFORMS lets it be used
+    monkeypatch.setattr(distributed, "_installed", lambda name: name == "jax_plugins.xla_cuda12")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert distributed.resolve_preset("auto") == "gpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert distributed.xla_flags(XlaConfig(preset="auto")) == gpu
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert distributed.resolve_preset("auto") == "none"
+    monkeypatch.setattr(distributed, "_installed", lambda module: False)
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert distributed.resolve_preset("auto") == "none"
+    with pytest.raises(ConfigError, match="xla.preset=tpu is not one of auto, none, gpu"):
+        distributed.resolve_preset("tpu")
+
+
+def test_plugin_lookup_survives_a_missing_namespace_package():
+    assert distributed._installed("jaxlib")
+    assert not distributed._installed("jax_plugins_that_do_not_exist.xla_cuda12")
+
+
+def test_later_flags_override_earlier_ones_of_the_same_name():
+    # As on the command line: a YAML list through config.load.
+    cfg = load([launch.DEFAULT_CONFIG], [
+        "xla.preset=gpu",
+        ("xla.flags=[--xla_gpu_all_reduce_combine_threshold_bytes=1, --xla_dump_to=/tmp/a, "
+         "--xla_dump_to=/tmp/b]")])
+    env = "--xla_force_host_platform_device_count=8 --xla_gpu_enable_latency_hiding_scheduler=false"
+    flags = distributed.xla_flags(cfg.xla, env)
+    names = [flag.split("=")[0] for flag in flags]
+    assert len(names) == len(set(names)) == len(distributed.XLA_PRESETS["gpu"]) + 2
+    assert flags[0] == "--xla_force_host_platform_device_count=8"  # the environment's stays
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags  # the preset beats the env
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=134217728" not in flags  # xla.flags wins
+    assert flags[-2:] == ["--xla_gpu_all_reduce_combine_threshold_bytes=1", "--xla_dump_to=/tmp/b"]
+
+
+def test_collective_matmul_adds_windowed_einsum_flags():
+    matmul = distributed.xla_flags(XlaConfig(preset="none", collective_matmul=True))
+    assert matmul == COLLECTIVE_MATMUL
+    both = distributed.xla_flags(XlaConfig(preset="gpu", collective_matmul=True))
+    assert both == list(distributed.XLA_PRESETS["gpu"]) + COLLECTIVE_MATMUL
+
+
+def test_gpu_flags_are_known_to_this_jaxlib_and_the_check_is_real():
+    # GPU DebugOptions flags are registered in every jaxlib build, the CPU-only one included.
+    flags = distributed.xla_flags(XlaConfig(preset="gpu", collective_matmul=True))
+    distributed.check_xla_flags(flags)
+    with pytest.raises(ConfigError, match=f"has no XLA flag {TYPO} \\(from XLA_FLAGS\\), did you "
+                                          "mean --xla_gpu_enable_latency_hiding_scheduler\\?"):
+        distributed.check_xla_flags(flags + [TYPO])
+    with pytest.raises(ConfigError, match="cannot read the value of XLA flag "
+                                          "--xla_gpu_all_gather_combine_threshold_bytes=lots"):
+        distributed.check_xla_flags(["--xla_gpu_all_gather_combine_threshold_bytes=lots"])
+
+
+def test_misspelled_flag_exits_2_with_one_line_naming_it():
+    proc = _launch("--dry-run", f"xla.flags=[{TYPO}]")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0] == (f"error: jaxlib {distributed._version('jaxlib')} has no XLA flag {TYPO} "
+                        "(from xla.flags), did you mean --xla_gpu_enable_latency_hiding_scheduler?")
+
+
+@pytest.mark.parametrize("flag", ["xla_dump_to=/tmp/a", "-xla_dump_to=/tmp/a", "--xla dump",
+                                  "--=1", "--xla_dump_to=/tmp/a b"])
+def test_malformed_flag_is_one_line_and_status_2(capsys, flag):
+    assert launch.main(["--dry-run", f"xla.flags=['{flag}']"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [(f"error: '{flag}' (in xla.flags) is not an XLA flag: write --name or "
+                    "--name=value, one flag per list item, e.g. --xla_dump_to=/tmp/hlo")]
+
+
+def test_malformed_environment_flag_names_xla_flags():
+    with pytest.raises(ConfigError, match="'oops' \\(in XLA_FLAGS\\) is not an XLA flag"):
+        distributed.xla_flags(XlaConfig(preset="none"), "--xla_dump_to=/tmp/a oops")
+
+
+def test_flags_take_effect_in_the_launch_process():
+    # conftest's XLA_FLAGS asks for 8 CPU devices; xla.flags overrides it, and the dry run's
+    # device count shows which value the backend started with.
+    proc = _launch("--dry-run", "xla.flags=[--xla_force_host_platform_device_count=2]")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "xla flags: --xla_force_host_platform_device_count=2\n" in proc.stdout
+    assert "(2 devices)" in proc.stdout
+
+
+def test_apply_refuses_new_flags_once_a_backend_started(monkeypatch):
+    import jax
+
+    jax.devices()  # this process's backend, started with conftest's XLA_FLAGS
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # restored afterwards
+    flags = distributed.apply_xla_flags(XlaConfig(preset="none"))  # nothing new: allowed
+    assert flags[-1] == "--xla_force_host_platform_device_count=8"
+    with pytest.raises(RuntimeError, match="started: XLA would ignore --xla_dump_to=/tmp/a;"):
+        distributed.apply_xla_flags(XlaConfig(preset="none", flags=["--xla_dump_to=/tmp/a"]))

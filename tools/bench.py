@@ -1,0 +1,118 @@
+"""Train-step benchmark: step time, tokens/s, TFLOP/s per device, MFU and memory of a config.
+
+    python tools/bench.py --config configs/llama3_1b.yaml train.batch_size=8 train.seq_len=4096
+    python tools/bench.py --config configs/gpu_base.yaml --steps 20 model.remat=save_dots
+
+The step is the real one (`train.compile_step`, the config's mesh and flags) on random tokens
+(full-length documents), so the data pipeline is out of the measurement. Prints one JSON line per
+run and appends it to --out when given. MFU counts model FLOPs only (jaxtron/metrics.py), so it
+compares fairly across remat policies; on devices with no known peak it is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", action="append", default=[], help="YAML preset(s)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    parser.add_argument("--out", help="append the JSON result to this file")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+def random_batch(cfg, mesh):
+    """One global batch of random tokens, one document per row, sharded like real input."""
+    import jax
+    import numpy as np
+
+    from jaxtron import parallel
+    from jaxtron.train import BATCH_KEYS
+
+    b, t = cfg.train.batch_size, cfg.train.seq_len
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, t + 1), np.int32)
+    local = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+             "segment_ids": np.ones((b, t), np.int32),
+             "positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))}
+    sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
+    return {k: jax.device_put(local[k], sharding) for k in BATCH_KEYS}
+
+
+def bench(cfg, steps: int, warmup: int) -> dict:
+    import jax
+
+    from jaxtron import metrics, parallel
+    from jaxtron.optim import make_optimizer
+    from jaxtron.train import compile_step, init_state, make_plan
+
+    devices = jax.devices()
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, len(devices))
+    mesh = parallel.make_mesh(cfg.mesh, devices)
+    with jax.set_mesh(mesh):
+        state = init_state(cfg, plan, tx, mesh)
+        batch = random_batch(cfg, mesh)
+        start = time.perf_counter()
+        step = compile_step(cfg, plan, tx, mesh).lower(state, batch).compile()
+        compile_s = time.perf_counter() - start
+        memory = step.memory_analysis()
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            state, out = step(state, batch)
+            loss = float(out["loss"])  # waits for the step
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    step_time = statistics.median(times)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    flops = metrics.flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+    row = metrics.make_row(steps, loss, 0.0, 0.0, step_time, tokens, flops, len(devices),
+                           devices[0].device_kind)
+    stats = devices[0].memory_stats() or {}
+    return {
+        "device": devices[0].device_kind, "devices": len(devices), "mesh": plan.mesh_sizes,
+        "params": plan.num_params, "batch": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
+        "microbatches": cfg.train.microbatches, "remat": cfg.model.remat,
+        "bubble": plan.pipe.bubble if plan.pipe else 0.0,
+        "step_time_s": step_time, "step_time_min_s": min(times),
+        "tokens_per_s": row["tokens_per_sec"], "tflops_per_device": row["tflops_per_device"],
+        "mfu": row["mfu"], "compile_s": compile_s, "loss": loss,
+        "argument_gib": memory.argument_size_in_bytes / 2**30,
+        "temp_gib": memory.temp_size_in_bytes / 2**30,
+        "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from jaxtron import distributed
+    from jaxtron.config import ConfigError, load
+
+    try:
+        cfg = load(args.config or ["configs/tiny.yaml"], args.overrides)
+        distributed.apply_xla_flags(cfg.xla)
+        result = bench(cfg, args.steps, args.warmup)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["overrides"] = args.overrides
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
