@@ -87,3 +87,20 @@ def test_offloading_needs_pinned_host_memory():
     check_remat(cfg, jax.devices()[0])  # the CPU backend has a pinned_host memory space
     with pytest.raises(config.ConfigError, match="model.remat=offload_dots needs pinned host"):
         check_remat(cfg, _DeviceWithoutPinnedHost())
+
+
+def test_sequence_parallelism_splits_the_saved_activations(monkeypatch):
+    """With remat=full each layer keeps its input x[B, T, D]; under tensor=2 with sequence
+    parallelism (act_seq -> tensor) that input is split over the sequence, so each extra layer
+    adds half the temporary memory it adds without (measured: 6.6 MB vs 13.0 MB per layer)."""
+
+    def per_layer() -> float:
+        common = ("mesh.tensor=2", "mesh.fsdp=1", "train.batch_size=8", "model.remat=full")
+        four = _compiled(2, *common, "model.num_layers=4")[0].temp_size_in_bytes
+        eight = _compiled(2, *common, "model.num_layers=8")[0].temp_size_in_bytes
+        return (eight - four) / 4
+
+    split = per_layer()
+    monkeypatch.setitem(parallel._RULES, "act_seq", None)  # no sequence parallelism
+    whole = per_layer()
+    assert split < 0.6 * whole

@@ -158,10 +158,13 @@ def test_circular_storage_order_puts_each_stage_groups_side_by_side():
     (("mesh.stage=2", "pipeline.schedule=1f1b"), "pipeline.schedule=1f1b is not one of"),
     (("mesh.stage=2", "pipeline.passes=3"), "not divisible by pipeline.passes=3"),
 ])
-def test_invalid_pipeline_layouts_fail_before_compiling(overrides, message):
-    cfg = _cfg("mesh.fsdp=-1", *overrides)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), 8)
+def test_invalid_pipeline_layouts_fail_before_compiling(capsys, overrides, message):
+    import launch
+
+    code = launch.main(["--dry-run", "--devices", "8", *MODEL, *TRAIN, "mesh.fsdp=-1",
+                        *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -181,3 +184,14 @@ def test_the_log_reports_the_schedule_bubble(capsys, overrides, expected):
     assert len(lines) == 1
     assert float(re.search(r"bubble ([0-9.]+)", lines[0]).group(1)) == pytest.approx(
         expected, abs=5e-5)
+
+
+def test_70b_pipeline_preset_plans_on_128_devices(capsys):
+    import launch
+
+    assert launch.main(["--config", "configs/llama3_70b_pp8.yaml", "--dry-run",
+                        "--devices", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh: data=2, stage=8, fsdp=1, tensor=8 (128 devices)" in out
+    assert "parameter bytes per device: 5,329,551,360 bytes" in out  # docs/parallelism.md
+    assert "bubble 0.0266 = (S-1)/(R*M+S-1) = 7/263" in out
