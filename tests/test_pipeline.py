@@ -4,7 +4,8 @@ A small 8-layer model, 3 AdamW steps on a fixed random batch, then the gradient 
 step's parameters. Layers stored in stage order (circular) are put back in model order before
 comparing. Asserted: losses within 2e-6 relative; each gradient array within 1e-5 of the
 reference's norm at the start and 1e-4 after 3 steps (Adam's first steps amplify fp32 rounding
-differences of near-zero gradients into the parameters).
+differences of near-zero gradients into the parameters). Measured over all 16 cases: losses
+<= 4.5e-7, gradients <= 6.3e-7 at the start and <= 4.8e-5 after 3 steps (tensor=2 the largest).
 """
 
 from __future__ import annotations
