@@ -189,17 +189,16 @@ class Transformer(nnx.Module):
                  pipe: Pipeline | None = None) -> jax.Array:
         """Token ids -> float32 logits[B, T, V]; `pipe`: the layers' pipeline over mesh stages."""
         dtype = jnp.dtype(self.cfg.dtype)
-        # Gather the table over fsdp first (as FSDP does for any weight), keeping vocab split over
-        # tensor; a lookup straight from the 2-D-sharded table makes XLA replicate the output.
-        table_VD = constrain(self.embed[...].astype(dtype), ("vocab", None))
+        # Gather the table over fsdp and stage first (as FSDP does for any weight), keeping vocab
+        # split over tensor; a lookup straight from the sharded table makes XLA replicate the output.
+        table_VD = constrain(self.embed[...].astype(dtype), ("act_vocab", None))
         x_BTD = table_VD[tokens_BT]
         x_BTD = constrain(x_BTD, (*IO_SEQ, "act_embed"))
         x_BTD = self._run_layers(x_BTD, positions_BT, segment_ids_BT, pipe)
         x_BTD = self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits_BTV = jnp.einsum(
-            "btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32
-        )
+        head_DV = constrain(head_DV.astype(dtype), (None, "act_vocab"))  # gathered like the table
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("act_batch_io", None, "act_vocab"))
 
 

@@ -24,7 +24,9 @@ MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
 RULES: tuple[tuple[str, Any], ...] = (
     # weights
-    ("vocab", "tensor"),  # W_emb[V_tensor, D_fsdp], W_head[D_fsdp, V_tensor]
+    # W_emb[V_(tensor,stage), D_fsdp], W_head[D_fsdp, V_(tensor,stage)]: pipeline stages split the
+    # tables too (every stage uses them), gathered over stage and fsdp before use like FSDP
+    ("vocab", ("tensor", "stage")),
     ("embed", "fsdp"),  # W_q[D_fsdp, N_tensor, H], W_gate[D_fsdp, F_tensor]: ZeRO-3 over D
     ("heads", "tensor"),  # W_q[D, N_tensor, H], W_o[N_tensor, H, D]: Megatron column/row split
     ("kv_heads", "tensor"),  # W_k[D, K_tensor, H]: each tensor rank owns whole KV groups
@@ -43,7 +45,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("act_heads", "tensor"),  # q[B, T, N_tensor, H]: attention runs on local heads
     ("act_kv_heads", "tensor"),  # k[B, S, K_tensor, H]
     ("act_mlp", "tensor"),  # h[B, T, F_tensor]
-    ("act_vocab", "tensor"),  # logits[B, T, V_tensor]
+    ("act_vocab", "tensor"),  # logits[B, T, V_tensor]; the gathered tables W_emb[V_tensor, D]
     ("act_stage", "stage"),  # pipeline buffers x[S_stage, b, T, D]: each stage's microbatch
 )
 _RULES = dict(RULES)

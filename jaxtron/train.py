@@ -286,8 +286,8 @@ def in_layer_order(state: dict, meta: dict, plan: Plan, tx, shardings, info) -> 
     saved = np.asarray(meta.get("layer_order", range(plan.layer_order.size)))
     if np.array_equal(saved, plan.layer_order):
         return state
-    is_layer = {k: jax.tree.map(lambda _: k == "layers", v)
-                for k, v in plan.abstract["params"].items()}
+    is_layer = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == "layers",
+                                                plan.abstract["params"])
 
     def permute(state: dict) -> dict:
         move = lambda x, layer: pipeline.reorder(x, saved, plan.layer_order) if layer else x
