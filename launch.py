@@ -8,7 +8,8 @@
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
 
 Exit status: 0 done; 2 bad input (one line says what to change); 3 stopped on a non-finite loss
-(train.on_nonfinite=stop); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun resumes).
+(train.on_nonfinite=stop); 4 a due checkpoint could not be saved (the line says why; the previous
+checkpoint is intact); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun resumes).
 Several processes: when one dies, JAX aborts the others (SIGABRT) within about 30 s
 (jaxtron/distributed.py).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 EXIT_NONFINITE = 3  # train.on_nonfinite stopped the run; nothing new was saved
+EXIT_SAVE_FAILED = 4  # a checkpoint that was due was not written; the run stopped there
 EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: the current step was checkpointed; rerun to resume
 
 
@@ -75,6 +77,7 @@ def dry_run(cfg, num_devices: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from jaxtron import distributed
+    from jaxtron.checkpoint import CheckpointSaveError
     from jaxtron.config import ConfigError, load
     from jaxtron.train import NonFiniteError, Preempted, train
 
@@ -100,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
+    except CheckpointSaveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     except Preempted as e:
         print(f"{e}: checkpoint saved, run the same command to resume", file=sys.stderr)
         return EXIT_PREEMPTED

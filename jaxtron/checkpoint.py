@@ -7,6 +7,8 @@ carry the current mesh's shardings, so no second, unsharded copy of the state is
 
 from __future__ import annotations
 
+import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -16,8 +18,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtron import data as data_lib
-
 from jaxtron.config import CheckpointConfig, ConfigError
+
+DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint that was due was not written."""
 
 
 class Checkpoints:
@@ -25,6 +32,7 @@ class Checkpoints:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path):
         self.every = cfg.every
+        self.damaged_dir = (run_dir / DAMAGED_DIR).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, keep_period=cfg.keep_every or None, create=True,
             enable_async_checkpointing=True,
@@ -46,12 +54,22 @@ class Checkpoints:
         return step == last_step or (self.every > 0 and step % self.every == 0)
 
     def save(self, step: int, state: dict, batches: grain.DatasetIterator, meta: dict) -> None:
-        """Start an async save; `batches` must be positioned at the next batch to train on."""
-        self.manager.save(step, args=ocp.args.Composite(
+        """Start an async save; `batches` must be positioned at the next batch to train on.
+        Raises CheckpointSaveError when Orbax declines to write it (it returns False, for
+        instance for a step at or below one already in the directory)."""
+        latest = self.manager.latest_step()
+        if latest is not None and latest >= step:
+            raise CheckpointSaveError(
+                f"checkpoint {step} was not saved: {self.manager.directory} already holds step "
+                f"{latest}; move that checkpoint aside or set run.dir to a new directory")
+        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(batches),
             meta=ocp.args.JsonSave(meta),
         ))
+        if not saved:
+            raise CheckpointSaveError(f"checkpoint {step} was not saved: Orbax declined to "
+                                      f"write it to {self.manager.directory}")
 
     def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[dict, dict]:
         """Read `step`'s state straight into `shardings`, and its metadata."""
@@ -59,14 +77,17 @@ class Checkpoints:
 
     def restore_latest(self, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
                        warn: Callable[[str], None]) -> tuple[int, dict, dict] | None:
-        """The newest checkpoint that reads back whole, with `batches` moved to where it was;
-        damaged checkpoints are skipped with a warning naming them. None when there are none;
-        an error when there are some but none is readable (starting over could overwrite them)."""
-        steps = self.steps()
+        """The newest checkpoint that reads back whole, with `batches` moved to where it was.
+        Newer damaged checkpoints are skipped with a warning naming them, and moved aside to
+        run.dir/damaged_checkpoints/ so that this run can save those steps again. None when there
+        are no checkpoints; an error when there are some but none is readable (then nothing is
+        moved: a config that no longer matches them reads as damaged too)."""
+        steps, damaged = self.steps(), []
         for step in steps:
             try:
                 state, meta = self.restore(step, abstract_state, shardings)
                 restore_input(self.manager.directory / str(step) / "data", batches, warn)
+                self._move_aside(damaged, warn)
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -77,12 +98,26 @@ class Checkpoints:
                         "rerun to resume from an older one") from None
                 warn(f"warning: checkpoint {self.manager.directory / str(step)} is unreadable "
                      f"({type(e).__name__}: {first}); trying an older one")
+                damaged.append(step)
         if steps:
             raise ConfigError(
                 f"none of the {len(steps)} checkpoints in {self.manager.directory} is readable; "
                 "move them aside to start over, or set run.dir to a new directory"
             )
         return None
+
+    def _move_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:
+        """Move damaged step directories out of the manager's way (it refuses to save a step at
+        or below the newest one it sees) into damaged_checkpoints/, and rescan."""
+        if not steps:
+            return
+        self.damaged_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for step in steps:
+            target = self.damaged_dir / f"{step}-{stamp}"
+            shutil.move(Path(self.manager.directory) / str(step), target)
+            warn(f"warning: moved damaged checkpoint {step} to {target}")
+        self.manager.reload()
 
     def close(self) -> None:
         """Wait for the last async save to be complete on disk."""

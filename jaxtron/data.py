@@ -313,7 +313,7 @@ def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -
 
 def _batches(stream: Stream, start: int, train: TrainConfig, workers: int) -> grain.IterDataset:
     """Skip `start` items of the global stream, then pack and batch it into *global* batches:
-    the same for every process and any process count (each process keeps its own rows)."""
+    the same for every process and any process count (each device takes its shard of them)."""
     items = stream.items[start:] if start else stream.items
     ds = items.to_iter_dataset(READ)
     if stream.split is not None:
@@ -337,16 +337,16 @@ class BatchIterator(grain.DatasetIterator):
     _it: grain.DatasetIterator | None = None  # None until built (Grain's __del__ calls close)
 
     def __init__(self, build: Callable[[int], grain.IterDataset], count: Callable[[dict], int],
-                 layout: dict, rows: slice):
+                 layout: dict):
         super().__init__()
-        self._build, self._count, self.layout, self._rows = build, count, layout, rows
+        self._build, self._count, self.layout = build, count, layout
         self._start, self._consumed = 0, 0
         self._it = iter(build(0))
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = next(self._it)  # the global batch: count all of it, hand out this process's rows
+        batch = next(self._it)  # the global batch, identical on every process
         self._consumed += self._count(batch)
-        return {k: v[self._rows] for k, v in batch.items()}
+        return batch
 
     def get_state(self) -> dict:
         return {"grain": self._it.get_state(), "start": self._start,
@@ -401,47 +401,26 @@ def saved_iterator_state(directory: Path, process_index: int, process_count: int
     return json.loads(files[0].read_text())
 
 
-def _local_batch(train: TrainConfig, process_count: int) -> int:
-    """Rows per process."""
-    if train.batch_size % process_count:
-        raise ConfigError(
-            f"train.batch_size={train.batch_size} is not divisible by the {process_count} processes"
-        )
-    return train.batch_size // process_count
-
-
-def _rows(process_index: int, local_batch: int) -> slice:
-    """This process's rows of a global batch (matches jax.make_array_from_process_local_data)."""
-    return slice(process_index * local_batch, (process_index + 1) * local_batch)
-
-
-def make_batches(
-    data: DataConfig, train: TrainConfig, vocab_size: int, process_index: int = 0,
-    process_count: int = 1,
-) -> BatchIterator:
-    """This process's endless stream of packed training batches."""
-    local_batch = _local_batch(train, process_count)
+def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int) -> BatchIterator:
+    """The endless stream of packed global training batches, int32 [batch_size, seq_len]; every
+    process reads the same ones, so results and resume do not depend on the process count."""
     stream = _stream(data, train.seq_len, vocab_size, train.seed)
     build = functools.partial(_batches, stream, train=train, workers=data.workers)
     layout = {"workers": data.workers,
               "pipeline": f"{data.source} {data.mixture} seq_len={train.seq_len} "
                           f"batch_size={train.batch_size} seed={train.seed}"}
-    return BatchIterator(build, stream.count, layout, _rows(process_index, local_batch))
+    return BatchIterator(build, stream.count, layout)
 
 
-def make_eval_batches(
-    data: DataConfig, train: TrainConfig, vocab_size: int, process_index: int = 0,
-    process_count: int = 1,
-) -> list[dict[str, np.ndarray]]:
-    """The first `train.eval_batches` batches of the held-out split, unshuffled, the same at every
-    call ([] when train.eval_every is 0); a split smaller than that is read again from its start."""
-    local_batch = _local_batch(train, process_count)
+def make_eval_batches(data: DataConfig, train: TrainConfig,
+                      vocab_size: int) -> list[dict[str, np.ndarray]]:
+    """The first `train.eval_batches` global batches of the held-out split, unshuffled, the same at
+    every call ([] when train.eval_every is 0); a split smaller than that is read again from its
+    start."""
     if train.eval_every <= 0:
         return []
     stream = _stream(data, train.seq_len, vocab_size, None)
-    rows = _rows(process_index, local_batch)
-    ds = _batches(stream, 0, train, workers=0)
-    return [{k: v[rows] for k, v in b.items()} for b in itertools.islice(ds, train.eval_batches)]
+    return list(itertools.islice(_batches(stream, 0, train, workers=0), train.eval_batches))
 
 
 def corpus_summary(data: DataConfig, vocab_size: int) -> str:

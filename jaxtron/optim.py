@@ -35,3 +35,13 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     if cfg.clip_norm <= 0:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+
+
+def schedule_count(opt_state) -> jax.Array:
+    """The updates the learning-rate schedule has applied (optax's own counter, which a skipped
+    non-finite step leaves alone): the schedule's argument for the next update."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=is_count) if is_count(s)]
+    if len(counts) != 1:
+        raise ValueError(f"expected one learning-rate schedule in the optimizer, found {len(counts)}")
+    return counts[0]

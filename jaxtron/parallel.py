@@ -151,7 +151,7 @@ def bytes_per_device(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) 
     return total
 
 
-def check_layout(cfg: Config, sizes: dict[str, int], process_count: int = 1) -> None:
+def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
     """Checks that need the mesh: batch, heads and layers against the axes that split them."""
     m, t = cfg.model, cfg.train
     for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
@@ -174,10 +174,6 @@ def check_layout(cfg: Config, sizes: dict[str, int], process_count: int = 1) -> 
             f"train.batch_size={t.batch_size} / pipeline.passes={cfg.pipeline.passes} = {per_pass} "
             f"sequences per pass is not divisible by data*fsdp*stage={io_ways} (the stages share "
             "the embedding and LM head work)")
-    if t.batch_size % process_count:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by the {process_count} processes"
-        )
 
 
 def batch_spec() -> P:

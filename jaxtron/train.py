@@ -30,7 +30,7 @@ from jaxtron import pipeline
 from jaxtron.checkpoint import Checkpoints, restore_from
 from jaxtron.config import Config
 from jaxtron.model import Transformer, abstract_model, check_remat, count_params
-from jaxtron.optim import lr_schedule, make_optimizer
+from jaxtron.optim import lr_schedule, make_optimizer, schedule_count
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
 
@@ -53,12 +53,11 @@ class Plan:
         return parallel.bytes_per_device(self.abstract[part], self.specs[part], self.mesh_sizes)
 
 
-def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int,
-              process_count: int = 1) -> Plan:
+def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -> Plan:
     """Validate the layout against `num_devices` and derive every shape and sharding."""
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     pipeline.check(cfg, sizes["stage"])
-    parallel.check_layout(cfg, sizes, process_count)
+    parallel.check_layout(cfg, sizes)
     graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
     params = nnx.to_pure_dict(abstract_state)
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
@@ -93,6 +92,13 @@ def fresh_state(params: dict, tx: optax.GradientTransformation) -> dict:
     """The train state around `params`: new optimizer state, step 0."""
     zero = jnp.zeros((), jnp.int32)
     return {"params": params, "opt_state": tx.init(params), "step": zero, "nonfinite": zero}
+
+
+def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings: dict) -> dict:
+    """fresh_state on restored params, in `shardings`; the params are donated, so the state takes
+    over their buffers instead of holding a second copy."""
+    return jax.jit(functools.partial(fresh_state, tx=tx), out_shardings=shardings,
+                   donate_argnums=0)(params)
 
 
 # ---------------------------------------------------------------- the step
@@ -150,7 +156,9 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
         "step": state["step"] + 1,
         "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
     }
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+    # The rate optax applied: its schedule counts applied updates, so skipped steps do not count.
+    lr = schedule(schedule_count(state["opt_state"]))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                "nonfinite": new_state["nonfinite"]}
     return new_state, metrics
 
@@ -193,10 +201,17 @@ def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh) -> flo
     return total / max(count, 1)
 
 
-def global_batch(local: dict, mesh: Mesh) -> dict:
-    """Process-local numpy rows -> one global jax.Array per key, sharded over the batch axes."""
+def global_batch(batch: dict, mesh: Mesh) -> dict:
+    """The global numpy batch (the same on every process) -> one jax.Array per key, sharded over
+    the batch axes. Each local device takes its own shard out of the global rows, so any mesh
+    over any process layout works, also where a batch shard spans processes (pipeline stages or
+    tensor ranks on other hosts)."""
     sharding = NamedSharding(mesh, parallel.batch_spec())
-    return {k: jax.make_array_from_process_local_data(sharding, local[k]) for k in BATCH_KEYS}
+
+    def put(rows: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+    return {k: put(batch[k]) for k in BATCH_KEYS}
 
 
 # ---------------------------------------------------------------- the loop
@@ -205,7 +220,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
     tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, len(devices), jax.process_count())
+    plan = make_plan(cfg, tx, len(devices))
     check_remat(cfg.model, devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices)
 
@@ -225,12 +240,11 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
 
     # Input: checked against the model before anything compiles.
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
-    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size,
-                                    jax.process_index(), jax.process_count())
+    # Every process reads the same global batches; global_batch gives each device its shard.
+    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)
     eval_batches = []
     if cfg.train.eval_every:
-        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size,
-                                                  jax.process_index(), jax.process_count())
+        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
     log.info(data_lib.corpus_summary(cfg.data, cfg.model.vocab_size))
 
     # State: restored from the latest checkpoint, else born sharded; the step compiled once.
@@ -272,7 +286,7 @@ def initial_state(cfg: Config, plan: Plan, tx, run: "RunContext",
                                cfg.checkpoint.weights_only)
     if cfg.checkpoint.weights_only:
         params = in_layer_order(state, meta, plan, tx, shardings, run.log.info)["params"]
-        state = jax.jit(functools.partial(fresh_state, tx=tx), out_shardings=shardings)(params)
+        state = fresh_state_around(params, tx, shardings)
         run.log.info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
         return state, 0, 0
     state = in_layer_order(state, meta, plan, tx, shardings, run.log.info)
@@ -298,7 +312,9 @@ def in_layer_order(state: dict, meta: dict, plan: Plan, tx, shardings, info) -> 
         return out
 
     info("layers reordered from the checkpoint's pipeline layout to this run's")
-    return jax.jit(permute, out_shardings={k: shardings[k] for k in state})(state)
+    # Donated: the permuted state takes the restored one's buffers, never two copies at once.
+    return jax.jit(permute, out_shardings={k: shardings[k] for k in state},
+                   donate_argnums=0)(state)
 
 
 class NonFiniteError(RuntimeError):

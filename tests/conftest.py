@@ -1,8 +1,32 @@
-"""Eight simulated CPU devices for every test; set before jax is imported anywhere."""
+"""Test environment, set before jax or jaxtron is imported anywhere.
 
+- Eight simulated CPU devices for every test.
+- A hermetic cache: JAXTRON_CACHE points at a fresh temporary directory made once per pytest
+  session and removed at exit, so every run measures a cold start and never reads or writes the
+  user's ~/.cache/jaxtron; subprocesses started by tests inherit it. An already-set JAXTRON_CACHE
+  is deliberately ignored. To reuse one cache across sessions (faster local reruns), set
+  JAXTRON_TEST_CACHE=/some/dir: it is used as is and kept.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _session_cache() -> str:
+    """JAXTRON_TEST_CACHE if set, else a temporary directory deleted when pytest exits."""
+    reused = os.environ.get("JAXTRON_TEST_CACHE")
+    if reused:
+        return reused
+    path = tempfile.mkdtemp(prefix="jaxtron-test-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+os.environ["JAXTRON_CACHE"] = _session_cache()

@@ -5,8 +5,11 @@ import shutil
 
 import grain
 import numpy as np
+import pytest
 
 from jaxtron import config
+from jaxtron.checkpoint import CheckpointSaveError, Checkpoints
+from jaxtron.optim import lr_schedule
 from jaxtron.train import train
 
 
@@ -65,7 +68,10 @@ class _Poisoned(grain.DatasetIterator):
         self.it.set_state(state)
 
 
-def _poison(monkeypatch, at):
+def _poison(monkeypatch, at, where="loss"):
+    """Marked batches make the loss NaN (where="loss"), or leave the loss exactly as it is and make
+    the gradient NaN (where="grad")."""
+    import jax
     import jax.numpy as jnp
     from jaxtron import train as train_lib
 
@@ -73,7 +79,14 @@ def _poison(monkeypatch, at):
 
     def loss_sums(params, graphdef, batch, pipe=None):
         total, count = real_loss(params, graphdef, batch, pipe)
-        return jnp.where(batch["positions"][0, 0] < 0, jnp.nan, total), count
+        marked = batch["positions"][0, 0] < 0
+        if where == "loss":
+            return jnp.where(marked, jnp.nan, total), count
+        # sqrt at 0 has an infinite slope: times the zero slope of 0*w it is NaN, only when marked.
+        # The value added is exactly 0 (x - x), so the loss stays finite and unchanged.
+        w = jax.tree.leaves(params)[0]
+        root = jnp.sqrt(jnp.sum(w) * 0.0 + jnp.where(marked, 0.0, 1.0))
+        return total + (root - jax.lax.stop_gradient(root)), count
 
     monkeypatch.setattr(train_lib, "loss_sums", loss_sums)
     monkeypatch.setattr(train_lib.data_lib, "make_batches",
@@ -87,11 +100,24 @@ def _saved_params(run_dir, step):
     return ocp.StandardCheckpointer().restore(path.absolute())
 
 
-def test_nonfinite_step_is_skipped(tmp_path, monkeypatch):
-    _poison(monkeypatch, at={3})
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_nonfinite_step_is_skipped(tmp_path, monkeypatch, where):
+    """A NaN loss, or a NaN gradient under a finite loss, drops that step's update entirely, and
+    the logged learning rate is the one optax applies (its schedule does not count the skip)."""
+    _poison(monkeypatch, at={3}, where=where)
     run_dir = tmp_path / "run"
-    rows = train(_cfg(run_dir, "checkpoint.every=1", "checkpoint.keep=10"))
-    assert np.isnan(rows[2]["loss"]) and np.all(np.isfinite([r["loss"] for r in rows[3:]]))
+    cfg = _cfg(run_dir, "checkpoint.every=1", "checkpoint.keep=10")
+    rows = train(cfg)
+    losses, norms = [r["loss"] for r in rows], [r["grad_norm"] for r in rows]
+    if where == "loss":
+        assert np.isnan(losses[2])
+    else:
+        assert np.isfinite(losses[2]) and np.isnan(norms[2])
+    assert np.all(np.isfinite(losses[3:])) and np.all(np.isfinite(norms[3:]))
+    schedule = lr_schedule(cfg.optim, cfg.train.steps)
+    applied = [0, 1, 2, 2, 3, 4]  # updates applied before each step: step 3's never was
+    np.testing.assert_array_equal([r["lr"] for r in rows],
+                                  [np.float32(schedule(n)) for n in applied])
     before, at, after = (_saved_params(run_dir, s) for s in (2, 3, 4))
     for a, b in zip(jax_leaves(before["params"]), jax_leaves(at["params"])):
         np.testing.assert_array_equal(a, b)  # step 3's update was dropped entirely
@@ -140,6 +166,8 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
     resumed = train(_cfg(run_dir, "checkpoint.keep=3"))
     out = capsys.readouterr().out
     assert "checkpoints/4 is unreadable" in out
+    moved = list((run_dir / "damaged_checkpoints").iterdir())  # kept, out of Orbax's way
+    assert [p.name.split("-")[0] for p in moved] == ["4"] and (moved[0] / "state").is_dir()
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, the newest good one
     np.testing.assert_array_equal([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]])
 
@@ -177,3 +205,46 @@ def test_restore_from_another_runs_checkpoint(tmp_path):
     # (carried over they would read 3), while the source's read 2.
     assert [int(x) for x in jax_leaves(new["opt_state"]) if x.dtype == np.int32] == [1, 1]
     assert [int(x) for x in jax_leaves(src["opt_state"]) if x.dtype == np.int32] == [2, 2]
+
+
+def test_damaged_latest_is_moved_aside_and_saved_again(tmp_path, capsys):
+    """Damage the newest checkpoint, rerun to the same step, rerun further: the third run resumes
+    from the checkpoint the second one saved, and every loss equals a straight run's. (Left in
+    place, the damaged step blocks Orbax from saving that step again, and the third run would
+    start over from the older checkpoint.)"""
+    fixed = ["optim.decay_steps=8", "checkpoint.keep=2"]  # the same schedule at any train.steps
+    straight = train(_cfg(tmp_path / "straight", "train.steps=8", *fixed))
+    run_dir = tmp_path / "run"
+    train(_cfg(run_dir, *fixed))  # checkpoints 4 and 6
+    _truncate_biggest(run_dir / "checkpoints" / "6" / "state")
+    again = train(_cfg(run_dir, *fixed))
+    assert [r["step"] for r in again] == [5, 6]
+    further = train(_cfg(run_dir, "train.steps=8", *fixed))
+    assert [r["step"] for r in further] == [7, 8]
+    out = capsys.readouterr().out
+    assert "checkpoints/6 is unreadable" in out and "step 6 (loss" in out
+    np.testing.assert_array_equal([r["loss"] for r in again + further],
+                                  [r["loss"] for r in straight[4:]])
+
+
+def _truncate_biggest(directory):
+    """Cut the biggest file under `directory` in half, as a crash mid-copy would."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+
+
+def test_a_save_that_cannot_happen_is_an_error(tmp_path):
+    """Orbax declines (returns False) to save a step at or below the newest it has; that must
+    stop the run, never pass as saved."""
+    import jax.numpy as jnp
+
+    ckpt = Checkpoints(_cfg(tmp_path).checkpoint, tmp_path)
+    batches = iter(grain.MapDataset.range(8).to_iter_dataset())
+    state = {"w": jnp.arange(4.0)}
+    ckpt.save(4, state, batches, {"step": 4})
+    for step in (4, 3):
+        with pytest.raises(CheckpointSaveError, match=f"checkpoint {step} was not saved.*step 4"):
+            ckpt.save(step, state, batches, {"step": step})
+    ckpt.close()
+    assert ckpt.steps() == [4]

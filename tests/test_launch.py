@@ -63,6 +63,15 @@ BAD_INPUTS = [
     (["model.dtype=fp8"], "model.dtype=fp8 is not one of"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis may be -1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    # heads, kv heads, seq and batch all divide tensor=2 (fsdp=4): only the weight width is off
+    (["mesh.tensor=2", "model.mlp_dim=769"],
+     "dimension 769 does not split over mesh tensor of size 2; change the mesh or the model width"),
+    (["mesh.tensor=2", "model.vocab_size=8191"],
+     "dimension 8191 does not split over mesh ('tensor', 'stage') of size 2"),
+    (["mesh.tensor=2", "train.seq_len=255"],
+     "train.seq_len=255 is not divisible by mesh.tensor=2 (sequence parallelism splits it "
+     "between blocks)"),
+    (["--devices", "8"], "--devices only applies to --dry-run"),
 ]
 
 
@@ -74,12 +83,49 @@ def _main(args: list[str]) -> int:
         return e.code
 
 
+def _assert_one_line_status_2(rc: int, err: str, message: str) -> None:
+    """Exit status 2 and a stderr of exactly one line that contains `message`."""
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_is_one_line_and_status_2(capsys, args, message):
     rc = _main(args)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2
-    assert len(err.splitlines()) == 1 and message in err, err
+    _assert_one_line_status_2(rc, capsys.readouterr().err, message)
+
+
+# Overrides that keep the run small: restore is checked after the data loads, before compiling.
+SMALL_RUN = ["train.steps=1", "train.seq_len=64", "train.eval_every=0", "run.tensorboard=false",
+             "run.progress=lines"]
+
+
+def _not_a_checkpoint(tmp_path: Path, kind: str) -> Path:
+    """A path that looks nothing like `.../checkpoints/<step>`, or is a step with no state."""
+    paths = {"empty_dir": tmp_path / "empty", "empty_step_dir": tmp_path / "checkpoints" / "7",
+             "file": tmp_path / "notes.txt", "missing": tmp_path / "nope" / "checkpoints" / "7"}
+    path = paths[kind]
+    if kind.endswith("dir"):
+        path.mkdir(parents=True)
+    elif kind == "file":
+        path.write_text("not a checkpoint")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["empty_dir", "empty_step_dir", "file", "missing"])
+def test_restore_from_a_non_checkpoint_is_one_line_and_status_2(tmp_path, capsys, kind):
+    path = _not_a_checkpoint(tmp_path, kind)
+    rc = _main([*SMALL_RUN, f"checkpoint.restore={path}", f"run.dir={tmp_path / 'run'}"])
+    message = f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
+    _assert_one_line_status_2(rc, capsys.readouterr().err, message)
+
+
+def test_restore_from_a_non_checkpoint_in_a_real_process_is_one_line(tmp_path):
+    """The real stderr too: C++ or absl (orbax) logs would land there, unseen by capsys."""
+    path = _not_a_checkpoint(tmp_path, "empty_step_dir")
+    proc = _launch(*SMALL_RUN, f"checkpoint.restore={path}", f"run.dir={tmp_path / 'run'}")
+    message = f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
+    _assert_one_line_status_2(proc.returncode, proc.stderr, message)
 
 
 def test_bad_input_in_a_real_process_exits_2_without_traceback():

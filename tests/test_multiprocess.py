@@ -1,12 +1,16 @@
 """Several processes: 2 x 4 CPU devices (gloo collectives) train exactly as 1 x 8 devices on the
-same global batches, checkpoint together, resume together, and a killed peer stops the other.
+same global batches, also on meshes where one batch shard spans both processes (pipeline stages
+on different processes); they checkpoint together, resume together or as one process, and a
+killed peer stops the other.
 
 The real launch.py runs in two subprocesses joined at a localhost coordinator; the reference runs
 in this pytest process on conftest's 8 simulated devices.
 """
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +23,7 @@ import numpy as np
 import pytest
 
 import launch
-from jaxtron import config, data, distributed
+from jaxtron import config, distributed
 from jaxtron import train as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,9 +91,12 @@ def runs(tmp_path_factory):
         codes, saved = _wait(procs), run_dir / "checkpoints"
         first = dict(codes=codes, rows=_rows(run_dir),
                      checkpoints=sorted(p.name for p in saved.iterdir()) if saved.is_dir() else [])
+        shutil.copytree(run_dir, tmp / "as_one")  # resumed below by one process
 
         procs = _start(run_dir, logs, "second", "train.steps=1000")
-        while len(_rows(run_dir)) < 6 and all(p.poll() is None for p in procs):
+        deadline = time.monotonic() + 400
+        while (len(_rows(run_dir)) < 6 and all(p.poll() is None for p in procs)
+               and time.monotonic() < deadline):
             time.sleep(0.2)
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -102,14 +109,17 @@ def runs(tmp_path_factory):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
+                p.wait(timeout=60)
     outputs = {p.name: p.read_text() for p in sorted(logs.iterdir())}
 
     cfg = config.load([ROOT / "configs" / "tiny.yaml"],
                       [*OVERRIDES, "train.steps=6", f"run.dir={tmp / 'reference'}"])
     reference = train_lib.train(cfg)
+    # The two processes' step-4 checkpoint, resumed by this one process over its 8 devices.
+    as_one = train_lib.train(dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, dir=str(tmp / "as_one"))))
     return dict(first=first, second=second, reference=reference, outputs=outputs,
-                run_dir=run_dir)
+                run_dir=run_dir, as_one=as_one)
 
 
 def _losses(rows: list[dict]) -> list[float]:
@@ -143,29 +153,50 @@ def test_processes_checkpoint_together_and_resume(runs):
     np.testing.assert_allclose(_losses(resumed), _losses(runs["reference"][4:]), rtol=RTOL)
 
 
+def test_checkpoint_of_two_processes_resumes_in_one(runs):
+    """Saved by 2 processes at step 4, resumed by 1: steps 5 and 6 as the uninterrupted run's."""
+    assert [r["step"] for r in runs["as_one"]] == [5, 6]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in runs["as_one"]],
+                                   [r[key] for r in runs["reference"][4:]], rtol=RTOL)
+
+
+# stage=2 puts stage 0 on process 0's devices and stage 1 on process 1's, so every batch shard
+# (split over fsdp) lives on both processes; tensor=2 splits heads inside each process.
+SPANNING = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4",
+            "train.steps=3", "checkpoint.every=0"]
+
+
+def test_batch_shards_spanning_processes(tmp_path):
+    """Pipeline stages on different processes: a batch shard spans both, and each device must
+    take its rows of the global batch (not its process's slice); losses and grad norms equal
+    one process over 8 devices."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = _start(tmp_path / "run", logs, "spanning", *SPANNING)
+    try:
+        codes = _wait(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=60)
+    assert codes == [0, 0], (logs / "spanning-0.txt").read_text()[-3000:]
+    rows = _rows(tmp_path / "run")
+    cfg = config.load([ROOT / "configs" / "tiny.yaml"],
+                      [*OVERRIDES, *SPANNING, f"run.dir={tmp_path / 'reference'}"])
+    reference = train_lib.train(cfg)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in reference], rtol=RTOL)
+
+
 def test_killed_process_stops_the_other(runs):
     second = runs["second"]
     assert second["code"] is not None and second["code"] != 0, runs["outputs"]["second-0.txt"]
     assert second["stopped_after"] < DEAD_PEER_LIMIT_S, second["stopped_after"]
     print(f"process 0 exited {second['code']} {second['stopped_after']:.1f} s after process 1 "
           "was killed")
-
-
-def test_global_batches_do_not_depend_on_process_count():
-    """Two processes' local batches, stacked, are exactly one process's batch (disjoint, covering),
-    for training and eval batches alike."""
-    cfg = config.load([ROOT / "configs" / "tiny.yaml"], ["train.seq_len=64", "train.eval_every=1"])
-    args = (cfg.data, cfg.train, cfg.model.vocab_size)
-    one = data.make_batches(*args)
-    parts = [data.make_batches(*args, i, PROCESSES) for i in range(PROCESSES)]
-    for _ in range(3):
-        whole, local = next(one), [next(p) for p in parts]
-        for key in whole:
-            np.testing.assert_array_equal(whole[key], np.concatenate([b[key] for b in local]))
-    evals = [data.make_eval_batches(*args, i, PROCESSES) for i in range(PROCESSES)]
-    for whole, *local in zip(data.make_eval_batches(*args), *evals):
-        for key in whole:
-            np.testing.assert_array_equal(whole[key], np.concatenate([b[key] for b in local]))
 
 
 @pytest.fixture

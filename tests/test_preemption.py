@@ -46,6 +46,7 @@ def _run_until(cmd: list[str], run_dir: Path, step: int, sig: int) -> int:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)  # reaped: no zombie, and its files are closed before the next run
 
 
 def _saved_steps(run_dir: Path) -> list[int]:

@@ -165,12 +165,14 @@ def test_interrupt_and_rerun_equal_one_run(tmp_path, tokenizer, corpus):
     cut = tmp_path / "cut"
     proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut),
                              "--workers", "1"], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while proc.poll() is None and len(list(cut.glob(".parts/0*.json"))) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and len(list(cut.glob(".parts/0*.json"))) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:  # killed also when the deadline assertion fails: no orphan keeps writing to cut/
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
     records = sorted(cut.glob(".parts/0*.json"), key=lambda p: p.stat().st_mtime_ns)
     print(f"killed after {len(records)} completion records")
     records[-1].unlink()  # as if killed before this unit's record: its shards are leftovers

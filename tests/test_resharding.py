@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtron import config, parallel
+from jaxtron import config, parallel, pipeline
 from jaxtron.checkpoint import Checkpoints
 from jaxtron.optim import make_optimizer
-from jaxtron.train import make_plan, train
+from jaxtron.train import fresh_state_around, in_layer_order, init_state, make_plan, train
 
 RTOL = 1e-5
 SAVED_STEP = 2
@@ -105,3 +105,42 @@ def test_resume_under_a_circular_pipeline(saved, tmp_path, capsys):
     log = capsys.readouterr().out
     assert "layers reordered from the checkpoint's pipeline layout" in log
     assert "bubble 0.2000 = (S-1)/(R*M+S-1) = 1/5" in log  # 2 stages, 2 repeats, 2 microbatches
+
+
+def test_restores_reuse_the_restored_buffers(tmp_path):
+    """The layer permutation after a restore under another pipeline layout, and the fresh state of
+    a weights-only restore, donate what they are given: the state is never held twice."""
+    cfg = _cfg(tmp_path, {"stage": 2, "fsdp": 4}, 3, "pipeline.schedule=circular",
+               "pipeline.repeats=2", "train.microbatches=2")
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, 8)
+    mesh = parallel.make_mesh(cfg.mesh, jax.devices())
+    shardings = parallel.named(plan.specs, mesh)
+    model_order = np.arange(cfg.model.num_layers)
+    copy = lambda tree: jax.tree.map(np.array, tree)  # a copy: a view of a CPU buffer pins it
+    with jax.set_mesh(mesh):
+        # A state as a restore reads it, in model order: every array its own buffer (init_state's
+        # equal constants may share one, and JAX does not donate a buffer passed twice).
+        before = copy(init_state(cfg, plan, tx, mesh))
+        restored = jax.tree.map(jax.device_put, before, shardings)
+        ordered = in_layer_order(restored, {"layer_order": model_order.tolist()}, plan, tx,
+                                 shardings, print)
+        _assert_consumed(restored)
+        expected = pipeline.reorder(before["params"]["layers"], model_order, plan.layer_order)
+        for got, want in zip(jax.tree.leaves(ordered["params"]["layers"]),
+                             jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+
+        params = ordered["params"]
+        kept = copy(params)
+        fresh = fresh_state_around(params, tx, shardings)
+        _assert_consumed(params)
+        for got, want in zip(jax.tree.leaves(fresh["params"]), jax.tree.leaves(kept)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        assert int(fresh["step"]) == 0
+
+
+def _assert_consumed(tree) -> None:
+    alive = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+             if not x.is_deleted()]
+    assert not alive, f"not donated: {alive}"

@@ -3,7 +3,7 @@
     python tools/bench_data.py                                  # configs/tiny.yaml, workers 0 and 2
     python tools/bench_data.py --config configs/llama3_1b.yaml data.source=arrayrecord \\
         'data.mixture=[{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]' \\
-        --batches 300 --workers 0,2,4 --processes 8
+        --batches 300 --workers 0,2,4
 
 Config files and `section.key=value` overrides work as in launch.py; `--workers` replaces
 `data.workers`. Setup (tokenizer, corpus cache, starting workers) and the first `--warmup` batches
@@ -34,17 +34,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=200, help="timed batches per setting")
     parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
     parser.add_argument("--workers", default="0,2", help="comma-separated data.workers values")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="measure as process 0 of this many (local batch = batch / processes)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
 
-def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int, processes: int) -> dict:
+def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int) -> dict:
     """Pull warmup + batches from make_batches; time the last `batches`."""
     data = dataclasses.replace(cfg.data, workers=workers)
     start = time.perf_counter()
-    it = data_lib.make_batches(data, cfg.train, cfg.model.vocab_size, 0, processes)
+    it = data_lib.make_batches(data, cfg.train, cfg.model.vocab_size)
     for _ in range(warmup):
         next(it)
     ready = time.perf_counter()
@@ -53,7 +51,7 @@ def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int, proce
         real += int((next(it)["segment_ids"] != 0).sum())
     elapsed = time.perf_counter() - ready
     it.close()
-    tokens = batches * cfg.train.batch_size // processes * cfg.train.seq_len
+    tokens = batches * cfg.train.batch_size * cfg.train.seq_len
     return {"workers": workers, "setup_s": ready - start, "elapsed_s": elapsed,
             "tokens_per_s": tokens / elapsed, "real_per_s": real / elapsed,
             "padding": 1 - real / tokens}
@@ -64,13 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_lib.load(args.config or [ROOT / "configs" / "tiny.yaml"], args.overrides)
         data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
-        local = cfg.train.batch_size // args.processes
         print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
               f"Python {platform.python_version()}")
-        print(f"data.source={cfg.data.source}, local batch {local} x seq_len {cfg.train.seq_len}, "
+        print(f"data.source={cfg.data.source}, global batch {cfg.train.batch_size} x seq_len {cfg.train.seq_len}, "
               f"{args.warmup} warm-up + {args.batches} timed batches")
         for workers in (int(w) for w in args.workers.split(",")):
-            r = bench(cfg, workers, args.batches, args.warmup, args.processes)
+            r = bench(cfg, workers, args.batches, args.warmup)
             print(f"workers={workers}: {r['tokens_per_s']:,.0f} tokens/s per host "
                   f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
                   f"{r['elapsed_s']:.2f} s timed, {r['setup_s']:.2f} s setup + warm-up", flush=True)
