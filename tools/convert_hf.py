@@ -183,9 +183,19 @@ def _check_supported(hf: dict) -> None:
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or (kind != "qwen2" and hf.get("attention_bias")):
         raise ValueError("MLP and output-projection biases are not supported")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind == "mistral") else None
-    if window:
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
+    window = _sliding_window(hf)
+    if window is not None:  # HF tests `is None` too
+        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: "
+                         "our attention is full causal, so only sliding_window=null converts")
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The attention window transformers applies for this config; None means full causal."""
+    # HF Mistral slides whenever sliding_window is set: it has no use_sliding_window switch and
+    # ignores one left in config.json. Qwen2 slides only with use_sliding_window=true.
+    if hf.get("model_type") == "mistral" or hf.get("use_sliding_window", False):
+        return hf.get("sliding_window")
+    return None
 
 
 def config_from_hf(hf_config: dict) -> dict:
