@@ -248,3 +248,17 @@ def test_a_save_that_cannot_happen_is_an_error(tmp_path):
             ckpt.save(step, state, batches, {"step": step})
     ckpt.close()
     assert ckpt.steps() == [4]
+
+
+def test_launch_stops_with_status_4_when_orbax_declines_a_save(tmp_path, monkeypatch, capsys):
+    """Orbax's save() returning False (no write) ends the run with one line and status 4."""
+    import launch
+    import orbax.checkpoint as ocp
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", lambda *a, **k: False)
+    rc = launch.main(["train.steps=2", "train.seq_len=64", "checkpoint.every=1",
+                      "train.eval_every=0", "run.tensorboard=false", "run.progress=lines",
+                      f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 4 and len(err.splitlines()) == 1, err
+    assert "checkpoint 1 was not saved: Orbax declined to write it" in err
