@@ -170,8 +170,8 @@ SPANNING = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=
 def test_batch_shards_spanning_processes(tmp_path):
     """Pipeline stages on different processes: a batch shard spans both, and each device must
     take its rows of the global batch (not its process's slice); losses and grad norms equal
-    one process over 8 devices (measured: identical, bit for bit; the old per-process row slices
-    made both processes exit with an error here)."""
+    one process over 8 devices (measured: identical, bit for bit; with the old per-process row slices
+    the run exited with an error here)."""
     logs = tmp_path / "logs"
     logs.mkdir()
     procs = _start(tmp_path / "run", logs, "spanning", *SPANNING)
