@@ -76,7 +76,7 @@ def dry_run(cfg, num_devices: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron import distributed
+    from jaxtron import distributed, xla_flags
     from jaxtron.checkpoint import CheckpointSaveError
     from jaxtron.config import ConfigError, load
     from jaxtron.train import NonFiniteError, Preempted, train
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
         # XLA reads its flags once, when the first backend starts: set them before anything
         # touches a device, dry runs included (a misspelled flag stops here, in one line).
-        print(f"xla flags: {' '.join(distributed.apply_xla_flags(cfg.xla)) or 'none'}", flush=True)
+        print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
         if args.dry_run:  # a plan needs no other process: it never joins them
             import jax
 

@@ -109,7 +109,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class XlaConfig:
-    """XLA compiler flags, set before JAX starts a backend (jaxtron/distributed.py)."""
+    """XLA compiler flags, set before JAX starts a backend (jaxtron/xla_flags.py)."""
 
     preset: str = "auto"  # none | gpu | auto (gpu when a CUDA build of jax is installed)
     collective_matmul: bool = False  # tensor parallelism: overlap matmuls with their collectives

@@ -1,4 +1,4 @@
-"""XLA flag presets (jaxtron/distributed.py): what each preset sets, which flag wins, and that a
+"""XLA flag presets (jaxtron/xla_flags.py): what each preset sets, which flag wins, and that a
 flag this jaxlib does not know stops launch.py in one line instead of killing it inside XLA."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import launch
-from jaxtron import distributed
+from jaxtron import xla_flags
 from jaxtron.config import ConfigError, XlaConfig, load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,9 +24,9 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_presets_resolve_per_table(monkeypatch):
-    assert distributed.xla_flags(XlaConfig(preset="none")) == []
-    gpu = distributed.xla_flags(XlaConfig(preset="gpu"))
-    assert gpu == list(distributed.XLA_PRESETS["gpu"])
+    assert xla_flags.for_config(XlaConfig(preset="none")) == []
+    gpu = xla_flags.for_config(XlaConfig(preset="gpu"))
+    assert gpu == list(xla_flags.XLA_PRESETS["gpu"])
     for flag in ("--xla_gpu_enable_latency_hiding_scheduler=true",
                  "--xla_gpu_enable_pipelined_all_gather=true",
                  "--xla_gpu_enable_pipelined_reduce_scatter=true",
@@ -37,23 +37,23 @@ def test_presets_resolve_per_table(monkeypatch):
                  "--xla_gpu_all_reduce_combine_threshold_bytes=134217728"):
         assert flag in gpu
     # auto: gpu exactly when a CUDA build of jax is installed and JAX_PLATFORMS lets it be used
-    monkeypatch.setattr(distributed, "_installed", lambda name: name == "jax_plugins.xla_cuda12")
+    monkeypatch.setattr(xla_flags, "_installed", lambda name: name == "jax_plugins.xla_cuda12")
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    assert distributed.resolve_preset("auto") == "gpu"
+    assert xla_flags.resolve_preset("auto") == "gpu"
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-    assert distributed.xla_flags(XlaConfig(preset="auto")) == gpu
+    assert xla_flags.for_config(XlaConfig(preset="auto")) == gpu
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert distributed.resolve_preset("auto") == "none"
-    monkeypatch.setattr(distributed, "_installed", lambda module: False)
+    assert xla_flags.resolve_preset("auto") == "none"
+    monkeypatch.setattr(xla_flags, "_installed", lambda module: False)
     monkeypatch.delenv("JAX_PLATFORMS")
-    assert distributed.resolve_preset("auto") == "none"
+    assert xla_flags.resolve_preset("auto") == "none"
     with pytest.raises(ConfigError, match="xla.preset=tpu is not one of auto, none, gpu"):
-        distributed.resolve_preset("tpu")
+        xla_flags.resolve_preset("tpu")
 
 
 def test_plugin_lookup_survives_a_missing_namespace_package():
-    assert distributed._installed("jaxlib")
-    assert not distributed._installed("jax_plugins_that_do_not_exist.xla_cuda12")
+    assert xla_flags._installed("jaxlib")
+    assert not xla_flags._installed("jax_plugins_that_do_not_exist.xla_cuda12")
 
 
 def test_later_flags_override_earlier_ones_of_the_same_name():
@@ -63,9 +63,9 @@ def test_later_flags_override_earlier_ones_of_the_same_name():
         ("xla.flags=[--xla_gpu_all_reduce_combine_threshold_bytes=1, --xla_dump_to=/tmp/a, "
          "--xla_dump_to=/tmp/b]")])
     env = "--xla_force_host_platform_device_count=8 --xla_gpu_enable_latency_hiding_scheduler=false"
-    flags = distributed.xla_flags(cfg.xla, env)
+    flags = xla_flags.for_config(cfg.xla, env)
     names = [flag.split("=")[0] for flag in flags]
-    assert len(names) == len(set(names)) == len(distributed.XLA_PRESETS["gpu"]) + 2
+    assert len(names) == len(set(names)) == len(xla_flags.XLA_PRESETS["gpu"]) + 2
     assert flags[0] == "--xla_force_host_platform_device_count=8"  # the environment's stays
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags  # the preset beats the env
     assert "--xla_gpu_all_reduce_combine_threshold_bytes=134217728" not in flags  # xla.flags wins
@@ -73,22 +73,22 @@ def test_later_flags_override_earlier_ones_of_the_same_name():
 
 
 def test_collective_matmul_adds_windowed_einsum_flags():
-    matmul = distributed.xla_flags(XlaConfig(preset="none", collective_matmul=True))
+    matmul = xla_flags.for_config(XlaConfig(preset="none", collective_matmul=True))
     assert matmul == COLLECTIVE_MATMUL
-    both = distributed.xla_flags(XlaConfig(preset="gpu", collective_matmul=True))
-    assert both == list(distributed.XLA_PRESETS["gpu"]) + COLLECTIVE_MATMUL
+    both = xla_flags.for_config(XlaConfig(preset="gpu", collective_matmul=True))
+    assert both == list(xla_flags.XLA_PRESETS["gpu"]) + COLLECTIVE_MATMUL
 
 
 def test_gpu_flags_are_known_to_this_jaxlib_and_the_check_is_real():
     # GPU DebugOptions flags are registered in every jaxlib build, the CPU-only one included.
-    flags = distributed.xla_flags(XlaConfig(preset="gpu", collective_matmul=True))
-    distributed.check_xla_flags(flags)
+    flags = xla_flags.for_config(XlaConfig(preset="gpu", collective_matmul=True))
+    xla_flags.check(flags)
     with pytest.raises(ConfigError, match=f"has no XLA flag {TYPO} \\(from XLA_FLAGS\\), did you "
                                           "mean --xla_gpu_enable_latency_hiding_scheduler\\?"):
-        distributed.check_xla_flags(flags + [TYPO])
+        xla_flags.check(flags + [TYPO])
     with pytest.raises(ConfigError, match="cannot read the value of XLA flag "
                                           "--xla_gpu_all_gather_combine_threshold_bytes=lots"):
-        distributed.check_xla_flags(["--xla_gpu_all_gather_combine_threshold_bytes=lots"])
+        xla_flags.check(["--xla_gpu_all_gather_combine_threshold_bytes=lots"])
 
 
 def test_misspelled_flag_exits_2_with_one_line_naming_it():
@@ -96,7 +96,7 @@ def test_misspelled_flag_exits_2_with_one_line_naming_it():
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0] == (f"error: jaxlib {distributed._version('jaxlib')} has no XLA flag {TYPO} "
+    assert lines[0] == (f"error: jaxlib {xla_flags._version('jaxlib')} has no XLA flag {TYPO} "
                         "(from xla.flags), did you mean --xla_gpu_enable_latency_hiding_scheduler?")
 
 
@@ -111,7 +111,7 @@ def test_malformed_flag_is_one_line_and_status_2(capsys, flag):
 
 def test_malformed_environment_flag_names_xla_flags():
     with pytest.raises(ConfigError, match="'oops' \\(in XLA_FLAGS\\) is not an XLA flag"):
-        distributed.xla_flags(XlaConfig(preset="none"), "--xla_dump_to=/tmp/a oops")
+        xla_flags.for_config(XlaConfig(preset="none"), "--xla_dump_to=/tmp/a oops")
 
 
 def test_flags_take_effect_in_the_launch_process():
@@ -128,7 +128,7 @@ def test_apply_refuses_new_flags_once_a_backend_started(monkeypatch):
 
     jax.devices()  # this process's backend, started with conftest's XLA_FLAGS
     monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"])  # restored afterwards
-    flags = distributed.apply_xla_flags(XlaConfig(preset="none"))  # nothing new: allowed
+    flags = xla_flags.apply(XlaConfig(preset="none"))  # nothing new: allowed
     assert flags[-1] == "--xla_force_host_platform_device_count=8"
     with pytest.raises(RuntimeError, match="started: XLA would ignore --xla_dump_to=/tmp/a;"):
-        distributed.apply_xla_flags(XlaConfig(preset="none", flags=["--xla_dump_to=/tmp/a"]))
+        xla_flags.apply(XlaConfig(preset="none", flags=["--xla_dump_to=/tmp/a"]))

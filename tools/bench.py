@@ -95,12 +95,12 @@ def bench(cfg, steps: int, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron import distributed
+    from jaxtron import xla_flags
     from jaxtron.config import ConfigError, load
 
     try:
         cfg = load(args.config or ["configs/tiny.yaml"], args.overrides)
-        distributed.apply_xla_flags(cfg.xla)
+        xla_flags.apply(cfg.xla)
         result = bench(cfg, args.steps, args.warmup)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
