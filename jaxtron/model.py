@@ -18,7 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron import pipeline
-from jaxtron.attention import attention
+from jaxtron.attention import ATTENTION_IMPLS, attention
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
 from jaxtron.pipeline import Pipeline
@@ -37,6 +37,15 @@ REMAT_POLICIES = {
     "offload_dots": _policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 OFFLOADING = ("offload_dots",)  # policies that need a pinned_host memory space on the device
+
+
+def check(cfg: ModelConfig) -> None:
+    """Names the config gives for code this module owns: the remat policy and attention kernel."""
+    if cfg.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat={cfg.remat} is not one of {', '.join(REMAT_POLICIES)}")
+    if cfg.attention not in ATTENTION_IMPLS:
+        raise ConfigError(
+            f"model.attention={cfg.attention} is not one of {', '.join(ATTENTION_IMPLS)}")
 
 
 def check_remat(cfg: ModelConfig, device: jax.Device) -> None:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import metrics as metrics_lib
+from jaxtron import model as model_lib
 from jaxtron import parallel
 from jaxtron import pipeline
 from jaxtron.checkpoint import Checkpoints, restore_from
@@ -55,6 +56,7 @@ class Plan:
 
 def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -> Plan:
     """Validate the layout against `num_devices` and derive every shape and sharding."""
+    model_lib.check(cfg.model)
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     pipeline.check(cfg, sizes["stage"])
     parallel.check_layout(cfg, sizes)

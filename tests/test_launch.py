@@ -72,6 +72,9 @@ BAD_INPUTS = [
      "train.seq_len=255 is not divisible by mesh.tensor=2 (sequence parallelism splits it "
      "between blocks)"),
     (["--devices", "8"], "--devices only applies to --dry-run"),
+    (["model.remat=everything"], "model.remat=everything is not one of none, save_dots"),
+    (["model.attention=flash"], "model.attention=flash is not one of xla"),
+    (["--dry-run", "model.remat=everything"], "model.remat=everything is not one of"),
 ]
 
 
