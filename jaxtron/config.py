@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
 DTYPES = ("float32", "bfloat16", "float16")
+SOURCES = ("stdlib", "arrayrecord")  # data.source: the built-in corpus, or prepared datasets
 
 
 class ConfigError(ValueError):

@@ -20,150 +20,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import io
 import itertools
 import json
-import os
-import sysconfig
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grain
 import numpy as np
-import sentencepiece as spm
 from absl import flags as absl_flags
 
+from jaxtron import corpus as corpus_lib
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
-from jaxtron.prepared import SOURCES, check_dataset, mixture_summary, read_manifest
-from jaxtron.prepared import split_documents
-from jaxtron.prepared import dataset_tokenizer  # noqa: F401  (the trainer's entry points are here)
-from jaxtron.tokenizer import cache_dir, load_tokenizer, write_atomic
+from jaxtron.prepared import check_dataset, mixture_summary, read_manifest, split_documents
+from jaxtron.tokenizer import load_tokenizer
 
-EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages"})
 PACKING_BINS_PER_ROW = 4  # packer bins = 4 x local batch: ~1 % padding on the stdlib at seq 256
-STDLIB_VAL_FRACTION = 0.01  # files held out for eval, chosen by a hash of their relative path
 READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # no threads: state is exact
-
-
-# ---------------------------------------------------------------- the default corpus (stdlib)
-def stdlib_root() -> Path:
-    """The standard library's directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's own `.py` sources (no tests, no site-packages), UTF-8 only, sorted."""
-    files = []
-    for folder, subdirs, names in os.walk(stdlib_root()):
-        subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS]  # prune: site-packages is big
-        for name in names:
-            path = Path(folder) / name
-            if name.endswith(".py") and not name.startswith("test_") and _is_utf8(path):
-                files.append(path)
-    return sorted(files)
-
-
-def _is_utf8(path: Path) -> bool:
-    """Whether the file is readable as UTF-8 text."""
-    try:
-        path.read_bytes().decode("utf-8")
-    except (UnicodeDecodeError, OSError):
-        return False
-    return True
-
-
-def source_files(data: DataConfig) -> list[Path]:
-    """The files of the default corpus (all of them: the tokenizer is trained on every file)."""
-    if data.source == "arrayrecord":
-        raise ConfigError("data.source=arrayrecord has no source files; its tokenizer is the "
-                          "datasets' own (jaxtron.data.dataset_tokenizer)")
-    if data.source != "stdlib":
-        raise ConfigError(f"data.source={data.source} is not one of {', '.join(SOURCES)}")
-    return stdlib_files()
-
-
-def read_texts(files: Sequence[Path]) -> list[str]:
-    """Each file's exact text (bytes decoded, no newline translation)."""
-    return [path.read_bytes().decode("utf-8") for path in files]
-
-
-def files_digest(files: Sequence[Path]) -> str:
-    """A hash of the files' paths and contents: the cache key of everything derived from them."""
-    digest = hashlib.sha256()
-    for path in files:
-        content = path.read_bytes()
-        digest.update(f"{path}\0{len(content)}\0".encode())
-        digest.update(content)
-    return digest.hexdigest()
-
-
-def is_held_out(key: str, fraction: float) -> bool:
-    """Whether `key` (a relative path) falls in the held-out `fraction`, by its sha256."""
-    return int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) < fraction * 2**64
-
-
-def stdlib_split(files: Sequence[Path]) -> tuple[list[int], list[int]]:
-    """Indices of the (train, val) files: val is ~1 %, chosen by a hash of the relative path."""
-    root = stdlib_root()
-    val = {i for i, f in enumerate(files)
-           if is_held_out(f.relative_to(root).as_posix(), STDLIB_VAL_FRACTION)}
-    return [i for i in range(len(files)) if i not in val], sorted(val)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenCorpus(Sequence):
-    """Documents as one flat token array: document i is tokens[offsets[i]:offsets[i + 1]]."""
-
-    tokens: np.ndarray  # int32 [num_tokens]
-    offsets: np.ndarray  # int64 [num_docs + 1]
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
-
-    def subset(self, indices: Sequence[int]) -> TokenCorpus:
-        """The documents at `indices`, in that order, as a new corpus."""
-        docs = [self[i] for i in indices]
-        lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
-        tokens = np.concatenate(docs) if docs else np.zeros(0, np.int32)
-        return TokenCorpus(tokens, np.concatenate([[0], np.cumsum(lengths)]))
-
-
-def encode_corpus(sp: spm.SentencePieceProcessor, texts: Sequence[str]) -> TokenCorpus:
-    """Tokenize documents with SentencePiece's multithreaded batch encoder."""
-    ids = sp.encode(list(texts), num_threads=os.cpu_count() or 1)
-    lengths = np.fromiter((len(doc) for doc in ids), np.int64, len(ids))
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tokens = np.fromiter((t for doc in ids for t in doc), np.int32, int(offsets[-1]))
-    return TokenCorpus(tokens, offsets)
-
-
-def load_corpus(data: DataConfig, sp: spm.SentencePieceProcessor) -> TokenCorpus:
-    """The whole default corpus tokenized by `sp`: encoded once, cached under tokenizer + files."""
-    files = source_files(data)
-    model = sp.serialized_model_proto()
-    key = hashlib.sha256(model + files_digest(files).encode()).hexdigest()[:16]
-    path = cache_dir(data) / f"tokens-{data.source}-{key}.npz"
-    if not path.is_file():
-        corpus = encode_corpus(sp, read_texts(files))
-        buffer = io.BytesIO()
-        np.savez(buffer, tokens=corpus.tokens, offsets=corpus.offsets)
-        write_atomic(path, buffer.getvalue())
-    with np.load(path) as arrays:
-        return TokenCorpus(arrays["tokens"], arrays["offsets"])
-
-
-def unigram_entropy(corpus: TokenCorpus, eos_id: int) -> float:
-    """Entropy (nats) of the targets' unigram distribution: the loss of a model blind to context."""
-    counts = np.bincount(corpus.tokens).astype(np.float64)
-    counts = np.pad(counts, (0, max(0, eos_id + 1 - len(counts))))
-    counts[eos_id] += len(corpus)  # every document ends with an eos target
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
 
 
 # ---------------------------------------------------------------- stages shared by both sources
@@ -278,8 +151,8 @@ def _stdlib_stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | 
     if sp.get_piece_size() > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
                           f"{sp.get_piece_size()} pieces; raise it")
-    train_ids, val_ids = stdlib_split(source_files(data))
-    docs = load_corpus(data, sp).subset(train_ids if seed is not None else val_ids)
+    train_ids, val_ids = corpus_lib.stdlib_split(corpus_lib.source_files(data))
+    docs = corpus_lib.load_corpus(data, sp).subset(train_ids if seed is not None else val_ids)
     chunks = chunk_dataset(docs, seq_len, sp.bos_id(), sp.eos_id())
     if seed is None and not len(chunks):
         raise ConfigError("no stdlib file is held out for eval; set train.eval_every=0")
@@ -428,8 +301,8 @@ def corpus_summary(data: DataConfig, vocab_size: int) -> str:
     if data.source == "arrayrecord":
         return mixture_summary(data)
     sp = load_tokenizer(data, vocab_size)
-    corpus = load_corpus(data, sp)
-    held_out = len(stdlib_split(source_files(data))[1])
+    corpus = corpus_lib.load_corpus(data, sp)
+    held_out = len(corpus_lib.stdlib_split(corpus_lib.source_files(data))[1])
     return (f"corpus: {len(corpus):,} documents ({held_out} held out for eval), "
             f"{len(corpus.tokens):,} tokens, unigram entropy "
-            f"{unigram_entropy(corpus, sp.eos_id()):.3f} nats (a context-free model's loss)")
+            f"{corpus_lib.unigram_entropy(corpus, sp.eos_id()):.3f} nats (a context-free model's loss)")

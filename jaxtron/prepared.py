@@ -13,10 +13,9 @@ import grain
 import numpy as np
 import sentencepiece as spm
 
-from jaxtron.config import ConfigError, DataConfig
+from jaxtron.config import SOURCES, ConfigError, DataConfig
 from jaxtron.tokenizer import load_tokenizer
 
-SOURCES = ("stdlib", "arrayrecord")
 MANIFEST_FORMAT = "jaxtron.tokens.v1"
 TOKEN_DTYPES = ("uint16", "int32")
 SPLITS = ("train", "val")

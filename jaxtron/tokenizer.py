@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 from pathlib import Path
 
 import sentencepiece as spm
 
+from jaxtron import corpus
 from jaxtron.config import ConfigError, DataConfig
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = -1, 0, 1, 2  # no pad piece: padding is masked by segment_ids == 0
@@ -38,26 +38,6 @@ TRAINER_SETTINGS = dict(
     eos_id=EOS_ID,
     pad_id=PAD_ID,
 )
-
-
-def cache_dir(data: DataConfig) -> Path:
-    """Where derived files (tokenizers, token arrays) are cached."""
-    path = data.cache_dir or os.environ.get("JAXTRON_CACHE") or Path.home() / ".cache" / "jaxtron"
-    return Path(path).expanduser()
-
-
-def write_atomic(path: Path, payload: bytes) -> None:
-    """Write a file so that readers see either nothing or all of it, even with racing writers."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should be readable by others
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
@@ -82,13 +62,11 @@ def load_tokenizer(data: DataConfig, vocab_size: int) -> spm.SentencePieceProces
         if not path.is_file():
             raise ConfigError(f"data.tokenizer={data.tokenizer}: no such SentencePiece model file")
         return spm.SentencePieceProcessor(model_file=str(path))
-    from jaxtron import data as data_lib  # local: data.py imports this module
-
-    files = data_lib.source_files(data)
+    files = corpus.source_files(data)
     settings = repr(sorted(TRAINER_SETTINGS.items())).encode()
-    key = hashlib.sha256(data_lib.files_digest(files).encode() + settings).hexdigest()[:16]
-    path = cache_dir(data) / f"tokenizer-{data.source}-{vocab_size}-{key}.model"
+    key = hashlib.sha256(corpus.files_digest(files).encode() + settings).hexdigest()[:16]
+    path = corpus.cache_dir(data) / f"tokenizer-{data.source}-{vocab_size}-{key}.model"
     if not path.is_file():
-        lines = [line for text in data_lib.read_texts(files) for line in text.split("\n") if line]
-        write_atomic(path, train_tokenizer(lines, vocab_size))
+        lines = [line for text in corpus.read_texts(files) for line in text.split("\n") if line]
+        corpus.write_atomic(path, train_tokenizer(lines, vocab_size))
     return spm.SentencePieceProcessor(model_file=str(path))

@@ -15,7 +15,9 @@ import pytest
 import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordWriter
 
+from jaxtron import corpus as corpus_lib
 from jaxtron import data as data_lib
+from jaxtron import prepared
 from jaxtron import tokenizer as tokenizer_lib
 from jaxtron.config import ConfigError, DataConfig, DatasetEntry, ModelConfig, TrainConfig
 
@@ -36,15 +38,15 @@ def sp(cfg):
 
 
 @pytest.fixture(scope="session")
-def corpus(cfg, sp) -> data_lib.TokenCorpus:
+def corpus(cfg, sp) -> corpus_lib.TokenCorpus:
     start = time.perf_counter()
-    corpus = data_lib.load_corpus(cfg, sp)
+    corpus = corpus_lib.load_corpus(cfg, sp)
     print(f"\ncorpus encoded in {time.perf_counter() - start:.2f} s: {len(corpus.tokens)} tokens")
     return corpus
 
 
 def test_stdlib_files_are_the_library_without_tests():
-    files = data_lib.stdlib_files()
+    files = corpus_lib.stdlib_files()
     names = {f.name for f in files}
     assert {"os.py", "ast.py", "__init__.py", "typing.py"} <= names
     assert not any(f.name.startswith("test_") or "site-packages" in f.parts for f in files)
@@ -54,7 +56,7 @@ def test_stdlib_files_are_the_library_without_tests():
 
 
 def test_tokenizer_round_trips_the_whole_corpus_exactly(cfg, sp, corpus):
-    texts = data_lib.read_texts(data_lib.stdlib_files())
+    texts = corpus_lib.read_texts(corpus_lib.stdlib_files())
     assert len(texts) == len(corpus)
     decoded = sp.decode([doc.tolist() for doc in corpus])
     assert sum(d != t for d, t in zip(decoded, texts)) == 0
@@ -66,11 +68,11 @@ def test_tokenizer_round_trips_the_whole_corpus_exactly(cfg, sp, corpus):
 
 
 def test_second_load_uses_the_cache(cfg, sp, corpus):
-    (model,) = tokenizer_lib.cache_dir(cfg).glob("tokenizer-*.model")
+    (model,) = corpus_lib.cache_dir(cfg).glob("tokenizer-*.model")
     mtime = model.stat().st_mtime_ns
     start = time.perf_counter()
     again = tokenizer_lib.load_tokenizer(cfg, VOCAB)
-    cached_corpus = data_lib.load_corpus(cfg, again)
+    cached_corpus = corpus_lib.load_corpus(cfg, again)
     assert time.perf_counter() - start < 1.0
     assert model.stat().st_mtime_ns == mtime
     assert [again.id_to_piece(i) for i in range(VOCAB)] == [sp.id_to_piece(i) for i in range(VOCAB)]
@@ -103,10 +105,10 @@ def test_chunks_cover_every_document_token_once():
 
 
 def test_unigram_entropy(corpus, sp):
-    tiny = data_lib.TokenCorpus(np.array([3, 3, 4], np.int32), np.array([0, 3]))
+    tiny = corpus_lib.TokenCorpus(np.array([3, 3, 4], np.int32), np.array([0, 3]))
     expected = 0.5 * math.log(2) + 0.5 * math.log(4)  # targets 3, 3, 4, eos
-    assert data_lib.unigram_entropy(tiny, eos_id=2) == pytest.approx(expected)
-    assert 5.5 < data_lib.unigram_entropy(corpus, sp.eos_id()) < 7.0  # 6.19 nats here
+    assert corpus_lib.unigram_entropy(tiny, eos_id=2) == pytest.approx(expected)
+    assert 5.5 < corpus_lib.unigram_entropy(corpus, sp.eos_id()) < 7.0  # 6.19 nats here
 
 
 def check_packed_batch(batch: dict, rows: int, seq_len: int) -> None:
@@ -184,7 +186,7 @@ def test_processes_read_disjoint_chunks_that_cover_one_process(cfg, corpus):
 
 
 def test_tokenizer_training_is_deterministic():
-    texts = data_lib.read_texts(data_lib.stdlib_files()[:60])
+    texts = corpus_lib.read_texts(corpus_lib.stdlib_files()[:60])
     lines = [line for text in texts for line in text.split("\n") if line]
     first, second = (tokenizer_lib.train_tokenizer(lines, 1024) for _ in range(2))
     assert first == second
@@ -192,8 +194,8 @@ def test_tokenizer_training_is_deterministic():
 
 # ---------------------------------------------------------------- held-out stdlib files, eval
 def test_stdlib_holds_out_about_one_percent_of_files_for_eval(cfg, corpus):
-    files = data_lib.stdlib_files()
-    train, val = data_lib.stdlib_split(files)
+    files = corpus_lib.stdlib_files()
+    train, val = corpus_lib.stdlib_split(files)
     assert not set(train) & set(val) and sorted(train + val) == list(range(len(files)))
     assert 0.002 < len(val) / len(files) < 0.03  # 6 of 734 files on Python 3.11
     tc = TrainConfig(batch_size=4, seq_len=128, eval_every=10, eval_batches=3)
@@ -254,7 +256,7 @@ A_TRAIN, A_VAL, B_TRAIN, B_VAL = (10, 4000), (4000, 4096), (4096, 8000), (8000, 
 @pytest.fixture(scope="session")
 def datasets(cfg, sp, tmp_path_factory) -> dict:
     """a: short docs (uint16); b: long docs (int32 records); c: no val split."""
-    (model,) = tokenizer_lib.cache_dir(cfg).glob("tokenizer-*.model")
+    (model,) = corpus_lib.cache_dir(cfg).glob("tokenizer-*.model")
     root = tmp_path_factory.mktemp("datasets")
     a = {"train": _docs(0, 600, 300, *A_TRAIN), "val": _docs(1, 30, 300, *A_VAL)}
     b = {"train": _docs(2, 300, 1500, *B_TRAIN), "val": _docs(3, 10, 1500, *B_VAL)}
@@ -358,7 +360,7 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
     ok = mixture(datasets, cfg.cache_dir, ("a", 0.5), ("b", 0.5))
     data_lib.check_dataset(ok, VOCAB)
     data_lib.check_dataset(dataclasses.replace(ok, tokenizer=datasets["model"]), VOCAB)
-    assert data_lib.dataset_tokenizer(ok, VOCAB).get_piece_size() == VOCAB
+    assert prepared.dataset_tokenizer(ok, VOCAB).get_piece_size() == VOCAB
     bad_manifest = tmp_path / "bad"
     bad_manifest.mkdir()
     (bad_manifest / "manifest.json").write_text('{"format": "other"}')

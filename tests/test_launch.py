@@ -141,7 +141,7 @@ def test_bad_input_in_a_real_process_exits_2_without_traceback():
 @pytest.mark.slow
 def test_default_run_learns_well_below_unigram_entropy(tmp_path):
     """`python launch.py` as the README gives it (~7 min on 2 cores): 200 steps on the stdlib."""
-    from jaxtron import config, data, tokenizer
+    from jaxtron import config, corpus, tokenizer
 
     run_dir = tmp_path / "run"
     proc = _launch(f"run.dir={run_dir}")
@@ -149,7 +149,7 @@ def test_default_run_learns_well_below_unigram_entropy(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = config.load([ROOT / "configs" / "tiny.yaml"])
     sp = tokenizer.load_tokenizer(cfg.data, cfg.model.vocab_size)
-    entropy = data.unigram_entropy(data.load_corpus(cfg.data, sp), sp.eos_id())  # 6.19 nats
+    entropy = corpus.unigram_entropy(corpus.load_corpus(cfg.data, sp), sp.eos_id())  # 6.19 nats
     final = np.mean([row["loss"] for row in rows[-3:]])  # last 30 steps: single steps are noisy
     assert rows[-1]["step"] == 200
     assert final < entropy - 1.5, (final, entropy)  # measured: 4.38 vs 6.19

@@ -322,7 +322,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, tokenizer, corpus, args, me
 @pytest.mark.slow
 def test_scale_stdlib_copies(tmp_path):
     """~110 MB: the standard library's sources copied 9 times, tokenized on every core."""
-    from jaxtron.data import stdlib_files
+    from jaxtron.corpus import stdlib_files
 
     files = stdlib_files()
     texts = [path.read_bytes().decode("utf-8") for path in files]

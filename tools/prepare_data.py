@@ -35,7 +35,8 @@ from array_record.python.array_record_module import ArrayRecordWriter  # noqa: E
 from tqdm import tqdm  # noqa: E402
 
 from jaxtron.config import ConfigError  # noqa: E402
-from jaxtron.tokenizer import train_tokenizer, write_atomic  # noqa: E402
+from jaxtron.corpus import write_atomic  # noqa: E402
+from jaxtron.tokenizer import train_tokenizer  # noqa: E402
 from text_inputs import (Source, absolute, bad_entry, describe, file_size,  # noqa: E402
                          find_sources, read_documents, sample_lines)
 
