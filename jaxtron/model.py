@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtron import pipeline
 from jaxtron.attention import ATTENTION_IMPLS, attention
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
-from jaxtron.pipeline import Pipeline
 
 _policies = jax.checkpoint_policies
 _names = _policies.save_only_these_names
@@ -186,29 +185,35 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
-    def _run_layers(self, x_BTD, positions_BT, segment_ids_BT, pipe: Pipeline | None):
-        """All layers, one after another, or through the pipeline stages when `pipe` is set."""
-        graphdef, stacked = nnx.split(self.layers)
-        run_group = functools.partial(_run_stack, self.cfg, graphdef)
-        if pipe is None:
-            return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
-        return pipeline.run(run_group, stacked, x_BTD, positions_BT, segment_ids_BT, pipe)
-
     def __call__(self, tokens_BT, positions_BT, segment_ids_BT,
-                 pipe: Pipeline | None = None) -> jax.Array:
-        """Token ids -> float32 logits[B, T, V]; `pipe`: the layers' pipeline over mesh stages."""
+                 run_layers: LayerRunner | None = None) -> jax.Array:
+        """Token ids -> float32 logits[B, T, V]. `run_layers` applies the layer stack; the default
+        runs every layer in order, a parallel strategy (the pipeline) hands in its own."""
         dtype = jnp.dtype(self.cfg.dtype)
         # Gather the table over fsdp and stage first (as FSDP does for any weight), keeping vocab
         # split over tensor; a lookup straight from the sharded table makes XLA replicate the output.
         table_VD = constrain(self.embed[...].astype(dtype), ("act_vocab", None))
         x_BTD = table_VD[tokens_BT]
         x_BTD = constrain(x_BTD, (*IO_SEQ, "act_embed"))
-        x_BTD = self._run_layers(x_BTD, positions_BT, segment_ids_BT, pipe)
+        graphdef, stacked = nnx.split(self.layers)
+        run_group = functools.partial(_run_stack, self.cfg, graphdef)
+        x_BTD = (run_layers or in_order)(run_group, stacked, x_BTD, positions_BT, segment_ids_BT)
         x_BTD = self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         head_DV = constrain(head_DV.astype(dtype), (None, "act_vocab"))  # gathered like the table
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("act_batch_io", None, "act_vocab"))
+
+
+# run_layers(run_group, stacked, x, positions, segment_ids) -> x: applies the stacked layers, where
+# run_group(stacked_group, x, positions, segment_ids) runs any contiguous group of them.
+LayerRunner = Callable[..., jax.Array]
+
+
+def in_order(run_group: Callable[..., jax.Array], stacked, x_BTD, positions_BT,
+             segment_ids_BT) -> jax.Array:
+    """Every layer, one after another, on all devices (no pipeline)."""
+    return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
 
 
 def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT):

@@ -108,7 +108,8 @@ def loss_sums(params: dict, graphdef: Any, batch: dict,
               pipe: pipeline.Pipeline | None = None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count."""
     model = nnx.merge(graphdef, params)
-    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"], pipe)
+    run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
+    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_BT = jnp.take_along_axis(logits_BTV, batch["targets"][..., None], axis=-1)[..., 0]
     mask_BT = batch["segment_ids"] != 0
