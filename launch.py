@@ -59,7 +59,7 @@ def dry_run(cfg, num_devices: int) -> None:
     from jaxtron import config as config_lib
     from jaxtron import pipeline
     from jaxtron.optim import make_optimizer
-    from jaxtron.train import make_plan
+    from jaxtron.state import make_plan
 
     plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
     print(config_lib.to_yaml(cfg), end="")

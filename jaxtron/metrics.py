@@ -14,9 +14,10 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from jaxtron.config import ModelConfig
+from jaxtron.config import Config, ModelConfig
 
 # Dense (not 2:4-sparse) BF16 tensor-core peaks in TFLOP/s; first matching substring wins.
 PEAK_TFLOPS = (
@@ -137,15 +138,32 @@ def format_row(row: dict) -> str:
     )
 
 
-def make_row(step: int, loss: float, lr: float, grad_norm: float, step_time: float,
-             tokens_per_step: int, flops_per_step: float, num_devices: int,
-             device_kind: str) -> dict:
-    """The logged metrics of one step; floats are plain Python floats, non-finite kept as is."""
-    tflops = flops_per_step / step_time / num_devices / 1e12
-    peak = peak_tflops(device_kind)
+@dataclass(frozen=True)
+class StepCost:
+    """What one train step processes, and on what: the constants of every logged row."""
+
+    tokens: int  # global tokens per step
+    flops: float  # model FLOPs per step (flops_per_token x tokens)
+    num_devices: int
+    device_kind: str
+
+    @classmethod
+    def of(cls, cfg: Config, devices: list) -> "StepCost":
+        """The cost of one step of `cfg` over `devices`."""
+        tokens = cfg.train.batch_size * cfg.train.seq_len
+        flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+        return cls(tokens, flops, len(devices), devices[0].device_kind)
+
+
+def make_row(step: int, fetched: dict, step_time: float, cost: StepCost) -> dict:
+    """The logged metrics of one step from its fetched {loss, lr, grad_norm}; floats are plain
+    Python floats, non-finite kept as is."""
+    tflops = cost.flops / step_time / cost.num_devices / 1e12
+    peak = peak_tflops(cost.device_kind)
     return {
-        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-        "tokens_per_sec": tokens_per_step / step_time, "step_time": step_time,
+        "step": step, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
+        "grad_norm": float(fetched["grad_norm"]),
+        "tokens_per_sec": cost.tokens / step_time, "step_time": step_time,
         "tflops_per_device": tflops, "mfu": None if peak is None else tflops / peak,
     }
 

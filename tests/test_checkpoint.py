@@ -73,9 +73,10 @@ def _poison(monkeypatch, at, where="loss"):
     the gradient NaN (where="grad")."""
     import jax
     import jax.numpy as jnp
-    from jaxtron import train as train_lib
+    from jaxtron import data as data_lib
+    from jaxtron import step as step_lib
 
-    real_loss, real_batches = train_lib.loss_sums, train_lib.data_lib.make_batches
+    real_loss, real_batches = step_lib.loss_sums, data_lib.make_batches
 
     def loss_sums(params, graphdef, batch, pipe=None):
         total, count = real_loss(params, graphdef, batch, pipe)
@@ -88,8 +89,8 @@ def _poison(monkeypatch, at, where="loss"):
         root = jnp.sqrt(jnp.sum(w) * 0.0 + jnp.where(marked, 0.0, 1.0))
         return total + (root - jax.lax.stop_gradient(root)), count
 
-    monkeypatch.setattr(train_lib, "loss_sums", loss_sums)
-    monkeypatch.setattr(train_lib.data_lib, "make_batches",
+    monkeypatch.setattr(step_lib, "loss_sums", loss_sums)
+    monkeypatch.setattr(data_lib, "make_batches",
                         lambda *a, **k: _Poisoned(real_batches(*a, **k), at))
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxtron import config
 from jaxtron.model import Transformer
-from jaxtron.train import loss_and_grads, loss_sums
+from jaxtron.step import loss_and_grads, loss_sums
 
 MODEL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
          "model.mlp_dim=128", "model.vocab_size=128", "model.init_std=0.2", "model.dtype=float32"]

@@ -12,7 +12,8 @@ import pytest
 from jaxtron import config, parallel
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
-from jaxtron.train import abstract_batch, compile_step, make_plan
+from jaxtron.state import make_plan
+from jaxtron.step import abstract_batch, compile_step
 
 MID = ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.num_kv_heads=4",
        "model.mlp_dim=1536", "model.vocab_size=1024", "train.seq_len=512"]

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtron.attention import segment_causal_mask, xla_attention
 from jaxtron.config import ModelConfig
 from jaxtron.model import REMAT_POLICIES, Transformer, rope_frequencies
-from jaxtron.train import loss_sums
+from jaxtron.step import loss_sums
 
 CFG = ModelConfig(vocab_size=128, num_layers=3, d_model=64, num_heads=4, num_kv_heads=2,
                   mlp_dim=96, dtype="float32", param_dtype="float32")

@@ -17,7 +17,9 @@ import pytest
 
 from jaxtron import config, data, parallel
 from jaxtron.optim import make_optimizer
-from jaxtron.train import global_batch, init_state, loss_and_grads, make_plan, train
+from jaxtron.state import init_state, make_plan
+from jaxtron.step import global_batch, loss_and_grads
+from jaxtron.train import train
 
 RTOL = 1e-5  # losses
 NORM_RTOL = 1e-5  # grad norms

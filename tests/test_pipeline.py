@@ -18,7 +18,8 @@ import pytest
 
 from jaxtron import config, parallel, pipeline
 from jaxtron.optim import make_optimizer
-from jaxtron.train import BATCH_KEYS, compile_step, init_state, loss_and_grads, make_plan
+from jaxtron.state import init_state, make_plan
+from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
 
 MODEL = ["model.num_layers=8", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
          "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32"]

@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtron import config, parallel, pipeline
 from jaxtron.checkpoint import Checkpoints
 from jaxtron.optim import make_optimizer
-from jaxtron.train import fresh_state_around, in_layer_order, init_state, make_plan, train
+from jaxtron.state import fresh_state_around, in_layer_order, init_state, make_plan
+from jaxtron.train import train
 
 RTOL = 1e-5
 SAVED_STEP = 2

@@ -37,7 +37,7 @@ def random_batch(cfg, mesh):
     import numpy as np
 
     from jaxtron import parallel
-    from jaxtron.train import BATCH_KEYS
+    from jaxtron.step import BATCH_KEYS
 
     b, t = cfg.train.batch_size, cfg.train.seq_len
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, t + 1), np.int32)
@@ -53,7 +53,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
 
     from jaxtron import metrics, parallel
     from jaxtron.optim import make_optimizer
-    from jaxtron.train import compile_step, init_state, make_plan
+    from jaxtron.state import init_state, make_plan
+    from jaxtron.step import compile_step
 
     devices = jax.devices()
     tx = make_optimizer(cfg.optim, cfg.train.steps)
@@ -74,10 +75,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     step_time = statistics.median(times)
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    flops = metrics.flops_per_token(cfg.model, cfg.train.seq_len) * tokens
-    row = metrics.make_row(steps, loss, 0.0, 0.0, step_time, tokens, flops, len(devices),
-                           devices[0].device_kind)
+    fetched = {"loss": loss, "lr": 0.0, "grad_norm": 0.0}
+    row = metrics.make_row(steps, fetched, step_time, metrics.StepCost.of(cfg, devices))
     stats = devices[0].memory_stats() or {}
     return {
         "device": devices[0].device_kind, "devices": len(devices), "mesh": plan.mesh_sizes,

@@ -1,0 +1,146 @@
+"""The step: the loss (summed over real tokens), its gradient with accumulation over microbatches,
+the pure train step, and its compilation with explicit shardings and state donation. Also the
+global batch as sharded arrays, the same for every process layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtron import parallel, pipeline
+from jaxtron.config import Config
+from jaxtron.optim import lr_schedule, schedule_count
+from jaxtron.state import Plan
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
+
+
+
+def loss_sums(params: dict, graphdef: Any, batch: dict,
+              pipe: pipeline.Pipeline | None = None) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over real (non-padding) tokens, and their count."""
+    model = nnx.merge(graphdef, params)
+    run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
+    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_BT = jnp.take_along_axis(logits_BTV, batch["targets"][..., None], axis=-1)[..., 0]
+    mask_BT = batch["segment_ids"] != 0
+    return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0)), jnp.sum(mask_BT)
+
+
+def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
+                   pipe: pipeline.Pipeline | None = None):
+    """Mean loss and its gradient; with microbatches > 1, summed over microbatches in a scan
+    (each one a pass through the pipeline when `pipe` is set)."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_sums, pipe=pipe), has_aux=True)
+    if microbatches == 1:
+        (total, count), grads = grad_fn(params, graphdef, batch)
+    else:
+        # Row i*M + m goes to microbatch m: every device keeps its own rows, nothing moves.
+        def split(x_BT):
+            b, t = x_BT.shape
+            x = x_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
+            return parallel.constrain(x, (None, "act_batch", None))
+
+        def accumulate(carry, micro):
+            (part, n), g = grad_fn(params, graphdef, micro)
+            return jax.tree.map(jnp.add, carry, (part, n, g)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
+                 jax.tree.map(jnp.zeros_like, params))
+        (total, count, grads), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+    count = jnp.maximum(count, 1).astype(jnp.float32)
+    return total / count, jax.tree.map(lambda g: g / count, grads)
+
+
+def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
+               pipe: pipeline.Pipeline | None = None):
+    """One optimizer update. Pure: the caller jits it once and donates `state`.
+
+    A non-finite loss or gradient leaves params and optimizer state as they were and counts the
+    skip in `nonfinite` (consecutive skips); the host decides whether to go on.
+    """
+    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "step": state["step"] + 1,
+        "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
+    }
+    # The rate optax applied: its schedule counts applied updates, so skipped steps do not count.
+    lr = schedule(schedule_count(state["opt_state"]))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "nonfinite": new_state["nonfinite"]}
+    return new_state, metrics
+
+
+def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
+    """jit with explicit in/out shardings and state donation."""
+    step_fn = functools.partial(
+        train_step, graphdef=plan.graphdef, tx=tx,
+        schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
+        pipe=plan.pipe,
+    )
+    state_shardings = parallel.named(plan.specs, mesh)
+    batch_sharding = NamedSharding(mesh, parallel.batch_spec())
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, {k: batch_sharding for k in BATCH_KEYS}),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def compile_eval(plan: Plan, mesh: Mesh):
+    """Summed loss and token count of one batch under the current params (no update)."""
+    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe)
+    batch_sharding = NamedSharding(mesh, parallel.batch_spec())
+    return jax.jit(
+        lambda params, batch: fn(params, batch=batch),
+        in_shardings=(parallel.named(plan.specs["params"], mesh),
+                      {k: batch_sharding for k in BATCH_KEYS}),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+
+
+def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh) -> float:
+    """Mean next-token loss over the held-out batches (the same batches every time)."""
+    sums = jax.device_get([eval_fn(params, global_batch(b, mesh)) for b in eval_batches])
+    total = sum(float(s) for s, _ in sums)
+    count = sum(int(n) for _, n in sums)
+    return total / max(count, 1)
+
+
+def global_batch(batch: dict, mesh: Mesh) -> dict:
+    """The global numpy batch (the same on every process) -> one jax.Array per key, sharded over
+    the batch axes. Each local device takes its own shard out of the global rows, so any mesh
+    over any process layout works, also where a batch shard spans processes (pipeline stages or
+    tensor ranks on other hosts)."""
+    sharding = NamedSharding(mesh, parallel.batch_spec())
+
+    def put(rows: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+    return {k: put(batch[k]) for k in BATCH_KEYS}
+
+
+def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
+    """Shapes and shardings of one global batch (for ahead-of-time compilation)."""
+    sharding = NamedSharding(mesh, parallel.batch_spec())
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
