@@ -76,40 +76,39 @@ def dry_run(cfg, num_devices: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron import distributed, xla_flags
     from jaxtron.checkpoint import CheckpointSaveError
-    from jaxtron.config import ConfigError, load
-    from jaxtron.train import NonFiniteError, Preempted, train
+    from jaxtron.cli import one_line_errors
+    from jaxtron.train import NonFiniteError, Preempted
 
+    statuses = {NonFiniteError: EXIT_NONFINITE, CheckpointSaveError: EXIT_SAVE_FAILED}
     try:
-        cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
-        # XLA reads its flags once, when the first backend starts: set them before anything
-        # touches a device, dry runs included (a misspelled flag stops here, in one line).
-        print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
-        if args.dry_run:  # a plan needs no other process: it never joins them
-            import jax
-
-            dry_run(cfg, args.devices or jax.device_count())
-            return 0
-        if args.devices:
-            raise ConfigError("--devices only applies to --dry-run")
-        # Join the other processes (if any) before anything touches a jax device: train() checks
-        # the mesh against the global device count.
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        train(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except CheckpointSaveError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_SAVE_FAILED
+        return one_line_errors(lambda: run(args), statuses=statuses)
     except Preempted as e:
         print(f"{e}: checkpoint saved, run the same command to resume", file=sys.stderr)
         return EXIT_PREEMPTED
-    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Load the config, set XLA's flags, then plan (--dry-run) or join the processes and train."""
+    from jaxtron import distributed, xla_flags
+    from jaxtron.config import ConfigError, load
+    from jaxtron.train import train
+
+    cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    # XLA reads its flags once, when the first backend starts: set them before anything
+    # touches a device, dry runs included (a misspelled flag stops here, in one line).
+    print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
+    if args.dry_run:  # a plan needs no other process: it never joins them
+        import jax
+
+        dry_run(cfg, args.devices or jax.device_count())
+        return
+    if args.devices:
+        raise ConfigError("--devices only applies to --dry-run")
+    # Join the other processes (if any) before anything touches a jax device: train() checks
+    # the mesh against the global device count.
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    train(cfg)
 
 
 if __name__ == "__main__":

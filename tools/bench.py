@@ -16,9 +16,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,24 +91,24 @@ def bench(cfg, steps: int, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron import xla_flags
-    from jaxtron.config import ConfigError, load
+    from jaxtron.cli import one_line_errors
 
-    try:
-        cfg = load(args.config or ["configs/tiny.yaml"], args.overrides)
-        xla_flags.apply(cfg.xla)
-        result = bench(cfg, args.steps, args.warmup)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    result["overrides"] = args.overrides
+    return one_line_errors(lambda: report(args))
+
+
+def report(args: argparse.Namespace) -> None:
+    """Measure, print the result as one JSON line, and append it to --out."""
+    from jaxtron import xla_flags
+    from jaxtron.config import load
+
+    cfg = load(args.config or ["configs/tiny.yaml"], args.overrides)
+    xla_flags.apply(cfg.xla)  # before anything starts a backend
+    result = {**bench(cfg, args.steps, args.warmup), "overrides": args.overrides}
     line = json.dumps(result)
     print(line, flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write(line + "\n")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from jaxtron import config as config_lib
+from jaxtron import data as data_lib
+from jaxtron.cli import one_line_errors
 
-from jaxtron import config as config_lib  # noqa: E402
-from jaxtron import data as data_lib  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -59,22 +59,22 @@ def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = config_lib.load(args.config or [ROOT / "configs" / "tiny.yaml"], args.overrides)
-        data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
-        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"Python {platform.python_version()}")
-        print(f"data.source={cfg.data.source}, global batch {cfg.train.batch_size} x seq_len {cfg.train.seq_len}, "
-              f"{args.warmup} warm-up + {args.batches} timed batches")
-        for workers in (int(w) for w in args.workers.split(",")):
-            r = bench(cfg, workers, args.batches, args.warmup)
-            print(f"workers={workers}: {r['tokens_per_s']:,.0f} tokens/s per host "
-                  f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
-                  f"{r['elapsed_s']:.2f} s timed, {r['setup_s']:.2f} s setup + warm-up", flush=True)
-    except config_lib.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return one_line_errors(lambda: report(args))
+
+
+def report(args: argparse.Namespace) -> None:
+    """Print the machine, the setting and one line per worker count."""
+    cfg = config_lib.load(args.config or [ROOT / "configs" / "tiny.yaml"], args.overrides)
+    data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}")
+    print(f"data.source={cfg.data.source}, global batch {cfg.train.batch_size} x seq_len "
+          f"{cfg.train.seq_len}, {args.warmup} warm-up + {args.batches} timed batches")
+    for workers in (int(w) for w in args.workers.split(",")):
+        r = bench(cfg, workers, args.batches, args.warmup)
+        print(f"workers={workers}: {r['tokens_per_s']:,.0f} tokens/s per host "
+              f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
+              f"{r['elapsed_s']:.2f} s timed, {r['setup_s']:.2f} s setup + warm-up", flush=True)
 
 
 if __name__ == "__main__":

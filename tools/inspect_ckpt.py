@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from jaxtron.cli import EXIT_USAGE, one_line_errors
+
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
 
@@ -168,15 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="a checkpoint (.../checkpoints/<step>), "
                         "a checkpoints directory or a run directory")
     args = parser.parse_args(argv)
-    try:
-        listing, step_dir = resolve(args.path)
-        if listing is not None:
-            print_listing(listing)
-        print_checkpoint(step_dir)
-    except NotACheckpoint as e:
-        print(f"inspect_ckpt: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return one_line_errors(lambda: inspect(args.path), prefix="inspect_ckpt",
+                           statuses={NotACheckpoint: EXIT_USAGE})
+
+
+def inspect(path: Path) -> None:
+    """Print the listing (for a run or checkpoints directory), then the checkpoint itself."""
+    listing, step_dir = resolve(path)
+    if listing is not None:
+        print_listing(listing)
+    print_checkpoint(step_dir)
 
 
 if __name__ == "__main__":

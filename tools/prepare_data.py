@@ -27,18 +27,25 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import jaxtron` without installing
+import numpy as np
+import sentencepiece as spm
+from array_record.python.array_record_module import ArrayRecordWriter
+from text_inputs import (
+    Source,
+    absolute,
+    bad_entry,
+    describe,
+    file_size,
+    find_sources,
+    read_documents,
+    sample_lines,
+)
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-import sentencepiece as spm  # noqa: E402
-from array_record.python.array_record_module import ArrayRecordWriter  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from jaxtron.config import ConfigError  # noqa: E402
-from jaxtron.corpus import write_atomic  # noqa: E402
-from jaxtron.tokenizer import train_tokenizer  # noqa: E402
-from text_inputs import (Source, absolute, bad_entry, describe, file_size,  # noqa: E402
-                         find_sources, read_documents, sample_lines)
+from jaxtron.cli import one_line_errors
+from jaxtron.config import ConfigError
+from jaxtron.corpus import write_atomic
+from jaxtron.tokenizer import train_tokenizer
 
 FORMAT, SPLITS, PARTS = "jaxtron.tokens.v1", ("train", "val"), ".parts"
 SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
@@ -437,10 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a batch system's stop: as Ctrl-C
     try:
-        return prepare(args)
-    except ConfigError as e:
-        print(f"prepare_data.py: error: {e}", file=sys.stderr)
-        return 2
+        return one_line_errors(lambda: prepare(args), prefix="prepare_data.py: error")
     except StrictStop as e:
         print(f"prepare_data.py: error: bad input (--strict): {e}", file=sys.stderr)
         return 1

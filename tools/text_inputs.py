@@ -3,7 +3,7 @@
 A `.jsonl`/`.json` file holds one JSON document per line, a `.parquet` file one per row (the text
 under a key/column), any other file is one plain-text document. Readers never raise on bad input:
 they yield it as an item with a reason, located by line (1-based) or Parquet row (0-based).
-Needs the repository root on sys.path (for `jaxtron.config`), as prepare_data.py arranges.
+Imports `jaxtron.config` from the installed package (`pip install -e .`).
 """
 
 from __future__ import annotations
