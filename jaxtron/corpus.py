@@ -95,7 +95,8 @@ def files_digest(files: Sequence[Path]) -> str:
 
 
 def is_held_out(key: str, fraction: float) -> bool:
-    """Whether `key` (a relative path) falls in the held-out `fraction`, by its sha256."""
+    """Whether `key` falls in the held-out `fraction`, by its sha256: the one held-out rule (stdlib
+    files by relative path here, prepared documents by path and index in prepared.is_val)."""
     return int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) < fraction * 2**64
 
 

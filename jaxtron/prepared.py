@@ -1,5 +1,6 @@
-"""Prepared datasets on disk (docs/data_format.md): manifests, the checks made before compiling,
-and the documents of a split as a Grain map dataset over its ArrayRecord shards.
+"""Prepared datasets on disk (docs/data_format.md), in both directions: the writer's pieces (the
+val rule, a split's shards, the manifest) that tools/prepare_data.py drives, and the reader's
+(manifests, the checks made before compiling, a split's documents as a Grain map dataset).
 """
 
 from __future__ import annotations
@@ -7,18 +8,25 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import grain
 import numpy as np
 import sentencepiece as spm
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxtron.config import SOURCES, ConfigError, DataConfig
+from jaxtron.corpus import is_held_out
 from jaxtron.tokenizer import load_tokenizer
 
 MANIFEST_FORMAT = "jaxtron.tokens.v1"
 TOKEN_DTYPES = ("uint16", "int32")
 SPLITS = ("train", "val")
+SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
+VAL_RULE = "sha256"  # is_val's hash, recorded so one output directory never mixes two rules
+MAX_EXAMPLES = 100  # bad-input examples in the manifest
 
 
 def read_manifest(path: str) -> dict:
@@ -133,3 +141,60 @@ def mixture_summary(data: DataConfig) -> str:
                      f"documents, {s['train']['tokens']:,} tokens, {s['val']['documents']:,} "
                      "held out")
     return "data: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------- writing
+def is_val(rel: str, index: int, val_fraction: float) -> bool:
+    """Whether a document goes to val: the rule the stdlib corpus holds files out by
+    (corpus.is_held_out), keyed by the file's relative path and the document's index in it."""
+    return is_held_out(f"{rel}\0{index}", val_fraction)
+
+
+class SplitShards:
+    """One split's shards of one unit: a new part every `part_tokens` tokens, named when done."""
+
+    def __init__(self, out: Path, split: str, index: int, part_tokens: int):
+        self.out, self.prefix, self.part_tokens = out, f"{split}-{index:05d}", part_tokens
+        self.shards: list[str] = []
+        self.documents = self.tokens = self.part_written = 0
+        self.writer: ArrayRecordWriter | None = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        """Append one document, rolling over to a new part once this one holds enough tokens."""
+        if self.writer is None:
+            self.shards.append(f"{self.prefix}-{len(self.shards):05d}.arrayrecord")
+            temporary = self.out / f".{self.shards[-1]}.tmp"
+            self.writer = ArrayRecordWriter(str(temporary), "group_size:1")  # random access
+            self.part_written = 0
+        self.writer.write(tokens.tobytes())
+        self.documents, self.tokens = self.documents + 1, self.tokens + len(tokens)
+        self.part_written += len(tokens)
+        if self.part_written >= self.part_tokens:
+            self.finish()
+
+    def finish(self) -> dict:
+        """Close the open part, give it its final name; this split's shards, documents, tokens."""
+        if self.writer is not None:
+            self.writer.close()
+            os.replace(self.out / f".{self.shards[-1]}.tmp", self.out / self.shards[-1])
+            self.writer = None
+        return {"shards": self.shards, "documents": self.documents, "tokens": self.tokens}
+
+
+def build_manifest(records: list[dict], sp: spm.SentencePieceProcessor, run: dict) -> dict:
+    """manifest.json of docs/data_format.md, from the units' completion records in order."""
+    splits = {name: {"shards": [], "documents": 0, "tokens": 0} for name in SPLITS}
+    for record in records:
+        for name, split in splits.items():
+            for key in split:
+                split[key] += record["splits"][name][key]
+    files = [f for record in records for f in record["files"]]
+    examples = [entry for record in records for entry in record["bad_examples"]]
+    tokenizer = {"file": "tokenizer.model", "sha256": run["tokenizer_sha256"],
+                 "vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id()}
+    return {"format": MANIFEST_FORMAT, "tokenizer": tokenizer, "dtype": run["dtype"],
+            "val_fraction": run["val_fraction"], "splits": splits,
+            "sources": [{k: f[k] for k in ("path", "documents", "tokens", "bad")} for f in files],
+            "bad_input": {"count": sum(f["bad"] for f in files),
+                          "examples": examples[:MAX_EXAMPLES]}}
+

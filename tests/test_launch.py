@@ -164,10 +164,10 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
     prep = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "prepare_data.py"), str(stdlib / "json" / "*.py"),
          str(stdlib / "email" / "*.py"), "--out", str(out), "--train-tokenizer", "1000",
-         "--val-fraction", "0.1"], capture_output=True, text=True, timeout=300)
+         "--val-fraction", "0.2"], capture_output=True, text=True, timeout=300)
     assert prep.returncode == 0, prep.stderr[-2000:]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["splits"]["val"]["documents"] > 0
+    assert manifest["splits"]["val"]["documents"] > 0  # 4 of these 25 files under the sha256 rule
     run_dir = tmp_path / "run"
     rc = launch.main(["data.source=arrayrecord", f"data.mixture=[{{path: {out}}}]",
                       "model.vocab_size=1024", "train.steps=2", "train.log_every=1",

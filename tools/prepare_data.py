@@ -19,7 +19,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import re
 import signal
 import sys
 import time
@@ -29,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
-from array_record.python.array_record_module import ArrayRecordWriter
 from text_inputs import (
     Source,
     absolute,
@@ -45,14 +43,22 @@ from tqdm import tqdm
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 from jaxtron.corpus import write_atomic
+from jaxtron.prepared import (
+    MANIFEST_FORMAT,
+    SHARD_NAME,
+    SPLITS,
+    VAL_RULE,
+    SplitShards,
+    build_manifest,
+    is_val,
+)
 from jaxtron.tokenizer import train_tokenizer
 
-FORMAT, SPLITS, PARTS = "jaxtron.tokens.v1", ("train", "val"), ".parts"
-SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
-RUN_KEYS = ("format", "tokenizer_sha256", "dtype", "val_fraction", "text_field", "part_tokens")
+PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
+RUN_KEYS = ("format", "val_rule", "tokenizer_sha256", "dtype", "val_fraction", "text_field",
+            "part_tokens")
 BYTES_PER_TOKEN = 4  # sizes units before tokenizing; BPE on English or code gives ~3-5
 MAX_REPORTED = 20  # bad-input lines printed and kept as examples, per input file
-MAX_EXAMPLES = 100  # bad-input examples in the manifest
 ENCODE_BATCH_CHARS = 4 << 20  # documents are encoded in batches of about this much text
 
 
@@ -97,43 +103,6 @@ def plan_units(sources: list[Source], sizes: list[int], part_tokens: int) -> lis
         total += size
     return [Unit(i, tuple(s for s, _ in group), tuple(n for _, n in group))
             for i, group in enumerate(groups)]
-
-
-def is_val(rel: str, index: int, val_fraction: float) -> bool:
-    """Whether a document goes to val: a hash of (file's rel path, document index) < fraction."""
-    digest = hashlib.blake2b(f"{rel}\0{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
-
-
-class SplitShards:
-    """One split's shards of one unit: a new part every `part_tokens` tokens, named when done."""
-
-    def __init__(self, out: Path, split: str, index: int, part_tokens: int):
-        self.out, self.prefix, self.part_tokens = out, f"{split}-{index:05d}", part_tokens
-        self.shards: list[str] = []
-        self.documents = self.tokens = self.part_written = 0
-        self.writer: ArrayRecordWriter | None = None
-
-    def write(self, tokens: np.ndarray) -> None:
-        """Append one document, rolling over to a new part once this one holds enough tokens."""
-        if self.writer is None:
-            self.shards.append(f"{self.prefix}-{len(self.shards):05d}.arrayrecord")
-            temporary = self.out / f".{self.shards[-1]}.tmp"
-            self.writer = ArrayRecordWriter(str(temporary), "group_size:1")  # random access
-            self.part_written = 0
-        self.writer.write(tokens.tobytes())
-        self.documents, self.tokens = self.documents + 1, self.tokens + len(tokens)
-        self.part_written += len(tokens)
-        if self.part_written >= self.part_tokens:
-            self.finish()
-
-    def finish(self) -> dict:
-        """Close the open part, give it its final name; this split's shards, documents, tokens."""
-        if self.writer is not None:
-            self.writer.close()
-            os.replace(self.out / f".{self.shards[-1]}.tmp", self.out / self.shards[-1])
-            self.writer = None
-        return {"shards": self.shards, "documents": self.documents, "tokens": self.tokens}
 
 
 _WORKER: dict = {}  # this worker process's settings, tokenizer and message queue
@@ -336,24 +305,6 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
         return {i: result.get() for i, result in results.items()}
 
 
-def build_manifest(records: list[dict], sp: spm.SentencePieceProcessor, run: dict) -> dict:
-    """manifest.json of docs/data_format.md, from the units' completion records in order."""
-    splits = {name: {"shards": [], "documents": 0, "tokens": 0} for name in SPLITS}
-    for record in records:
-        for name, split in splits.items():
-            for key in split:
-                split[key] += record["splits"][name][key]
-    files = [f for record in records for f in record["files"]]
-    examples = [entry for record in records for entry in record["bad_examples"]]
-    tokenizer = {"file": "tokenizer.model", "sha256": run["tokenizer_sha256"],
-                 "vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id()}
-    return {"format": FORMAT, "tokenizer": tokenizer, "dtype": run["dtype"],
-            "val_fraction": run["val_fraction"], "splits": splits,
-            "sources": [{k: f[k] for k in ("path", "documents", "tokens", "bad")} for f in files],
-            "bad_input": {"count": sum(f["bad"] for f in files),
-                          "examples": examples[:MAX_EXAMPLES]}}
-
-
 def summary(manifest: dict, records: list[dict], new_tokens: int, seconds: float) -> str:
     """The closing lines: totals per split, this run's token rate, bad input by reason."""
     splits = "; ".join(f"{name} {s['documents']:,} documents, {s['tokens']:,} tokens, "
@@ -372,7 +323,7 @@ def prepare(args: argparse.Namespace) -> int:
     sources = find_sources(args.inputs, out)
     model = obtain_tokenizer(args, sources, out)
     sp = spm.SentencePieceProcessor(model_proto=model)
-    run = {"format": FORMAT, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
+    run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
            "dtype": "uint16" if sp.get_piece_size() <= 1 << 16 else "int32",
            "val_fraction": args.val_fraction, "text_field": args.text_field,
            "part_tokens": args.part_tokens, "trained_with": args.trained_with}
