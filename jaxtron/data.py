@@ -237,7 +237,7 @@ class BatchIterator(grain.DatasetIterator):
             self._consumed = saved["consumed"]
             return True
         start = saved["start"] + saved["consumed"]
-        was, now = (f"{d['workers']} workers ({d['pipeline']})"
+        was, now = (f"{d['workers']} workers ({_describe(d['pipeline'])})"
                     for d in (saved, self.layout))
         warnings.warn(f"data: cannot resume the input exactly: it was saved with {was}, this run "
                       f"has {now}; resuming deterministically near item {start:,} of the global "
@@ -257,6 +257,13 @@ class BatchIterator(grain.DatasetIterator):
     def close(self) -> None:
         if self._it is not None:
             self._it.close()
+
+
+def _describe(pipeline: dict | str | None) -> str:
+    """A saved pipeline layout in a warning: `key=value` pairs (older checkpoints kept a string)."""
+    if not isinstance(pipeline, dict):
+        return str(pipeline)
+    return " ".join(f"{key}={value}" for key, value in pipeline.items())
 
 
 def restore_iterator(it: BatchIterator, saved_state: dict) -> bool:
@@ -279,9 +286,12 @@ def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int) -> Batch
     process reads the same ones, so results and resume do not depend on the process count."""
     stream = _stream(data, train.seq_len, vocab_size, train.seed)
     build = functools.partial(_batches, stream, train=train, workers=data.workers)
-    layout = {"workers": data.workers,
-              "pipeline": f"{data.source} {data.mixture} seq_len={train.seq_len} "
-                          f"batch_size={train.batch_size} seed={train.seed}"}
+    # The fields the batches depend on, as plain JSON values: a checkpoint stores them, and a
+    # restore compares them field by field with this run's.
+    pipeline = {"source": data.source,
+                "mixture": [[entry.path, entry.weight] for entry in data.mixture],
+                "seq_len": train.seq_len, "batch_size": train.batch_size, "seed": train.seed}
+    layout = {"workers": data.workers, "pipeline": pipeline}
     return BatchIterator(build, stream.count, layout)
 
 
