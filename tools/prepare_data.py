@@ -105,32 +105,45 @@ def plan_units(sources: list[Source], sizes: list[int], part_tokens: int) -> lis
             for i, group in enumerate(groups)]
 
 
-_WORKER: dict = {}  # this worker process's settings, tokenizer and message queue
+@dataclass(frozen=True)
+class Worker:
+    """What one worker process holds for every unit it tokenizes."""
+
+    settings: Settings
+    messages: mp.Queue  # progress and bad-input lines for the parent's bar
+    sp: spm.SentencePieceProcessor  # loaded once per process, not once per unit
+
+
+# The pool's initializer runs in each worker process and leaves its Worker here for the tasks
+# that process runs next: the one piece of per-process state a multiprocessing pool needs.
+_worker: Worker | None = None
 
 
 def init_worker(settings: Settings, messages: mp.Queue) -> None:
     """Load the tokenizer once per worker process."""
+    global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends the pool
     sp = spm.SentencePieceProcessor(model_file=str(settings.out / "tokenizer.model"))
-    _WORKER.update(settings=settings, messages=messages, sp=sp)
+    _worker = Worker(settings, messages, sp)
 
 
 def process_unit(unit: Unit, threads: int) -> dict:
     """Tokenize one unit into its shards, then write its completion record."""
+    worker = _worker
     try:
-        record = UnitJob(unit, threads).run()
-        write_atomic(_WORKER["settings"].out / PARTS / f"{unit.index:05d}.json",
+        record = UnitJob(worker, unit, threads).run()
+        write_atomic(worker.settings.out / PARTS / f"{unit.index:05d}.json",
                      json.dumps(record, indent=1).encode())
         return record
     finally:
-        _WORKER["messages"].put(("done", unit.index))
+        worker.messages.put(("done", unit.index))
 
 
 class UnitJob:
     """Tokenizing one unit: its shards per split, each file's tally, the unit's bad input."""
 
-    def __init__(self, unit: Unit, threads: int):
-        self.unit, self.threads, self.settings = unit, threads, _WORKER["settings"]
+    def __init__(self, worker: Worker, unit: Unit, threads: int):
+        self.worker, self.unit, self.threads, self.settings = worker, unit, threads, worker.settings
         self.dtype = np.dtype(self.settings.dtype).newbyteorder("<")
         self.splits = {s: SplitShards(self.settings.out, s, unit.index, self.settings.part_tokens)
                        for s in SPLITS}
@@ -168,13 +181,13 @@ class UnitJob:
         entry = bad_entry(self.unit.sources[k], where, reason)
         if self.files[k]["bad"] <= MAX_REPORTED:
             self.bad_examples.append(entry)
-            _WORKER["messages"].put(("bad", describe(entry)))
+            self.worker.messages.put(("bad", describe(entry)))
         if self.settings.strict:
             raise StrictStop(describe(entry))
 
     def encode(self, batch: list[tuple[int, int, dict, str]], nbytes: int) -> None:
         """Tokenize a batch of documents and write each to its split."""
-        ids = _WORKER["sp"].encode([text for *_, text in batch], num_threads=self.threads)
+        ids = self.worker.sp.encode([text for *_, text in batch], num_threads=self.threads)
         documents = tokens = 0
         for (k, index, where, _), doc in zip(batch, ids):
             if not doc:  # possible with a tokenizer that normalizes whitespace away
@@ -185,7 +198,7 @@ class UnitJob:
             self.files[k]["documents"] += 1
             self.files[k]["tokens"] += len(doc)
             documents, tokens = documents + 1, tokens + len(doc)
-        _WORKER["messages"].put(("progress", documents, tokens, nbytes))
+        self.worker.messages.put(("progress", documents, tokens, nbytes))
 
 
 def read_json(path: Path) -> dict | None:
