@@ -26,13 +26,7 @@ from jaxtron.config import Config
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
 from jaxtron.state import initial_state, make_plan
-from jaxtron.step import (
-    abstract_batch,
-    compile_eval,
-    compile_step,
-    evaluate,
-    global_batch,
-)
+from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
 
 
 def train(cfg: Config, devices: list | None = None) -> list[dict]:

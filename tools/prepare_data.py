@@ -28,30 +28,15 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
-from text_inputs import (
-    Source,
-    absolute,
-    bad_entry,
-    describe,
-    file_size,
-    find_sources,
-    read_documents,
-    sample_lines,
-)
+from text_inputs import (Source, absolute, bad_entry, describe, file_size, find_sources,
+                         read_documents, sample_lines)
 from tqdm import tqdm
 
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 from jaxtron.corpus import write_atomic
-from jaxtron.prepared import (
-    MANIFEST_FORMAT,
-    SHARD_NAME,
-    SPLITS,
-    VAL_RULE,
-    SplitShards,
-    build_manifest,
-    is_val,
-)
+from jaxtron.prepared import (MANIFEST_FORMAT, SHARD_NAME, SPLITS, VAL_RULE, SplitShards,
+                              build_manifest, is_val)
 from jaxtron.tokenizer import train_tokenizer
 
 PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
