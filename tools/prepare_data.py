@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -96,6 +97,7 @@ class Worker:
 
     settings: Settings
     messages: mp.Queue  # progress and bad-input lines for the parent's bar
+    stop: Any  # an mp.Event the parent sets under --strict: every unit ends at its next batch
     sp: spm.SentencePieceProcessor  # loaded once per process, not once per unit
 
 
@@ -104,12 +106,12 @@ class Worker:
 _worker: Worker | None = None
 
 
-def init_worker(settings: Settings, messages: mp.Queue) -> None:
+def init_worker(settings: Settings, messages: mp.Queue, stop: Any) -> None:
     """Load the tokenizer once per worker process."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends the pool
     sp = spm.SentencePieceProcessor(model_file=str(settings.out / "tokenizer.model"))
-    _worker = Worker(settings, messages, sp)
+    _worker = Worker(settings, messages, stop, sp)
 
 
 def process_unit(unit: Unit, threads: int) -> dict:
@@ -145,6 +147,8 @@ class UnitJob:
         for k, source in enumerate(self.unit.sources):
             for index, where, text, reason, size in read_documents(source.path,
                                                                    self.settings.text_field):
+                if self.worker.stop.is_set():
+                    raise StrictStop("another unit met bad input")
                 nbytes += size
                 if reason is not None or not text:
                     self.bad(k, where, reason or "empty document")
@@ -281,18 +285,21 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
     if not todo:
         return {}
     context = mp.get_context("spawn")  # never fork a parent that may hold threads
-    messages = context.Queue()
+    messages, stop, strict_stop = context.Queue(), context.Event(), None
     threads = max(1, workers // len(todo))  # fewer units than workers: encode with more threads
     started, documents, tokens, done = time.monotonic(), 0, 0, 0
-    with context.Pool(min(workers, len(todo)), init_worker, (settings, messages)) as pool:
+    with context.Pool(min(workers, len(todo)), init_worker, (settings, messages, stop)) as pool:
         results = {unit.index: pool.apply_async(process_unit, (unit, threads))
                    for unit in sorted(todo, key=lambda unit: -unit.size)}  # biggest first
         while done < len(results):
             kind, *payload = messages.get()
             done += kind == "done"
             if kind == "bad" and settings.strict:
-                raise StrictStop(payload[0])  # leaving the pool terminates the other workers
-            if kind == "bad":
+                # Stop every unit at its next document and let them all end before leaving the
+                # pool: terminating workers mid-task can deadlock Pool.terminate().
+                strict_stop = strict_stop or StrictStop(payload[0])
+                stop.set()
+            elif kind == "bad":
                 bar.write(f"bad input: {payload[0]}", file=sys.stderr)
             if kind == "progress":
                 documents, tokens = documents + payload[0], tokens + payload[1]
@@ -300,6 +307,8 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
                 bar.set_postfix_str(f"{documents:,} docs, {tokens:,} tokens, {rate:,.0f} tok/s",
                                     refresh=False)
                 bar.update(payload[2])
+        if strict_stop is not None:
+            raise strict_stop
         return {i: result.get() for i, result in results.items()}
 
 
