@@ -3,6 +3,7 @@
     python launch.py                                          # tiny model on the default corpus
     python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
     python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
+    python launch.py --config configs/llama3_8b.yaml --compile-for h100 --devices 8 --report r.json
     python launch.py xla.collective_matmul=true xla.flags=[--xla_dump_to=/tmp/hlo]   # XLA flags
     python launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0   # and id 1
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
@@ -39,7 +40,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and print the plan (parameters, memory) without compiling")
     parser.add_argument("--devices", type=int, default=0,
-                        help="with --dry-run: plan for this many devices instead of the local ones")
+                        help="with --dry-run or --compile-for: this many devices instead of the "
+                             "local ones")
+    parser.add_argument("--compile-for", metavar="GPU",
+                        help="compile the train step for a cluster of this GPU (h100, h200) "
+                             "without one, and report its memory, FLOPs, collectives, kernels")
+    parser.add_argument("--gpus-per-host", type=int, default=8,
+                        help="with --compile-for: GPUs per host (default 8)")
+    parser.add_argument("--report", metavar="FILE.json", help="with --compile-for: the report as JSON")
+    parser.add_argument("--hlo", metavar="FILE", help="with --compile-for: the optimized HLO text")
     parser.add_argument("--coordinator", metavar="HOST:PORT",
                         help="several processes: process 0's address and a free port there")
     parser.add_argument("--num-processes", type=int, metavar="N",
@@ -57,7 +66,7 @@ def _gib(n: int) -> str:
 def dry_run(cfg, num_devices: int) -> None:
     """Print the resolved config, mesh, parameter count and per-device memory; allocate nothing."""
     from jaxtron import config as config_lib
-    from jaxtron import pipeline
+    from jaxtron import memory, pipeline
     from jaxtron.optim import make_optimizer
     from jaxtron.state import make_plan
 
@@ -68,8 +77,10 @@ def dry_run(cfg, num_devices: int) -> None:
     print(f"parameters: {plan.num_params:,}")
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
-    saved = pipeline.saved_activation_bytes(cfg, plan.mesh_sizes)
-    print(f"saved activations per device (model.remat=full estimate): {_gib(saved)}")
+    terms = memory.estimate(cfg, plan)
+    print(f"memory per device, estimated: {_gib(sum(terms.values()))}")
+    for name, size in terms.items():
+        print(f"  {name}: {_gib(size)}")
     if plan.pipe:
         print(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
 
@@ -95,6 +106,11 @@ def run(args: argparse.Namespace) -> None:
     from jaxtron.train import train
 
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    if args.compile_for:
+        compile_for(cfg, args)
+        return
+    if args.report or args.hlo:
+        raise ConfigError("--report and --hlo only apply to --compile-for")
     # XLA reads its flags once, when the first backend starts: set them before anything
     # touches a device, dry runs included (a misspelled flag stops here, in one line).
     print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
@@ -104,11 +120,54 @@ def run(args: argparse.Namespace) -> None:
         dry_run(cfg, args.devices or jax.device_count())
         return
     if args.devices:
-        raise ConfigError("--devices only applies to --dry-run")
+        raise ConfigError("--devices only applies to --dry-run and --compile-for")
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     train(cfg)
+
+
+def compile_for(cfg, args: argparse.Namespace) -> None:
+    """Compile the train step for --devices GPUs of --compile-for on this machine and report."""
+    import dataclasses
+    import json
+
+    from jaxtron import xla_flags
+    from jaxtron.config import ConfigError
+
+    if args.dry_run:
+        raise ConfigError("--compile-for and --dry-run are two different reports; give one")
+    if args.devices < 1:
+        raise ConfigError("--compile-for needs --devices N, the GPUs of the cluster to compile for")
+    from jaxtron import aot
+
+    aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
+    # Compile-only GPU devices come from the CUDA plugin, but jax must start no CUDA runtime here;
+    # and the program must be the one a GPU host compiles, so `auto` means the GPU flag preset.
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # read when the first backend starts: not yet
+    if cfg.xla.preset == "auto":
+        cfg = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, preset="gpu"))
+    outputs = {path: _writable(path) for path in (args.report, args.hlo) if path}
+    print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
+    report = aot.compile_for(cfg, args.compile_for, args.devices, args.gpus_per_host, args.hlo)
+    print("\n".join(aot.format_report(report)))
+    if args.report:
+        with outputs[args.report].open("w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _writable(path: str) -> Path:
+    """`path` as a file this run can write (checked before a long compile, not after)."""
+    from jaxtron.config import ConfigError
+
+    target = Path(path)
+    try:
+        target.touch()
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror}") from None
+    return target
 
 
 if __name__ == "__main__":

@@ -118,26 +118,6 @@ def reorder(layers: Any, src: np.ndarray, dst: np.ndarray) -> Any:
     return jax.tree.map(lambda w: w[where], layers)
 
 
-def saved_activation_bytes(cfg: Config, sizes: dict[str, int]) -> int:
-    """Activations one device keeps for the backward pass under model.remat=full (each layer's
-    input, [b, T/tensor, D] in the compute dtype), an estimate that ignores the one layer being
-    recomputed; other policies keep more.
-
-    Without a pipeline: one microbatch's inputs to every layer. With one: every iteration's
-    inputs to the stage's layers (M*R + S - 1 iterations of L/(S*R) layers), plus the stage-0
-    buffer of M microbatches.
-    """
-    m, t = cfg.model, cfg.train
-    rows = t.batch_size // t.microbatches // (sizes["data"] * sizes["fsdp"])
-    per_pass = t.microbatches // cfg.pipeline.passes
-    slab = rows * t.seq_len // sizes["tensor"] * m.d_model * jnp.dtype(m.dtype).itemsize
-    pipe = from_config(cfg, sizes["stage"])
-    if pipe is None:
-        return m.num_layers * slab
-    layers = m.num_layers // (pipe.stages * pipe.repeats)
-    return (pipe.iterations * layers + per_pass) * slab
-
-
 def _microbatches(x: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...]; row i*M + j goes to microbatch j, so no row changes device."""
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)

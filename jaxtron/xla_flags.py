@@ -150,6 +150,36 @@ def check(flags: list[str], sources: dict[str, str] | None = None) -> None:
                       f"{lines[-1] if lines else f'exit status {proc.returncode}'}")
 
 
+def load_plugins_quietly() -> None:
+    """Import jax and load its PJRT plugins now, with stderr silenced on a machine that has the
+    CUDA plugin but no NVIDIA driver.
+
+    There the plugin (the gpu-aot extra, for --compile-for) logs "Could not find cuda drivers on
+    your machine" through absl, straight to file descriptor 2, once per CUDA kernel module that
+    `import jax` loads and again when jax registers the plugin: six lines above every command's
+    own output. Loading registers plugins only: no backend starts, and XLA_FLAGS set afterwards
+    still apply. With a driver present, or without the plugin, this does nothing.
+    """
+    if os.path.exists("/proc/driver/nvidia") or not any(map(_installed, CUDA_PLUGINS)):
+        return
+    # No GPU can start here; saying so lets the plugin register for compile-only use (with
+    # platforms unset it checks the CUDA runtime, fails, and stays unregistered).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            from jax._src import xla_bridge
+
+            discover = getattr(xla_bridge, "_discover_and_register_pjrt_plugins", None)
+            if discover is not None:  # another jax version: it loads its plugins itself
+                discover()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)

@@ -1,0 +1,205 @@
+"""Compile the real train step for a GPU cluster that is not here, and report what it would run.
+
+XLA compiles for GPUs it cannot see: `jax.experimental.topologies` gives compile-only devices of a
+`GpuTargetConfig` (jaxtron/targets/*.txtpb: the device's SMs, memory, cuDNN and CUDA versions),
+arranged as hosts x GPUs. The plan, state and batch shardings and the jitted step are the ones
+`train()` builds; `.lower().compile()` runs XLA's whole GPU pipeline (SPMD partitioning, fusion,
+the latency-hiding scheduler, cuDNN and Triton kernel choices, buffer assignment) with the XLA
+flags a GPU host would get. Nothing is autotuned and nothing runs; the result is the optimized
+HLO and its memory analysis, read by `jaxtron.hlo`.
+
+Needs the CUDA plugin (`pip install -e '.[gpu-aot]'`: jax-cuda12-plugin and cuDNN) and
+JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; launch.py sets both up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import jax
+
+from jaxtron import hlo, memory, metrics, parallel
+from jaxtron.config import Config, ConfigError
+from jaxtron.optim import make_optimizer
+from jaxtron.state import make_plan
+from jaxtron.step import abstract_batch, compile_step
+
+TARGET_DIR = Path(__file__).resolve().parent / "targets"
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
+INSTALL = "pip install -e '.[gpu-aot]'"  # the extra that brings the CUDA plugin and cuDNN
+PLUGINS = ("jax_plugins.xla_cuda12", "jax_cuda12_plugin", "jax_plugins.xla_cuda13")
+DEFAULT_MEM_FRACTION = 0.75  # jax's GPU client preallocates this share unless told otherwise
+
+
+def target_config(target: str) -> str:
+    """The GpuTargetConfig text of a supported target."""
+    if target not in TARGETS:
+        raise ConfigError(f"--compile-for {target}: unknown target; use one of {', '.join(TARGETS)}")
+    return (TARGET_DIR / TARGETS[target]).read_text()
+
+
+def check_target(target: str, num_devices: int, gpus_per_host: int) -> None:
+    """A known target, the CUDA plugin installed, whole hosts: before anything compiles."""
+    target_config(target)
+    from jaxtron import xla_flags
+
+    if not any(map(xla_flags._installed, PLUGINS)):
+        raise ConfigError(f"--compile-for needs jax's CUDA plugin, which is not installed: {INSTALL}")
+    if num_devices < 1 or gpus_per_host < 1:
+        raise ConfigError("--devices and --gpus-per-host must be at least 1")
+    if num_devices % min(gpus_per_host, num_devices):
+        raise ConfigError(f"--devices {num_devices} is not a whole number of hosts of "
+                          f"--gpus-per-host {gpus_per_host}")
+
+
+def target_devices(target: str, num_devices: int, gpus_per_host: int) -> list:
+    """Compile-only devices of `target`: hosts x gpus_per_host of them, ids in host-major order
+    (device i is GPU i % gpus_per_host of host i // gpus_per_host)."""
+    check_target(target, num_devices, gpus_per_host)
+    from jax.experimental import topologies
+
+    per_host = min(gpus_per_host, num_devices)
+    topology = f"1x{num_devices // per_host}x{per_host}"
+    return list(topologies.get_topology_desc(platform="cuda", topology=topology,
+                                             target_config=target_config(target)).devices)
+
+
+def _field(target: str, name: str) -> str:
+    """A top-level or gpu_device_info field of the target's config, as text."""
+    for line in target_config(target).splitlines():
+        key, _, value = line.strip().partition(":")
+        if key == name:
+            return value.strip().strip('"')
+    raise ValueError(f"{TARGETS[target]} has no {name}")
+
+
+def capacity_bytes(target: str) -> int:
+    """The device's memory size, as its target config states it."""
+    return int(_field(target, "device_memory_size"))
+
+
+def target_device_kind(target: str) -> str:
+    return _field(target, "device_description_str")
+
+
+def usable_fraction() -> float:
+    """The share of GPU memory jax's allocator may use (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    try:
+        return float(value) if value else DEFAULT_MEM_FRACTION
+    except ValueError:
+        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value} is not a number") from None
+
+
+def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,
+                hlo_path: str | None = None) -> dict:
+    """Compile cfg's train step for `num_devices` GPUs of `target`; the report (see `report`)."""
+    compiled, plan, seconds = compile_step_for(cfg, target, num_devices, gpus_per_host)
+    text = compiled.as_text()
+    if hlo_path:
+        Path(hlo_path).write_text(text)
+    per_host = min(gpus_per_host, num_devices)
+    return report(cfg, plan, compiled.memory_analysis(), hlo.parse(text), target, seconds,
+                  per_host)
+
+
+def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8):
+    """(compiled train step, plan, seconds): train()'s step, compiled for the target's devices."""
+    devices = target_devices(target, num_devices, gpus_per_host)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, num_devices)
+    mesh = parallel.make_mesh(cfg.mesh, devices)
+    shardings = parallel.named(plan.specs, mesh)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         plan.abstract, shardings)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):  # the constraints on activations need the mesh, as in train()
+        compiled = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh)).compile()
+    return compiled, plan, time.perf_counter() - start
+
+
+def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: float,
+           gpus_per_host: int) -> dict:
+    """The compile report: memory per device (XLA's memory analysis) against the device and the
+    dry run's estimate, model and compiled FLOPs, collectives, kernels, compile time."""
+    num_devices = math.prod(plan.mesh_sizes.values())
+    capacity = capacity_bytes(target)
+    usable = int(capacity * usable_fraction())
+    peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    estimate = memory.estimate(cfg, plan)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    model_flops = metrics.flops_per_token(cfg.model, cfg.train.seq_len) * tokens / num_devices
+    return {
+        "target": target,
+        "device_kind": target_device_kind(target),
+        "devices": num_devices,
+        "hosts": num_devices // gpus_per_host,
+        "gpus_per_host": gpus_per_host,
+        "mesh": plan.mesh_sizes,
+        "memory": {"argument_bytes": stats.argument_size_in_bytes,
+                   "output_bytes": stats.output_size_in_bytes,
+                   "temp_bytes": stats.temp_size_in_bytes,
+                   "alias_bytes": stats.alias_size_in_bytes,
+                   "peak_bytes": peak, "capacity_bytes": capacity, "usable_bytes": usable},
+        "fits": peak <= usable,
+        "plan_peak_bytes": sum(estimate.values()),
+        "plan_terms": estimate,
+        "flops": {"model_per_device": round(model_flops),
+                  "compiled_per_device": hlo.dot_flops(module)},
+        "collectives": hlo.collectives(module, plan.mesh_sizes, gpus_per_host),
+        "kernels": hlo.kernels(module),
+        "compile_seconds": round(seconds, 2),
+        "xla_flags": os.environ.get("XLA_FLAGS", "").split(),
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_report(report: dict) -> list[str]:
+    """The report as lines for a terminal."""
+    mem, flops = report["memory"], report["flops"]
+    shape = ", ".join(f"{a}={s}" for a, s in report["mesh"].items())
+    lines = [f"compiled for {report['devices']} x {report['device_kind']} ({report['hosts']} "
+             f"hosts x {report['gpus_per_host']}), mesh {shape}, in "
+             f"{report['compile_seconds']:.1f} s"]
+    verdict = "fits" if report["fits"] else "DOES NOT FIT"
+    lines.append(f"memory per device: peak {_gib(mem['peak_bytes'])} of {_gib(mem['usable_bytes'])} "
+                 f"usable ({_gib(mem['capacity_bytes'])} x XLA_PYTHON_CLIENT_MEM_FRACTION "
+                 f"{mem['usable_bytes'] / mem['capacity_bytes']:.2f}): {verdict}")
+    lines.append(f"  arguments {_gib(mem['argument_bytes'])}, outputs {_gib(mem['output_bytes'])}, "
+                 f"aliased {_gib(mem['alias_bytes'])}, temporaries {_gib(mem['temp_bytes'])}")
+    lines.append(f"  dry-run estimate {_gib(report['plan_peak_bytes'])} "
+                 f"({report['plan_peak_bytes'] / mem['peak_bytes'] - 1:+.1%} of the compiled peak)")
+    overhead = flops["compiled_per_device"] / max(flops["model_per_device"], 1)
+    lines.append(f"flops per device per step: model {flops['model_per_device'] / 1e12:.2f} T, "
+                 f"compiled matmuls {flops['compiled_per_device'] / 1e12:.2f} T ({overhead:.2f}x)")
+    lines.append("collectives per device per step (op over axes: executions, bytes):")
+    for row in report["collectives"]:
+        axes = "+".join(row["axes"]) if row["axes"] else ("none" if row["axes"] == [] else "?")
+        mode = "async" if row["async"] else "sync"
+        hosts = ", across hosts" if row["crosses_hosts"] else ""
+        lines.append(f"  {row['op']:<18} over {axes:<16} {mode:<5} {row['count']:>6} x, "
+                     f"{_bytes(row['bytes'])}{hosts}")
+    if not report["collectives"]:
+        lines.append("  none")
+    kernels = ", ".join(f"{name} {count}" for name, count in report["kernels"].items())
+    lines.append(f"kernels per step: {kernels or 'none'}")
+    return lines
+
+
+def device_memory(target: str) -> int:
+    """Usable bytes of one device of `target` (for the dry run's verdict)."""
+    return int(capacity_bytes(target) * usable_fraction())

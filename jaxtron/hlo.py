@@ -1,0 +1,315 @@
+"""Reading an optimized HLO module's text: what runs per step, how often, moving how many bytes.
+
+The compiled program is a tree of computations: ENTRY calls fusions, while loops (the scanned
+layers, the microbatch and pipeline loops) and async wrappers. Everything here counts per
+*execution*: an instruction in a while body runs the loop's trip count times (XLA records it as
+`known_trip_count` on the loop), nested loops multiply.
+
+- `collectives`: every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute,
+  grouped by (op, mesh axes, async), with executions and bytes per step per device. Bytes follow
+  nccl-tests' "size": the whole buffer (an all-gather's output, a reduce-scatter's input).
+- `kernels`: custom calls (cuBLAS, cuDNN) and Triton fusions, by name, in executions per step.
+- `dot_flops`: 2 * M * N * K of every matmul (plain dots, cuBLAS calls, Triton GEMM fusions)
+  and the two matmuls of each cuDNN attention call, per step per device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CALLEE = re.compile(r"\b(?:body|calls)=%([\w.\-]+)")  # not to_apply: reductions' adders
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}|\b(?:true|false)_computation=%([\w.\-]+)")
+
+
+@dataclass
+class Instruction:
+    name: str
+    shape: str  # the result shape text: an array, or a tuple of them
+    opcode: str
+    rest: str  # operands and attributes
+
+
+@dataclass
+class Module:
+    computations: dict[str, list[Instruction]]
+    entry: str
+    executions: dict[str, int] = field(default_factory=dict)  # computation -> runs per step
+    async_bodies: set[str] = field(default_factory=set)  # computations run by async-start
+    shapes: dict[str, str] = field(default_factory=dict)  # instruction name -> result shape
+
+
+def parse(text: str) -> Module:
+    """The computations of an HLO module's text, with how many times each runs per step."""
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if current is None:
+            match = _COMPUTATION.match(line)
+            if match:
+                current = computations.setdefault(match.group(1), [])
+                entry = match.group(1) if line.startswith("ENTRY") else entry
+            continue
+        if line.startswith("}"):
+            current = None
+        elif (inst := _instruction(line)) is not None:
+            current.append(inst)
+    module = Module(computations, entry)
+    module.shapes = {inst.name: inst.shape for insts in computations.values() for inst in insts}
+    _count_executions(module, entry, 1)
+    return module
+
+
+def _instruction(line: str) -> Instruction | None:
+    """`%name = SHAPE opcode(operands), attributes` -> Instruction (SHAPE may be a tuple)."""
+    head, sep, tail = line.strip().removeprefix("ROOT ").partition(" = ")
+    if not sep:
+        return None
+    if tail.startswith("("):
+        depth = 0
+        for end, char in enumerate(tail):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        shape, tail = tail[:end + 1], tail[end + 1:].lstrip()
+    else:
+        shape, _, tail = tail.partition(" ")
+    opcode, paren, rest = tail.partition("(")
+    return Instruction(head.lstrip("%"), shape, opcode, rest) if paren else None
+
+
+def _count_executions(module: Module, name: str, times: int) -> None:
+    module.executions[name] = module.executions.get(name, 0) + times
+    for inst in module.computations.get(name, []):
+        trip = 1
+        if inst.opcode == "while":
+            found = _TRIP.search(inst.rest)
+            trip = int(found.group(1)) if found else 1
+        callees = _CALLEE.findall(inst.rest)
+        for match in _BRANCHES.finditer(inst.rest):
+            callees += re.findall(r"%([\w.\-]+)", match.group(1) or "") + [match.group(2) or ""]
+        for callee in filter(None, callees):
+            if callee in module.computations:
+                if inst.opcode == "async-start":
+                    module.async_bodies.add(callee)
+                _count_executions(module, callee, times * trip)
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a shape text, in order."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _ARRAY.findall(shape)]
+
+
+def nbytes(dtype: str, dims: tuple[int, ...]) -> int:
+    return DTYPE_BYTES[dtype] * math.prod(dims)
+
+
+def _top_level(shape: str) -> list[str]:
+    """The elements of a tuple shape `(a, (b, c), d)` -> ["a", "(b, c)", "d"]; an array -> [it]."""
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, char in enumerate(shape):  # layouts {1,0} and dims [4,8] hold commas too
+        depth += {"(": 1, ")": -1, "[": 1, "]": -1, "{": 1, "}": -1}.get(char, 0)
+        if (char == "," and depth == 1) or (char == ")" and depth == 0):
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    return [re.sub(r"/\*index=\d+\*/", "", p).strip() for p in parts if p.strip()]
+
+
+def collective_bytes(op: str, inst: Instruction, group: int) -> int:
+    """The buffer size of one execution of a collective (nccl-tests' size), per device."""
+    shape = inst.shape
+    if inst.opcode.endswith("-start") and op in ("all-gather", "reduce-scatter", "all-to-all"):
+        shape = _top_level(shape)[1]  # (operands, results): the results
+    elif inst.opcode.endswith("-start") and op == "collective-permute":
+        shape = _top_level(shape)[1]  # (operand, result, contexts...)
+    size = sum(nbytes(*a) for a in arrays(shape))
+    return size * group if op == "reduce-scatter" else size
+
+
+def device_groups(inst: Instruction, num_devices: int) -> list[list[int]] | None:
+    """The replica groups of a collective as device ids (source-target pairs for a permute);
+    None when the format is not one this reads."""
+    rest = inst.rest
+    if match := re.search(r"source_target_pairs=\{([\d,{} ]*)\}", rest):
+        return [[int(x) for x in pair.split(",")] for pair in re.findall(r"\{([\d,]+)\}", match.group(1))]
+    mesh_form = (r"replica_groups=mesh\[([^\]]*)\]"  # axis sizes
+                 r"(?:, device_ids=\(([^)]*\)?)\))?"  # the device at each mesh position
+                 r"\s*\{([^}]*)\}")  # the axes a group spans
+    if match := re.search(mesh_form, rest):
+        axes = re.findall(r"'([^']+)'=(\d+)", match.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        grouped = re.findall(r"'([^']+)'", match.group(3))
+        ids = _device_ids(match.group(2), num_devices)
+        if ids is None or math.prod(sizes) != num_devices or not set(grouped) <= set(names):
+            return None
+        ids = ids.reshape(sizes)
+        order = [names.index(a) for a in names if a not in grouped] + [names.index(a) for a in grouped]
+        width = math.prod(sizes[names.index(a)] for a in grouped)
+        return ids.transpose(order).reshape(-1, width).tolist()
+    if match := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest):
+        groups, width = int(match.group(1)), int(match.group(2))
+        dims = [int(d) for d in match.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(4):
+            ids = ids.transpose([int(p) for p in match.group(4).split(",")])
+        return ids.reshape(groups, width).tolist()
+    if match := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest):
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", match.group(1))]
+        return groups or [list(range(num_devices))]
+    return None
+
+
+def _device_ids(text: str | None, num_devices: int) -> np.ndarray | None:
+    """The device at each position of a replica-group mesh: `[2,4]T(1,0)` (an iota reshaped and
+    transposed), `[8]`, a list `0,4,1,5`, or absent (the identity)."""
+    if not text:
+        return np.arange(num_devices)
+    if match := re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip()):
+        dims = [int(d) for d in match.group(1).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if match.group(2):
+            ids = ids.transpose([int(p) for p in match.group(2).split(",")])
+        return ids.reshape(-1)
+    if re.fullmatch(r"[\d,\s]+", text):
+        return np.array([int(x) for x in text.split(",")])
+    return None
+
+
+def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tuple[str, ...] | None:
+    """The mesh axes along which the devices of a group differ (device id = row-major index)."""
+    if groups is None:
+        return None
+    names, dims = list(mesh_shape), [mesh_shape[a] for a in mesh_shape]
+    varying: set[str] = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.asarray(group), dims)).T
+        varying |= {names[i] for i in range(len(dims)) if len(set(coords[:, i])) > 1}
+    return tuple(a for a in names if a in varying)
+
+
+def collectives(module: Module, mesh_shape: dict[str, int], gpus_per_host: int = 0) -> list[dict]:
+    """Every collective grouped by (op, axes, async): instructions, executions and bytes per step,
+    and whether any of its groups spans hosts of `gpus_per_host` devices (0: one host)."""
+    num_devices = math.prod(mesh_shape.values())
+    rows: dict[tuple, dict] = {}
+    for comp, insts in module.computations.items():
+        runs = module.executions.get(comp, 0)
+        for inst in insts:
+            op = inst.opcode.removesuffix("-start")
+            if op not in COLLECTIVES or not runs:
+                continue
+            groups = device_groups(inst, num_devices)
+            axes = mesh_axes(groups, mesh_shape)
+            width = len(groups[0]) if groups and op != "collective-permute" else 1
+            is_async = inst.opcode.endswith("-start") or comp in module.async_bodies
+            key = (op, axes, is_async)
+            row = rows.setdefault(key, {"op": op, "axes": list(axes) if axes is not None else None,
+                                        "async": is_async, "crosses_hosts": False,
+                                        "instructions": 0, "count": 0, "bytes": 0})
+            if gpus_per_host and groups:
+                row["crosses_hosts"] |= any(len({i // gpus_per_host for i in g}) > 1
+                                            for g in groups)
+            row["instructions"] += 1
+            row["count"] += runs
+            row["bytes"] += runs * collective_bytes(op, inst, width)
+    return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["op"]), -r["bytes"]))
+
+
+def kernels(module: Module) -> dict[str, int]:
+    """Library and generated kernels by name (custom-call targets, Triton fusion kinds), counted
+    in executions per step."""
+    found: Counter[str] = Counter()
+    for comp, insts in module.computations.items():
+        runs = module.executions.get(comp, 0)
+        for inst in insts:
+            if inst.opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', inst.rest)
+                found[target.group(1) if target else "custom-call"] += runs
+            elif inst.opcode == "fusion" and (kind := _fusion_kind(inst)):
+                found[kind] += runs
+    return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
+def _fusion_kind(inst: Instruction) -> str | None:
+    """The backend kind of a custom fusion (`__triton_gemm`, `__cudnn$fusion`, ...), else None."""
+    match = re.search(r'"fusion_backend_config":\{"kind":"([^"]+)"', inst.rest)
+    return match.group(1) if match and "kCustom" in inst.rest else None
+
+
+def dot_flops(module: Module) -> int:
+    """Matmul FLOPs per step per device: dots (inside fusions too), cuBLAS calls, cuDNN attention."""
+    total = 0
+    for comp, insts in module.computations.items():
+        runs = module.executions.get(comp, 0)
+        for inst in insts:
+            if runs and (flops := _flops(inst, module)):
+                total += runs * flops
+    return total
+
+
+def _flops(inst: Instruction, module: Module) -> int:
+    if inst.opcode == "dot":
+        dims = _dot_dims(inst.rest)
+        return _gemm_flops(inst, module, dims) if dims else 0
+    if inst.opcode != "custom-call":
+        return 0
+    target = re.search(r'custom_call_target="([^"]+)"', inst.rest)
+    target = target.group(1) if target else ""
+    if target.startswith("__cublas"):
+        config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', inst.rest)
+        return _gemm_flops(inst, module, json.loads(config.group(1))) if config else 0
+    if target.startswith("__cudnn$fmha"):
+        return _attention_flops(inst, module, backward="Backward" in target)
+    return 0
+
+
+def _dot_dims(rest: str) -> dict | None:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    if contracting is None:
+        return None
+    return {"lhs_contracting_dimensions": contracting.group(1).split(",")}
+
+
+def _operand_shapes(inst: Instruction, module: Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Shapes of an instruction's operands, looked up by name in the module."""
+    names = re.findall(r"%([\w.\-]+)", inst.rest.split(")", 1)[0])
+    return [a for n in names for a in arrays(module.shapes.get(n, ""))[:1]]
+
+
+def _gemm_flops(inst: Instruction, module: Module, dims: dict) -> int:
+    """2 * (output elements) * (contracted size), from the lhs operand's shape."""
+    operands = _operand_shapes(inst, module)
+    out = arrays(_top_level(inst.shape)[0])
+    if not operands or not out:
+        return 0
+    lhs = operands[0][1]
+    k = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []) if d != "")
+    return 2 * math.prod(out[0][1]) * k
+
+
+def _attention_flops(inst: Instruction, module: Module, backward: bool) -> int:
+    """cuDNN attention on q[B, T, N, H], k[B, S, K, H]: 2 matmuls forward (4*B*N*T*S*H FLOPs, as
+    cuDNN counts a causal mask: no halving), 5 in the backward (2.5x)."""
+    operands = _operand_shapes(inst, module)
+    if len(operands) < 2:
+        return 0
+    (_, q), (_, k) = operands[:2]
+    b, t, n, h = q
+    s = k[1]
+    forward = 4 * b * n * t * s * h
+    return forward * 5 // 2 if backward else forward

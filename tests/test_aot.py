@@ -1,0 +1,203 @@
+"""The train step compiled for H100 clusters on this CPU machine (launch.py --compile-for): the
+report against XLA's own memory analysis, the collectives each mesh implies, the dry run's memory
+estimate against the compiled peak, and one-line refusals.
+
+In-process compiles here run with the test session's XLA flags; the estimate and preset checks go
+through launch.py, as a user would, so that they compile with the GPU flag preset."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launch
+from jaxtron import aot, hlo
+from jaxtron import config as config_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+GiB = 2**30
+
+
+def _cfg(*overrides, config=TINY):
+    return config_lib.load([config], ["train.batch_size=8", "train.seq_len=256", *overrides])
+
+
+def _report(cfg, devices: int = 8) -> tuple[dict, object]:
+    compiled, plan, seconds = aot.compile_step_for(cfg, "h100", devices)
+    report = aot.report(cfg, plan, compiled.memory_analysis(), hlo.parse(compiled.as_text()),
+                        "h100", seconds, gpus_per_host=8)
+    return report, compiled
+
+
+def _by_op(report: dict) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
+    for row in report["collectives"]:
+        rows.setdefault(row["op"], []).append(row)
+    return rows
+
+
+def test_report_memory_is_xla_memory_analysis():
+    report, compiled = _report(_cfg("mesh.fsdp=8"))
+    stats = compiled.memory_analysis()
+    mem = report["memory"]
+    assert (mem["argument_bytes"], mem["output_bytes"], mem["temp_bytes"], mem["alias_bytes"]) == (
+        stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes,
+        stats.alias_size_in_bytes)
+    assert mem["peak_bytes"] == (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                 - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    assert mem["capacity_bytes"] == 84_978_434_048  # H100 SXM 80GB, from the shipped target
+    assert report["fits"] is True and report["device_kind"] == "NVIDIA H100 80GB HBM3"
+    # The state is donated: the outputs alias the arguments, all but the step's metrics.
+    assert mem["alias_bytes"] >= mem["output_bytes"] - 1024
+
+
+def test_fsdp_moves_weights_over_fsdp_and_only_gradients_over_data():
+    cfg = _cfg("mesh.data=2", "mesh.fsdp=4")
+    report, _ = _report(cfg)
+    rows = _by_op(report)
+    assert {tuple(r["axes"]) for r in rows["all-gather"]} == {("fsdp",)}
+    assert {tuple(r["axes"]) for r in rows["reduce-scatter"]} == {("fsdp",)}
+    crossing_data = [r for r in report["collectives"] if "data" in r["axes"]]
+    assert crossing_data and {r["op"] for r in crossing_data} == {"all-reduce"}
+    # Every layer's weights are gathered in the forward and again for the backward: at least
+    # twice their bf16 bytes (the full layer stack, as each device sees it after the gather).
+    m = cfg.model
+    layer = 2 * m.d_model * m.num_heads * m.head_size + 2 * m.d_model * m.num_kv_heads * m.head_size \
+        + 3 * m.d_model * m.mlp_dim
+    gathered = sum(r["bytes"] for r in rows["all-gather"])
+    assert gathered >= 2 * m.num_layers * layer * 2
+    # The gradients cross `data` once: an all-reduce of at most the fsdp-sharded f32 gradients.
+    reduced = sum(r["bytes"] for r in crossing_data)
+    assert 0 < reduced <= report["memory"]["argument_bytes"]
+
+
+def test_tensor_parallel_step_has_sequence_parallel_collectives():
+    report, _ = _report(_cfg("mesh.tensor=2", "mesh.fsdp=4"))
+    over_tensor = {r["op"] for r in report["collectives"] if r["axes"] == ["tensor"]}
+    # Sequence parallelism: activations all-gathered over tensor entering attention and the MLP,
+    # reduce-scattered leaving them (RULES: act_seq -> tensor, heads/mlp -> tensor).
+    assert {"all-gather", "reduce-scatter"} <= over_tensor
+    assert "all-to-all" not in {r["op"] for r in report["collectives"]}
+    over_fsdp = {r["op"] for r in report["collectives"] if r["axes"] == ["fsdp"]}
+    assert {"all-gather", "reduce-scatter"} <= over_fsdp
+
+
+def test_memory_and_collectives_follow_the_mesh():
+    fsdp, _ = _report(_cfg("mesh.fsdp=8"))
+    data, _ = _report(_cfg("mesh.data=8", "mesh.fsdp=1"))
+    # ZeRO-3 holds 1/8 of the state that plain data parallelism replicates.
+    ratio = data["memory"]["argument_bytes"] / fsdp["memory"]["argument_bytes"]
+    assert 7.5 < ratio <= 8.0
+    assert {(r["op"], tuple(r["axes"])) for r in data["collectives"]} == {("all-reduce", ("data",))}
+    assert any(r["op"] == "all-gather" for r in fsdp["collectives"])
+
+
+def test_flops_model_and_compiled():
+    cfg = _cfg("mesh.fsdp=8", "model.remat=none")
+    report, _ = _report(cfg)
+    flops = report["flops"]
+    from jaxtron.metrics import flops_per_token
+
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    assert flops["model_per_device"] == round(flops_per_token(cfg.model, cfg.train.seq_len) * tokens / 8)
+    # Without remat the compiled matmuls are the model's, except that attention computes the
+    # whole T x T square where the model counts the causal half.
+    m, t = cfg.model, cfg.train.seq_len
+    extra = 6 * m.num_layers * m.num_heads * m.head_size * t * tokens / 8
+    assert flops["compiled_per_device"] == pytest.approx(flops["model_per_device"] + extra, rel=0.02)
+    # Full remat adds one forward of the layers (not of the LM head, which is outside them),
+    # less each layer's down projection: its output only joins the residual, which the backward
+    # does not need, so XLA drops it from the recompute.
+    remat, _ = _report(_cfg("mesh.fsdp=8", "model.remat=full"))
+    recomputed = (2 * m.d_model * m.num_heads * m.head_size
+                  + 2 * m.d_model * m.num_kv_heads * m.head_size + 2 * m.d_model * m.mlp_dim)
+    forward = m.num_layers * (2 * recomputed + 4 * m.num_heads * m.head_size * t) * tokens / 8
+    added = remat["flops"]["compiled_per_device"] - flops["compiled_per_device"]
+    assert added == pytest.approx(forward, rel=0.02)
+
+
+def _launch(tmp_path, config: str, devices: int, *overrides: str) -> dict:
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(ROOT / "launch.py"), "--config", str(ROOT / "configs" / config),
+           "--compile-for", "h100", "--devices", str(devices), "--report", str(out), *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "memory per device: peak" in proc.stdout
+    return json.loads(out.read_text())
+
+
+# (preset, devices, overrides): small and large models, each parallelism, remat and accumulation
+ESTIMATED = [
+    ("tiny.yaml", 8, ("mesh.fsdp=8", "train.batch_size=8", "train.seq_len=256")),
+    ("gpt2_124m.yaml", 1, ("train.batch_size=8", "train.seq_len=1024")),
+    ("llama3_1b.yaml", 1, ("train.batch_size=1", "train.seq_len=2048")),
+    ("llama3_1b.yaml", 8, ("train.batch_size=16", "train.seq_len=4096", "train.microbatches=2")),
+    ("llama3_8b.yaml", 8, ("train.batch_size=8", "train.seq_len=4096", "mesh.tensor=8",
+                           "mesh.fsdp=1")),
+    ("llama3_8b.yaml", 8, ("train.batch_size=8", "train.seq_len=2048", "model.remat=save_dots")),
+]
+
+
+@pytest.mark.parametrize("config,devices,overrides", ESTIMATED, ids=lambda x: str(x))
+def test_dry_run_estimate_is_within_15_percent_of_the_h100_peak(tmp_path, config, devices,
+                                                               overrides):
+    report = _launch(tmp_path, config, devices, *overrides)
+    peak = report["memory"]["peak_bytes"]
+    assert report["plan_peak_bytes"] == pytest.approx(peak, rel=0.15), report["plan_terms"]
+
+
+def test_llama3_8b_on_one_node_fits(tmp_path):
+    """The preset's shapes at seq 8192, one sequence per GPU, fsdp=8 on 8 H100s."""
+    report = _launch(tmp_path, "llama3_8b.yaml", 8, "train.batch_size=8", "mesh.fsdp=8")
+    assert report["fits"] is True
+    assert report["memory"]["peak_bytes"] <= report["memory"]["usable_bytes"]
+    assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
+    rows = _by_op(report)
+    assert all(r["async"] for r in report["collectives"])  # the GPU preset's async collectives
+    assert {tuple(r["axes"]) for r in rows["all-gather"]} == {("fsdp",)}
+
+
+def test_llama3_70b_pp8_on_128_gpus_is_reported_as_not_fitting(tmp_path):
+    report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128)
+    assert report["devices"] == 128 and report["hosts"] == 16
+    assert report["fits"] is False
+    assert report["memory"]["peak_bytes"] > report["memory"]["capacity_bytes"]
+    assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
+    # Stage-to-stage traffic is a collective-permute over `stage`, crossing hosts; tensor stays
+    # inside a host.
+    permutes = [r for r in report["collectives"] if r["op"] == "collective-permute"]
+    assert any(r["axes"] == ["stage"] and r["crosses_hosts"] for r in permutes)
+    assert not any(r["crosses_hosts"] for r in report["collectives"] if r["axes"] == ["tensor"])
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--compile-for", "a100", "--devices", "8"], "unknown target"),
+    (["--compile-for", "h100"], "needs --devices"),
+    (["--compile-for", "h100", "--devices", "12"], "whole number of hosts"),
+    (["--compile-for", "h100", "--devices", "8", "--dry-run"], "two different reports"),
+])
+def test_bad_compile_requests_get_one_line(capsys, args, expected):
+    assert launch.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1
+
+
+def test_missing_plugin_names_the_extra(capsys, monkeypatch):
+    from jaxtron import xla_flags
+
+    monkeypatch.setattr(xla_flags, "_installed", lambda module: False)
+    assert launch.main(["--compile-for", "h100", "--devices", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install -e '.[gpu-aot]'" in err and len(err.splitlines()) == 1
+
+
+def test_layout_that_does_not_divide_is_one_line(tmp_path):
+    cmd = [sys.executable, str(ROOT / "launch.py"), "--compile-for", "h100", "--devices", "8",
+           "mesh.fsdp=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "mesh" in lines[0] and "Traceback" not in proc.stderr

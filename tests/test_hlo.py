@@ -1,0 +1,101 @@
+"""Reading optimized HLO text: executions through loops, collectives' bytes and mesh axes, kernels
+and matmul FLOPs, on a small module written out by hand in XLA's GPU output format."""
+
+from jaxtron import hlo
+
+MESH = {"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}  # device id = data * 4 + fsdp
+
+MODULE = """\
+HloModule jit_train_step, entry_computation_layout={()->()}
+
+%fused_dot (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%wrapped_reduce_scatter (w0: f32[64,16]) -> f32[16,16] {
+  %w0 = f32[64,16]{1,0} parameter(0)
+  ROOT %reduce-scatter.2 = f32[16,16]{1,0} reduce-scatter(%w0), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+%body (carry: (s32[], bf16[64,32])) -> (s32[], bf16[64,32]) {
+  %carry = (s32[], bf16[64,32]{1,0}) parameter(0)
+  %x = bf16[64,32]{1,0} get-tuple-element(%carry), index=1
+  %w = bf16[8,16]{1,0} constant({...})
+  %all-gather-start = (bf16[8,16]{1,0}, bf16[32,16]{0,1}) all-gather-start(%w), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, use_global_device_ids=true
+  %all-gather-done = bf16[32,16]{0,1} all-gather-done(%all-gather-start)
+  %gemm = bf16[64,16]{1,0} fusion(%x, %all-gather-done), kind=kCustom, calls=%fused_dot, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %i = s32[] get-tuple-element(%carry), index=0
+  ROOT %tuple = (s32[], bf16[64,32]{1,0}) tuple(%i, %x)
+}
+
+%cond (c: (s32[], bf16[64,32])) -> pred[] {
+  %c = (s32[], bf16[64,32]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[64,32], g: f32[64,16]) -> f32[16,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %g = f32[64,16]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,32]{1,0}) tuple(%zero, %a)
+  %while = (s32[], bf16[64,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %gemm.2 = (bf16[64,16]{1,0}, s8[1024]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %all-reduce-start = f32[64,16]{1,0} all-reduce-start(%g), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+  %all-reduce-done = f32[64,16]{1,0} all-reduce-done(%all-reduce-start)
+  %rs-start = ((f32[64,16]{1,0}), f32[16,16]{1,0}) async-start(%all-reduce-done), calls=%wrapped_reduce_scatter
+  ROOT %rs-done = f32[16,16]{1,0} async-done(%rs-start)
+}
+"""
+
+
+def test_executions_follow_loop_trip_counts():
+    module = hlo.parse(MODULE)
+    assert module.entry == "main"
+    assert module.executions["body"] == 6
+    assert module.executions["fused_dot"] == 6  # called from the loop body
+    assert module.executions["wrapped_reduce_scatter"] == 1
+    assert module.async_bodies == {"wrapped_reduce_scatter"}
+
+
+def test_collectives_bytes_axes_and_async():
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(MODULE), MESH, gpus_per_host=4)}
+    gather = rows["all-gather"]
+    # six executions of a gather whose result is bf16[32,16]: 1 KiB each, groups along fsdp
+    assert (gather["count"], gather["bytes"], gather["axes"], gather["async"]) == (6, 6 * 1024,
+                                                                                  ["fsdp"], True)
+    assert gather["crosses_hosts"] is False  # fsdp groups {0..3}, {4..7}: one host each
+    reduce = rows["all-reduce"]
+    assert (reduce["count"], reduce["bytes"], reduce["axes"]) == (1, 64 * 16 * 4, ["data"])
+    assert reduce["crosses_hosts"] is True  # {0, 4}: hosts 0 and 1
+    scatter = rows["reduce-scatter"]  # inside an async wrapper: async; bytes = its input
+    assert (scatter["bytes"], scatter["axes"], scatter["async"]) == (64 * 16 * 4, ["fsdp"], True)
+
+
+def test_kernels_and_matmul_flops():
+    module = hlo.parse(MODULE)
+    assert hlo.kernels(module) == {"__triton_gemm": 6, "__cublas$lt$matmul": 1}
+    loop_dots = 6 * 2 * 64 * 16 * 32  # the Triton GEMM fusion's dot, six times
+    cublas = 2 * 64 * 16 * 32  # out [64, 16], contracting a's dimension 1 (32)
+    assert hlo.dot_flops(module) == loop_dots + cublas
+
+
+def test_replica_group_formats_agree():
+    """The same fsdp groups in the three notations XLA prints."""
+    mesh_form = hlo.Instruction("x", "f32[4]", "all-reduce",
+                                "%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}")
+    iota_form = hlo.Instruction("x", "f32[4]", "all-reduce", "%a), replica_groups=[2,4]<=[8]")
+    listed = hlo.Instruction("x", "f32[4]", "all-reduce",
+                             "%a), replica_groups={{0,1,2,3},{4,5,6,7}}")
+    # A mesh whose positions hold devices in another order: position (i, j) of [4, 2] holds
+    # device j * 4 + i, so groups along the first axis are again {0..3} and {4..7}.
+    reordered = hlo.Instruction("x", "f32[4]", "all-reduce",
+                                "%a), replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], "
+                                "device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}")
+    groups = [hlo.device_groups(inst, 8) for inst in (mesh_form, iota_form, listed, reordered)]
+    assert groups[0] == groups[1] == groups[2] == groups[3] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    transposed = hlo.Instruction("x", "f32[4]", "all-reduce",
+                                 "%a), replica_groups=[4,2]<=[2,4]T(1,0)")
+    assert hlo.device_groups(transposed, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo.mesh_axes(hlo.device_groups(transposed, 8), MESH) == ("data",)
