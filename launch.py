@@ -163,10 +163,13 @@ def _writable(path: str) -> Path:
     from jaxtron.config import ConfigError
 
     target = Path(path)
+    existed = target.exists()
     try:
         target.touch()
     except OSError as e:
         raise ConfigError(f"cannot write {path}: {e.strerror}") from None
+    if not existed:
+        target.unlink()  # no empty report left behind if the compile fails
     return target
 
 

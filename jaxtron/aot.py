@@ -172,17 +172,20 @@ def format_report(report: dict) -> list[str]:
     """The report as lines for a terminal."""
     mem, flops = report["memory"], report["flops"]
     shape = ", ".join(f"{a}={s}" for a, s in report["mesh"].items())
-    lines = [f"compiled for {report['devices']} x {report['device_kind']} ({report['hosts']} "
-             f"hosts x {report['gpus_per_host']}), mesh {shape}, in "
-             f"{report['compile_seconds']:.1f} s"]
-    verdict = "fits" if report["fits"] else "DOES NOT FIT"
+    lines = [(f"compiled for {report['devices']} x {report['device_kind']} ({report['hosts']} "
+              f"hosts x {report['gpus_per_host']}), mesh {shape}, in "
+              f"{report['compile_seconds']:.1f} s")]
+    over = mem["peak_bytes"] - mem["usable_bytes"]
+    verdict = "fits" if report["fits"] else f"DOES NOT FIT, {_gib(over)} over"
     lines.append(f"memory per device: peak {_gib(mem['peak_bytes'])} of {_gib(mem['usable_bytes'])} "
                  f"usable ({_gib(mem['capacity_bytes'])} x XLA_PYTHON_CLIENT_MEM_FRACTION "
                  f"{mem['usable_bytes'] / mem['capacity_bytes']:.2f}): {verdict}")
     lines.append(f"  arguments {_gib(mem['argument_bytes'])}, outputs {_gib(mem['output_bytes'])}, "
                  f"aliased {_gib(mem['alias_bytes'])}, temporaries {_gib(mem['temp_bytes'])}")
+    largest = sorted(report["plan_terms"].items(), key=lambda kv: -kv[1])[:3]
     lines.append(f"  dry-run estimate {_gib(report['plan_peak_bytes'])} "
-                 f"({report['plan_peak_bytes'] / mem['peak_bytes'] - 1:+.1%} of the compiled peak)")
+                 f"({report['plan_peak_bytes'] / mem['peak_bytes'] - 1:+.1%} of the compiled peak); "
+                 "largest terms: " + ", ".join(f"{k} {_gib(v)}" for k, v in largest))
     overhead = flops["compiled_per_device"] / max(flops["model_per_device"], 1)
     lines.append(f"flops per device per step: model {flops['model_per_device'] / 1e12:.2f} T, "
                  f"compiled matmuls {flops['compiled_per_device'] / 1e12:.2f} T ({overhead:.2f}x)")
@@ -199,7 +202,3 @@ def format_report(report: dict) -> list[str]:
     lines.append(f"kernels per step: {kernels or 'none'}")
     return lines
 
-
-def device_memory(target: str) -> int:
-    """Usable bytes of one device of `target` (for the dry run's verdict)."""
-    return int(capacity_bytes(target) * usable_fraction())

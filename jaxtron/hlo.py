@@ -49,6 +49,7 @@ class Module:
     executions: dict[str, int] = field(default_factory=dict)  # computation -> runs per step
     async_bodies: set[str] = field(default_factory=set)  # computations run by async-start
     shapes: dict[str, str] = field(default_factory=dict)  # instruction name -> result shape
+    instructions: dict[str, Instruction] = field(default_factory=dict)  # by name
 
 
 def parse(text: str) -> Module:
@@ -67,7 +68,8 @@ def parse(text: str) -> Module:
         elif (inst := _instruction(line)) is not None:
             current.append(inst)
     module = Module(computations, entry)
-    module.shapes = {inst.name: inst.shape for insts in computations.values() for inst in insts}
+    module.instructions = {inst.name: inst for insts in computations.values() for inst in insts}
+    module.shapes = {name: inst.shape for name, inst in module.instructions.items()}
     _count_executions(module, entry, 1)
     return module
 
@@ -93,10 +95,7 @@ def _instruction(line: str) -> Instruction | None:
 def _count_executions(module: Module, name: str, times: int) -> None:
     module.executions[name] = module.executions.get(name, 0) + times
     for inst in module.computations.get(name, []):
-        trip = 1
-        if inst.opcode == "while":
-            found = _TRIP.search(inst.rest)
-            trip = int(found.group(1)) if found else 1
+        trip = trip_count(module, inst) if inst.opcode == "while" else 1
         callees = _CALLEE.findall(inst.rest)
         for match in _BRANCHES.finditer(inst.rest):
             callees += re.findall(r"%([\w.\-]+)", match.group(1) or "") + [match.group(2) or ""]
@@ -105,6 +104,85 @@ def _count_executions(module: Module, name: str, times: int) -> None:
                 if inst.opcode == "async-start":
                     module.async_bodies.add(callee)
                 _count_executions(module, callee, times * trip)
+
+
+def trip_count(module: Module, loop: Instruction) -> int:
+    """Iterations of a while loop: XLA's `known_trip_count`, else read off its induction variable
+    (a loop XLA peeled or double-buffered may lose the annotation): the constant it starts from,
+    the constant the condition compares it with, and the constant the body adds. 1 if unreadable."""
+    if found := _TRIP.search(loop.rest):
+        return int(found.group(1))
+    index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', loop.rest)
+    k = int(index.group(1)) if index else 0
+    condition = re.search(r"condition=%([\w.\-]+)", loop.rest)
+    body = re.search(r"body=%([\w.\-]+)", loop.rest)
+    bound = _scalar_constant(module, condition.group(1)) if condition else None
+    direction = _direction(module, condition.group(1)) if condition else None
+    operands = _operands(loop)
+    start = _constant_element(module, operands[0], k) if operands else None
+    step = _body_step(module, body.group(1), k) if body else None
+    if bound is None or start is None or direction not in ("LT", "LE", "NE"):
+        return 1
+    span = bound - start + (1 if direction == "LE" else 0)
+    return max(-(-span // (step or 1)), 1)
+
+
+def _operands(inst: Instruction) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", inst.rest.split(")", 1)[0])
+
+
+def _called(module: Module, name: str) -> list[Instruction]:
+    """The instructions of a computation and of the fusions it calls."""
+    insts = list(module.computations.get(name, []))
+    for inst in list(insts):
+        callee = re.search(r"\bcalls=%([\w.\-]+)", inst.rest)
+        if callee:
+            insts += module.computations.get(callee.group(1), [])
+    return insts
+
+
+def _scalar_constant(module: Module, computation: str) -> int | None:
+    for inst in _called(module, computation):
+        if inst.opcode == "constant" and re.fullmatch(r"[su](32|64)\[\]", inst.shape):
+            return int(inst.rest.split(")")[0])
+    return None
+
+
+def _direction(module: Module, computation: str) -> str | None:
+    for inst in _called(module, computation):
+        if inst.opcode == "compare" and (found := re.search(r"direction=(\w+)", inst.rest)):
+            return found.group(1)
+    return None
+
+
+def _constant_element(module: Module, name: str, k: int) -> int | None:
+    """The value of element k of a tuple, followed through copies to a scalar constant."""
+    inst = module.instructions.get(name)
+    if inst is not None and inst.opcode == "tuple":
+        operands = _operands(inst)
+        inst = module.instructions.get(operands[k]) if k < len(operands) else None
+    while inst is not None and inst.opcode in ("copy", "bitcast"):
+        inst = module.instructions.get(_operands(inst)[0])
+    if inst is None or inst.opcode != "constant":
+        return None
+    return int(inst.rest.split(")")[0])
+
+
+def _body_step(module: Module, body: str, k: int) -> int | None:
+    """The constant a loop body adds to induction variable k (an add, or a fused add)."""
+    insts = module.computations.get(body, [])
+    root = insts[-1] if insts else None
+    if root is None or root.opcode != "tuple" or k >= len(_operands(root)):
+        return None
+    update = module.instructions.get(_operands(root)[k])
+    if update is None or update.opcode not in ("add", "fusion"):
+        return None
+    found = [module.instructions.get(o) for o in _operands(update)]
+    values = [int(i.rest.split(")")[0]) for i in found if i is not None and i.opcode == "constant"]
+    if values:
+        return values[0]
+    callee = re.search(r"\bcalls=%([\w.\-]+)", update.rest)
+    return _scalar_constant(module, callee.group(1)) if callee else None
 
 
 def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:

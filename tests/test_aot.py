@@ -54,6 +54,14 @@ def test_report_memory_is_xla_memory_analysis():
     assert mem["alias_bytes"] >= mem["output_bytes"] - 1024
 
 
+def test_h200_target_has_its_own_memory():
+    compiled, plan, seconds = aot.compile_step_for(_cfg("mesh.fsdp=8"), "h200", 8)
+    report = aot.report(_cfg("mesh.fsdp=8"), plan, compiled.memory_analysis(),
+                        hlo.parse(compiled.as_text()), "h200", seconds, gpus_per_host=8)
+    assert report["device_kind"] == "NVIDIA H200"
+    assert report["memory"]["capacity_bytes"] == 150_754_820_096
+
+
 def test_fsdp_moves_weights_over_fsdp_and_only_gradients_over_data():
     cfg = _cfg("mesh.data=2", "mesh.fsdp=4")
     report, _ = _report(cfg)
@@ -152,6 +160,11 @@ def test_dry_run_estimate_is_within_15_percent_of_the_h100_peak(tmp_path, config
 def test_llama3_8b_on_one_node_fits(tmp_path):
     """The preset's shapes at seq 8192, one sequence per GPU, fsdp=8 on 8 H100s."""
     report = _launch(tmp_path, "llama3_8b.yaml", 8, "train.batch_size=8", "mesh.fsdp=8")
+    assert {"target", "devices", "memory", "fits", "plan_peak_bytes", "flops", "collectives",
+            "kernels", "compile_seconds"} <= set(report)
+    assert set(report["memory"]) >= {"argument_bytes", "output_bytes", "temp_bytes",
+                                     "alias_bytes", "peak_bytes", "capacity_bytes"}
+    assert report["target"] == "h100" and report["devices"] == 8
     assert report["fits"] is True
     assert report["memory"]["peak_bytes"] <= report["memory"]["usable_bytes"]
     assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)

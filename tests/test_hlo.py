@@ -99,3 +99,50 @@ def test_replica_group_formats_agree():
                                  "%a), replica_groups=[4,2]<=[2,4]T(1,0)")
     assert hlo.device_groups(transposed, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert hlo.mesh_axes(hlo.device_groups(transposed, 8), MESH) == ("data",)
+
+
+UNANNOTATED_LOOP = """\
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %bound = s32[] constant(3)
+  ROOT %lt = pred[] compare(%p, %bound), direction=LT
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %cmp = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%fused_add (q: s32[]) -> s32[] {
+  %q = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %next = s32[] add(%q, %one)
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[8]{0} get-tuple-element(%b), index=1
+  %ar = f32[8]{0} all-reduce(%x), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %i1 = s32[] fusion(%i), kind=kLoop, calls=%fused_add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i1, %ar)
+}
+
+ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+  %a = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[8]{0}) tuple(%start, %a)
+  ROOT %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+}
+"""
+
+
+def test_trip_count_read_off_the_induction_variable():
+    """A loop without known_trip_count (as XLA leaves a peeled, double-buffered microbatch loop):
+    from 0, while i < 3, i += 1: three iterations, each with its all-reduce."""
+    module = hlo.parse(UNANNOTATED_LOOP)
+    assert module.executions["body"] == 3
+    (row,) = hlo.collectives(module, MESH)
+    assert (row["op"], row["count"], row["bytes"]) == ("all-reduce", 3, 3 * 32)

@@ -51,6 +51,13 @@ def test_dry_run_plans_llama3_70b_without_allocating(capsys):
     assert f"parameter bytes per device: {expected:,} bytes" in out
     # AdamW mu and nu, plus two int32 step counters (Adam's and the schedule's)
     assert f"optimizer bytes per device: {2 * expected + 8:,} bytes" in out
+    # The estimated peak, every term printed, summing to the total (jaxtron/memory.py).
+    total = int(out.split("memory per device, estimated: ")[1].split(" bytes")[0].replace(",", ""))
+    terms = out.split("memory per device, estimated: ")[1].splitlines()[1:]
+    sizes = [int(line.split(": ")[1].split(" bytes")[0].replace(",", ""))
+             for line in terms if line.startswith("  ")]
+    assert sum(sizes) == total and len(sizes) >= 10
+    assert f"  params: {expected:,} bytes" in out and f"  grads: {expected:,} bytes" in out
 
 
 BAD_INPUTS = [
