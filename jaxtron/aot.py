@@ -14,6 +14,7 @@ JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; launch.py sets both up.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtron import hlo, memory, metrics, parallel
+from jaxtron import attention, hlo, memory, metrics, parallel
 from jaxtron.config import Config, ConfigError
 from jaxtron.optim import make_optimizer
 from jaxtron.state import make_plan
@@ -97,6 +98,7 @@ def usable_fraction() -> float:
 def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,
                 hlo_path: str | None = None) -> dict:
     """Compile cfg's train step for `num_devices` GPUs of `target`; the report (see `report`)."""
+    cfg = for_gpus(cfg, num_devices)
     compiled, plan, seconds = compile_step_for(cfg, target, num_devices, gpus_per_host)
     text = compiled.as_text()
     if hlo_path:
@@ -106,9 +108,18 @@ def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int =
                   per_host)
 
 
+def for_gpus(cfg: Config, num_devices: int) -> Config:
+    """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn, or xla in pipelines)."""
+    stages = parallel.mesh_shape(cfg.mesh, num_devices)["stage"]
+    kernel = attention.resolve(cfg.model.attention, "gpu", stages, cfg.model.dtype)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
+
+
 def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8):
-    """(compiled train step, plan, seconds): train()'s step, compiled for the target's devices."""
+    """(compiled train step, plan, seconds): train()'s step, compiled for the target's devices
+    (`model.attention=auto` meaning what it means on them: cudnn)."""
     devices = target_devices(target, num_devices, gpus_per_host)
+    cfg = for_gpus(cfg, num_devices)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, num_devices)
     mesh = parallel.make_mesh(cfg.mesh, devices)

@@ -12,6 +12,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxtron.config import ConfigError
+
 
 def segment_causal_mask(segment_ids_BT: jax.Array) -> jax.Array:
     """mask[B, 1, 1, T, S]: causal and within one segment (broadcasts over K and G)."""
@@ -38,11 +40,74 @@ def xla_attention(
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+def cudnn_attention(
+    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
+) -> jax.Array:
+    """cuDNN fused (flash) attention, GPU only: causal, grouped-query with K/V read per kv head
+    (never repeated in memory), packed documents kept apart by a segment-equality mask.
+
+    The scores never exist in memory: cuDNN tiles them in on-chip SRAM, forward and backward. The
+    mask is [B, 1, T, S] (one per sequence, shared by every head); jax's entry with packed-layout
+    offsets checks for a local Hopper GPU, so it cannot be compiled ahead of time elsewhere."""
+    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
+                                        is_causal=True, implementation="cudnn")
+
+
 ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
     "xla": xla_attention,
+    "cudnn": cudnn_attention,
 }
+CHOICES = ("auto", *ATTENTION_IMPLS)  # model.attention; auto: cudnn on GPUs, xla elsewhere
+
+
+def resolve(impl: str, platform: str, stages: int = 1, dtype: str = "bfloat16") -> str:
+    """The kernel `model.attention` means on devices of `platform` (auto: cudnn on GPUs in 16-bit
+    compute, but xla inside pipeline stages: jax's cuDNN batching rule cannot take the
+    per-sequence mask of stages vmapped together)."""
+    if impl == "cudnn" and stages > 1:
+        raise ConfigError("model.attention=cudnn does not run inside pipeline stages yet "
+                          "(mesh.stage > 1); use model.attention=auto or xla there")
+    if impl == "cudnn" and dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"model.attention=cudnn needs model.dtype=bfloat16 or float16, not "
+                          f"{dtype}")
+    if impl != "auto":
+        return impl
+    gpu = platform in ("gpu", "cuda")
+    return "cudnn" if gpu and stages == 1 and dtype in ("bfloat16", "float16") else "xla"
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla") -> jax.Array:
-    """Dispatch to the configured kernel (`model.attention`)."""
+    """Dispatch to the configured kernel (`model.attention`; auto follows jax's backend)."""
+    impl = resolve(impl, jax.default_backend())
     return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
+def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2) -> None:
+    """Run `impl` against `xla_attention` on a small packed batch (three documents per row,
+    padding at the end), forward and gradient, on the local default device; raise a ConfigError
+    naming the kernel and the error when they differ (a kernel that lets packed documents see
+    each other, or reads K/V of the wrong group, fails here before training starts)."""
+    b, t, n, k, h = 2, 64, 4, 2, 64
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    kv = [jax.random.normal(key, (b, t, k, h), dtype) for key in keys[1:3]]
+    cotangent = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+    segments = jnp.array([[1] * 20 + [2] * 30 + [3] * 10 + [0] * 4,
+                          [1] * 5 + [2] * 50 + [3] * 9], jnp.int32)
+
+    def run(kernel):
+        loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments).astype(jnp.float32) * cotangent)
+        out = kernel(q, *kv, segments)
+        return (out, *jax.grad(loss, argnums=(0, 1, 2))(q, *kv))
+
+    want = jax.jit(lambda: run(xla_attention))()
+    got = jax.jit(lambda: run(ATTENTION_IMPLS[impl]))()
+    for name, a, r in zip(("output", "dq", "dk", "dv"), got, want):
+        a, r = a.astype(jnp.float32), r.astype(jnp.float32)
+        error = float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
+        if not error <= tolerance:
+            raise ConfigError(
+                f"model.attention={impl} disagrees with the xla reference on a packed batch: "
+                f"{name} off by {error:.3g} (relative, tolerance {tolerance}); use "
+                "model.attention=xla, or model.attention_check=false to train anyway")

@@ -48,7 +48,8 @@ class ModelConfig:
     param_dtype: str = "float32"  # master weights
     scan_layers: bool = True
     remat: str = "none"  # a key of model.REMAT_POLICIES
-    attention: str = "xla"  # a key of attention.ATTENTION_IMPLS
+    attention: str = "auto"  # auto (cudnn on GPUs, xla elsewhere), cudnn, xla
+    attention_check: bool = True  # on a GPU: test the kernel against xla before the first step
 
     @property
     def head_size(self) -> int:
@@ -96,6 +97,9 @@ class TrainConfig:
     eval_batches: int = 4  # batches (of batch_size sequences) per evaluation
     on_nonfinite: str = "skip"  # a NaN/inf loss or gradient: "skip" the update, or "stop" the run
     max_nonfinite_skips: int = 10  # with "skip": stop after this many in a row
+    # the LM head and loss run over chunks of this many positions, so that the float32 logits
+    # [batch, seq, vocab] never exist whole (same loss and gradient); 0: one chunk
+    loss_chunk: int = 1024
 
 
 @dataclass(frozen=True)
@@ -258,6 +262,8 @@ def check_values(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
+    if t.loss_chunk < 0:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 (one chunk) or positive")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtron.attention import ATTENTION_IMPLS, attention
+from jaxtron import attention as attention_lib
+from jaxtron.attention import attention
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
 
@@ -42,9 +43,9 @@ def check(cfg: ModelConfig) -> None:
     """Names the config gives for code this module owns: the remat policy and attention kernel."""
     if cfg.remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={cfg.remat} is not one of {', '.join(REMAT_POLICIES)}")
-    if cfg.attention not in ATTENTION_IMPLS:
+    if cfg.attention not in attention_lib.CHOICES:
         raise ConfigError(
-            f"model.attention={cfg.attention} is not one of {', '.join(ATTENTION_IMPLS)}")
+            f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
 
 
 def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
@@ -187,8 +188,16 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BT, positions_BT, segment_ids_BT,
                  run_layers: LayerRunner | None = None) -> jax.Array:
-        """Token ids -> float32 logits[B, T, V]. `run_layers` applies the layer stack; the default
-        runs every layer in order, a parallel strategy (the pipeline) hands in its own."""
+        """Token ids -> float32 logits[B, T, V] (whole: for inspection and parity checks; the
+        train step's loss takes `hidden` and `head` and never holds them all at once)."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
+        return logits(x_BTD, self.head())
+
+    def hidden(self, tokens_BT, positions_BT, segment_ids_BT,
+               run_layers: LayerRunner | None = None) -> jax.Array:
+        """Token ids -> the final-normed hidden states [B, T, D] that the LM head reads.
+        `run_layers` applies the layer stack; the default runs every layer in order, a parallel
+        strategy (the pipeline) hands in its own."""
         dtype = jnp.dtype(self.cfg.dtype)
         # Gather the table over fsdp and stage first (as FSDP does for any weight), keeping vocab
         # split over tensor; a lookup straight from the sharded table makes XLA replicate the output.
@@ -198,11 +207,19 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, graphdef)
         x_BTD = (run_layers or in_order)(run_group, stacked, x_BTD, positions_BT, segment_ids_BT)
-        x_BTD = self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
+        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
+
+    def head(self) -> jax.Array:
+        """The LM head [D, V] in the compute dtype, gathered like the table (vocab split over
+        tensor); tied models read the embedding's table."""
         head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        head_DV = constrain(head_DV.astype(dtype), (None, "act_vocab"))  # gathered like the table
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("act_batch_io", None, "act_vocab"))
+        return constrain(head_DV.astype(self.cfg.dtype), (None, "act_vocab"))
+
+
+def logits(x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+    """float32 logits [B, T, V] of hidden states under the LM head."""
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
+    return constrain(logits_BTV, ("act_batch_io", None, "act_vocab"))
 
 
 # run_layers(run_group, stacked, x, positions, segment_ids) -> x: applies the stacked layers, where
@@ -216,12 +233,15 @@ def in_order(run_group: Callable[..., jax.Array], stacked, x_BTD, positions_BT,
     return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
 
 
-def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT):
-    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy."""
+def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT,
+               select: Callable[[Any], Any] | None = None):
+    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy. `select`,
+    if given, maps each layer's stored weights to the ones it runs with, inside the layer body
+    (the pipeline picks a repeat's weights there, so the pick is never a saved residual)."""
     inv_freq = rope_frequencies(cfg)
 
     def body(x, layer_state):
-        block = nnx.merge(graphdef, layer_state)
+        block = nnx.merge(graphdef, select(layer_state) if select else layer_state)
         return block(x, positions_BT, segment_ids_BT, inv_freq), None
 
     if cfg.remat != "none":

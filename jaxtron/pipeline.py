@@ -140,8 +140,13 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     `layers_fn(stacked_group, x, positions, segment_ids)` runs one stage's group of layers.
     """
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
+    # [S, L/(S*R), R, ...]: each stage's layers, every layer with its R repeats side by side. The
+    # layer scan slices a layer's [R, ...] weights, and the layer picks this iteration's repeat
+    # itself (`select`): a pick made here, outside the layers, would be a residual of every
+    # iteration, one copy of the stage's weights per iteration in the backward.
     staged = jax.tree.map(
-        lambda w: _stage_sharded(w.reshape(s, r, w.shape[0] // (s * r), *w.shape[1:])), stacked)
+        lambda w: _stage_sharded(
+            w.reshape(s, r, w.shape[0] // (s * r), *w.shape[1:]).swapaxes(1, 2)), stacked)
     x_MbTD = _microbatches(x_BTD, m)
     positions_MbT, segments_MbT = _microbatches(positions_BT, m), _microbatches(segment_ids_BT, m)
     names = ("act_stage", None, "act_batch", "act_seq", "act_embed")
@@ -150,10 +155,13 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     buffer_SMbTD = constrain(jnp.broadcast_to(x_MbTD, (s, *x_MbTD.shape)), names)
     state_SbTD = constrain(jnp.zeros_like(buffer_SMbTD[:, 0]), names[:1] + names[2:])
 
-    def stage_fn(weights_R, repeat, x_bTD, micro):
-        group = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, False),
-                             weights_R)
-        return layers_fn(group, x_bTD, positions_MbT[micro], segments_MbT[micro])
+    def stage_fn(weights_LR, repeat, x_bTD, micro):
+        pick = lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
+        # Recomputed in the backward from the layer's [R, ...] weights, never saved.
+        select = jax.checkpoint(lambda layer: jax.tree.map(pick, layer),
+                                policy=jax.checkpoint_policies.nothing_saveable)
+        return layers_fn(weights_LR, x_bTD, positions_MbT[micro], segments_MbT[micro],
+                         select=select)
 
     stages_fn = jax.vmap(stage_fn, spmd_axis_name="stage")
     carry = (state_SbTD, buffer_SMbTD)

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtron import model as model_lib
 from jaxtron import parallel, pipeline
 from jaxtron.config import Config
 from jaxtron.optim import lr_schedule, schedule_count
@@ -25,23 +26,55 @@ BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
 
 
 
-def loss_sums(params: dict, graphdef: Any, batch: dict,
-              pipe: pipeline.Pipeline | None = None) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross-entropy over real (non-padding) tokens, and their count."""
+def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline | None = None,
+              chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
+
+    With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions in a
+    scan whose body is rematerialized: only one chunk's float32 logits [B, chunk, V] exist at a
+    time, forward and backward, instead of the whole [B, T, V]. Same value and gradient."""
     model = nnx.merge(graphdef, params)
     run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
-    logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
-    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_BT = jnp.take_along_axis(logits_BTV, batch["targets"][..., None], axis=-1)[..., 0]
+    x_BTD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
     mask_BT = batch["segment_ids"] != 0
-    return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0)), jnp.sum(mask_BT)
+    parts = _chunks(x_BTD.shape[1], chunk)
+    if parts == 1:
+        total = _cross_entropy(x_BTD, model.head(), batch["targets"], mask_BT)
+        return total, jnp.sum(mask_BT)
+
+    def split(a):  # [B, T, ...] -> [C, B, T/C, ...]: chunk c holds positions c*T/C ...
+        return a.reshape(a.shape[0], parts, a.shape[1] // parts, *a.shape[2:]).swapaxes(0, 1)
+
+    head_DV = model.head()
+    body = jax.checkpoint(lambda total, xs: (total + _cross_entropy(*xs[:1], head_DV, *xs[1:]),
+                                             None))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                            (split(x_BTD), split(batch["targets"]), split(mask_BT)))
+    return total, jnp.sum(mask_BT)
+
+
+def _chunks(seq_len: int, chunk: int) -> int:
+    """How many equal chunks of at most `chunk` positions split seq_len (1: no chunking)."""
+    if chunk <= 0 or chunk >= seq_len:
+        return 1
+    size = next(n for n in range(chunk, 0, -1) if seq_len % n == 0)
+    return seq_len // size
+
+
+def _cross_entropy(x_BTD, head_DV, targets_BT, mask_BT) -> jax.Array:
+    """Summed cross-entropy of the logits of x under the head, over the masked positions."""
+    logits_BTV = model_lib.logits(x_BTD, head_DV)
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0))
 
 
 def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
-                   pipe: pipeline.Pipeline | None = None):
+                   pipe: pipeline.Pipeline | None = None, chunk: int = 0):
     """Mean loss and its gradient; with microbatches > 1, summed over microbatches in a scan
     (each one a pass through the pipeline when `pipe` is set)."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_sums, pipe=pipe), has_aux=True)
+    grad_fn = jax.value_and_grad(functools.partial(loss_sums, pipe=pipe, chunk=chunk),
+                                 has_aux=True)
     if microbatches == 1:
         (total, count), grads = grad_fn(params, graphdef, batch)
     else:
@@ -63,13 +96,13 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
 
 
 def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
-               pipe: pipeline.Pipeline | None = None):
+               pipe: pipeline.Pipeline | None = None, chunk: int = 0):
     """One optimizer update. Pure: the caller jits it once and donates `state`.
 
     A non-finite loss or gradient leaves params and optimizer state as they were and counts the
     skip in `nonfinite` (consecutive skips); the host decides whether to go on.
     """
-    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe)
+    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe, chunk)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -92,7 +125,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
     step_fn = functools.partial(
         train_step, graphdef=plan.graphdef, tx=tx,
         schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
-        pipe=plan.pipe,
+        pipe=plan.pipe, chunk=cfg.train.loss_chunk,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
@@ -105,9 +138,9 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
     )
 
 
-def compile_eval(plan: Plan, mesh: Mesh):
+def compile_eval(plan: Plan, mesh: Mesh, chunk: int = 0):
     """Summed loss and token count of one batch under the current params (no update)."""
-    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe)
+    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe, chunk=chunk)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
     return jax.jit(
         lambda params, batch: fn(params, batch=batch),

@@ -6,6 +6,7 @@ directory and writers, input, state (restored or born sharded), the step compile
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ import jax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import metrics as metrics_lib
@@ -29,10 +31,18 @@ from jaxtron.state import initial_state, make_plan
 from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
 
 
+def _with_attention(cfg: Config, platform: str, stages: int) -> Config:
+    """cfg with model.attention resolved for the devices it runs on (auto -> cudnn on GPUs)."""
+    kernel = attention_lib.resolve(cfg.model.attention, platform, stages, cfg.model.dtype)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
+
+
 def train(cfg: Config, devices: list | None = None) -> list[dict]:
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows."""
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
+    cfg = _with_attention(cfg, devices[0].platform,
+                          parallel.mesh_shape(cfg.mesh, len(devices))["stage"])
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     check_remat(cfg.model, devices[0])
@@ -49,6 +59,10 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     log.info(config_lib.to_yaml(cfg).rstrip())
     log.info(f"mesh: {plan.mesh_sizes} over {len(devices)} {devices[0].device_kind} devices")
     log.info(f"parameters: {plan.num_params:,}")
+    if cfg.model.attention != "xla" and cfg.model.attention_check:
+        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
+        log.info(f"attention: {cfg.model.attention} agrees with the xla reference on a packed "
+                 "batch (forward and gradient)")
     if plan.pipe:
         log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
 
@@ -75,7 +89,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
                 lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
                 run.step_fn = lowered.compile()
             log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s")
-            run.eval_fn = compile_eval(plan, mesh)
+            run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
             return _loop(cfg, run, state, start, tokens_seen)
     finally:
         run.ckpt.close()  # the last async save is on disk before we return, also on error

@@ -6,6 +6,7 @@ In-process compiles here run with the test session's XLA flags; the estimate and
 through launch.py, as a user would, so that they compile with the GPU flag preset."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -173,17 +174,47 @@ def test_llama3_8b_on_one_node_fits(tmp_path):
     assert {tuple(r["axes"]) for r in rows["all-gather"]} == {("fsdp",)}
 
 
-def test_llama3_70b_pp8_on_128_gpus_is_reported_as_not_fitting(tmp_path):
-    report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128)
+@pytest.mark.parametrize("schedule", [(), ("pipeline.schedule=circular", "pipeline.repeats=5")],
+                         ids=["gpipe", "circular"])
+def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
+    """The preset (TP8 / PP8 / DP2) and its circular variant: at least 10% of the usable memory
+    left, because the pipeline keeps no per-iteration copy of the stage weights (before, the
+    backward held one per iteration: 1109 GiB per GPU)."""
+    report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128, *schedule)
     assert report["devices"] == 128 and report["hosts"] == 16
-    assert report["fits"] is False
-    assert report["memory"]["peak_bytes"] > report["memory"]["capacity_bytes"]
+    assert report["fits"] is True
+    assert report["memory"]["peak_bytes"] <= 0.9 * report["memory"]["usable_bytes"]
     assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
     # Stage-to-stage traffic is a collective-permute over `stage`, crossing hosts; tensor stays
     # inside a host.
     permutes = [r for r in report["collectives"] if r["op"] == "collective-permute"]
     assert any(r["axes"] == ["stage"] and r["crosses_hosts"] for r in permutes)
     assert not any(r["crosses_hosts"] for r in report["collectives"] if r["axes"] == ["tensor"])
+
+
+def test_fused_attention_and_chunked_loss_on_one_node(tmp_path):
+    """llama3_8b at seq 8192 on 8 H100s (fsdp=8): cuDNN fused attention forward and backward, no
+    float32 array of attention-score size [b, N, T, T] or of [tokens, vocab], and temporaries 3x
+    below the 44.6 GiB of the XLA attention with whole logits."""
+    hlo_path = tmp_path / "step.hlo"
+    report = _launch(tmp_path, "llama3_8b.yaml", 8, "train.batch_size=8", "mesh.fsdp=8",
+                     "--hlo", str(hlo_path))
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) >= 32
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward", 0) >= 32
+    shapes = {(dtype, dims) for dtype, dims in hlo.arrays(hlo_path.read_text())}
+    score_size = 1 * 32 * 8192 * 8192  # b * N * T * S on one device
+    tokens_vocab = 8192 * 128256
+    big_f32 = [dims for dtype, dims in shapes if dtype == "f32" and math.prod(dims) >= tokens_vocab]
+    assert not [d for d in big_f32 if math.prod(d) >= score_size], big_f32
+    assert not [d for d in big_f32 if 8192 in d and 128256 in d], big_f32
+    assert report["memory"]["temp_bytes"] * 3 <= 44.6 * GiB
+
+
+def test_one_gpu_long_sequence_temporaries(tmp_path):
+    """llama3_1b, one sequence of 8192 on one H100: temporaries 3x below XLA attention's 27.3 GiB."""
+    report = _launch(tmp_path, "llama3_1b.yaml", 1, "train.batch_size=1")
+    assert report["memory"]["temp_bytes"] * 3 <= 27.3 * GiB
+    assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -148,3 +148,46 @@ def test_microbatched_mean_is_total_over_count(model_parts):
     _, whole = _jit_loss_and_grads(params, graphdef, batch, 1)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(whole)):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("chunk", [4, 6])  # 4 chunks of 4; 6 -> the largest divisor, 4 chunks of 4
+def test_chunked_loss_equals_the_whole_loss_and_gradient(model_parts, chunk):
+    """The LM head and cross-entropy over chunks of positions (train.loss_chunk): the same sum,
+    count and gradient as over the whole [B, T, V] at once."""
+    graphdef, params = model_parts
+    batch = _packed_batch()
+    whole = jax.jit(jax.value_and_grad(loss_sums, has_aux=True), static_argnums=(1, 4))
+    (total, count), grads = whole(params, graphdef, batch, None, 0)
+    (c_total, c_count), c_grads = whole(params, graphdef, batch, None, chunk)
+    assert int(c_count) == int(count) == 45
+    np.testing.assert_allclose(float(c_total), float(total), rtol=RTOL)
+    for a, b in zip(jax.tree.leaves(c_grads), jax.tree.leaves(grads)):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+    # The chunks cover every position: a loss over the first chunk only is far off.
+    first = {k: v.copy() for k, v in batch.items()}
+    first["segment_ids"][:, 4:] = 0
+    assert float(whole(params, graphdef, first, None, 0)[0][0]) < 0.5 * float(total)
+
+
+def test_chunked_loss_under_tensor_parallel_vocab(model_parts):
+    """Chunked loss with the vocabulary split over `tensor` (and batch over fsdp) on 8 devices:
+    the single-device whole-loss value and gradient."""
+    from jaxtron import parallel
+    from jaxtron.state import make_plan
+    from jaxtron.optim import make_optimizer
+    from jaxtron.step import global_batch
+
+    graphdef, params = model_parts
+    cfg = config.load(["configs/tiny.yaml"], MODEL + ["mesh.tensor=2", "mesh.fsdp=4",
+                                                     "train.batch_size=4"])
+    plan = make_plan(cfg, make_optimizer(cfg.optim, 10), 8)
+    mesh = parallel.make_mesh(cfg.mesh)
+    batch = _packed_batch()
+    whole = jax.jit(jax.value_and_grad(loss_sums, has_aux=True), static_argnums=(1, 4))
+    (total, _), grads = whole(params, graphdef, batch, None, 0)
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(params, parallel.named(plan.specs["params"], mesh))
+        (c_total, _), c_grads = whole(sharded, graphdef, global_batch(batch, mesh), None, 4)
+    np.testing.assert_allclose(float(c_total), float(total), rtol=RTOL)
+    for a, b in zip(jax.tree.leaves(c_grads), jax.tree.leaves(grads)):
+        assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)

@@ -132,3 +132,27 @@ def test_tied_embeddings_and_qkv_bias_shapes():
     assert params["layers"]["attn"]["bq"].shape == (3, 4, 16)
     assert params["layers"]["attn"]["bk"].shape == (3, 2, 16)
     assert _logits(_model(cfg), _tokens(0, (1, 8))).shape == (1, 8, 128)
+
+
+def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monkeypatch):
+    """A kernel that is causal but ignores packed-document boundaries (a real failure of fused
+    kernels) fails the start-up check with one line naming it; the reference passes."""
+    from jaxtron import attention
+    from jaxtron.config import ConfigError
+
+    def leaky(q, k, v, segment_ids):  # every row one document: attends across boundaries
+        return attention.xla_attention(q, k, v, jnp.ones_like(segment_ids))
+
+    monkeypatch.setitem(attention.ATTENTION_IMPLS, "leaky", leaky)
+    with pytest.raises(ConfigError, match=r"model.attention=leaky disagrees .* output off by"):
+        attention.self_check("leaky")
+    attention.self_check("xla")  # the reference agrees with itself: no error
+
+
+def test_attention_auto_is_cudnn_on_gpus_only():
+    from jaxtron import attention
+
+    assert attention.resolve("auto", "gpu") == "cudnn"
+    assert attention.resolve("auto", "cpu") == "xla"
+    assert attention.resolve("xla", "gpu") == "xla"
+    assert attention.resolve("auto", "gpu", stages=2) == "xla"  # not inside pipeline stages yet
