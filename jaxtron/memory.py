@@ -12,6 +12,7 @@ device per microbatch, T the sequence, t = mesh.tensor):
   saved_activations     what autodiff keeps per layer run, by remat policy and attention kernel
                         (with a pipeline, every iteration's layers)
   pipeline_buffers      the stage buffers [M, b, T/t, D] and the moving state
+  pipeline_weight_grads each iteration's gradient of the stage weights beside their sum
   layer_backward        attention's working set (cuDNN: the [b, 1, T, S] mask; XLA: float32
                         scores, their gradient, bf16 probabilities: 11-15 bytes per score), two
                         layers' gathered weights, sequence parallelism's full-sequence [b, T, D]
@@ -32,7 +33,7 @@ import math
 
 import jax.numpy as jnp
 
-from jaxtron import attention, pipeline
+from jaxtron import attention, parallel, pipeline
 from jaxtron.config import Config
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds
@@ -159,8 +160,12 @@ def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
 
 
 def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
-    """The stage buffers ([M, b, T/t, D] in and out, plus the moving state)."""
+    """The stage buffers ([M, b, T/t, D] in and out, plus the moving state), and each
+    iteration's gradient of the stage weights beside their running sum (the weight gradients
+    are reduced over `data` in every iteration, not once per step)."""
     pipe = pipeline.from_config(cfg, plan.mesh_sizes["stage"])
     if pipe is None:
-        return {"pipeline_buffers": 0}
-    return {"pipeline_buffers": (pipe.microbatches + 2) * slab}
+        return {"pipeline_buffers": 0, "pipeline_weight_grads": 0}
+    layers = parallel.bytes_per_device(plan.abstract["params"]["layers"],
+                                       plan.specs["params"]["layers"], plan.mesh_sizes)
+    return {"pipeline_buffers": (pipe.microbatches + 2) * slab, "pipeline_weight_grads": layers}
