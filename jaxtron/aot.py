@@ -14,7 +14,6 @@ JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; launch.py sets both up.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -110,9 +109,7 @@ def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int =
 
 def for_gpus(cfg: Config, num_devices: int) -> Config:
     """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn, or xla in pipelines)."""
-    stages = parallel.mesh_shape(cfg.mesh, num_devices)["stage"]
-    kernel = attention.resolve(cfg.model.attention, "gpu", stages, cfg.model.dtype)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
+    return attention.configure(cfg, "gpu", num_devices)
 
 
 def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8):

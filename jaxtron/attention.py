@@ -7,12 +7,14 @@ its own segment. Every backend is tested against `xla_attention` on a packed bat
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxtron.config import ConfigError
+from jaxtron import parallel
+from jaxtron.config import Config, ConfigError
 
 
 def segment_causal_mask(segment_ids_BT: jax.Array) -> jax.Array:
@@ -75,6 +77,14 @@ def resolve(impl: str, platform: str, stages: int = 1, dtype: str = "bfloat16") 
         return impl
     gpu = platform in ("gpu", "cuda")
     return "cudnn" if gpu and stages == 1 and dtype in ("bfloat16", "float16") else "xla"
+
+
+def configure(cfg: Config, platform: str, num_devices: int) -> Config:
+    """cfg with model.attention resolved for `num_devices` devices of `platform` (auto -> cudnn
+    on GPUs, xla inside pipeline stages and in float32)."""
+    stages = parallel.mesh_shape(cfg.mesh, num_devices)["stage"]
+    kernel = resolve(cfg.model.attention, platform, stages, cfg.model.dtype)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla") -> jax.Array:

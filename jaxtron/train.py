@@ -6,7 +6,6 @@ directory and writers, input, state (restored or born sharded), the step compile
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 import time
@@ -31,18 +30,11 @@ from jaxtron.state import initial_state, make_plan
 from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
 
 
-def _with_attention(cfg: Config, platform: str, stages: int) -> Config:
-    """cfg with model.attention resolved for the devices it runs on (auto -> cudnn on GPUs)."""
-    kernel = attention_lib.resolve(cfg.model.attention, platform, stages, cfg.model.dtype)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
-
-
 def train(cfg: Config, devices: list | None = None) -> list[dict]:
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows."""
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
-    cfg = _with_attention(cfg, devices[0].platform,
-                          parallel.mesh_shape(cfg.mesh, len(devices))["stage"])
+    cfg = attention_lib.configure(cfg, devices[0].platform, len(devices))
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     check_remat(cfg.model, devices[0])

@@ -48,12 +48,13 @@ def random_batch(cfg, mesh):
 def bench(cfg, steps: int, warmup: int) -> dict:
     import jax
 
-    from jaxtron import metrics, parallel
+    from jaxtron import attention, metrics, parallel
     from jaxtron.optim import make_optimizer
     from jaxtron.state import init_state, make_plan
     from jaxtron.step import compile_step
 
     devices = jax.devices()
+    cfg = attention.configure(cfg, devices[0].platform, len(devices))  # as train() runs it
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
