@@ -78,8 +78,8 @@ def _poison(monkeypatch, at, where="loss"):
 
     real_loss, real_batches = step_lib.loss_sums, data_lib.make_batches
 
-    def loss_sums(params, graphdef, batch, pipe=None):
-        total, count = real_loss(params, graphdef, batch, pipe)
+    def loss_sums(params, graphdef, batch, pipe=None, chunk=0):
+        total, count = real_loss(params, graphdef, batch, pipe, chunk)
         marked = batch["positions"][0, 0] < 0
         if where == "loss":
             return jnp.where(marked, jnp.nan, total), count
