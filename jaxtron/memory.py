@@ -11,7 +11,8 @@ device per microbatch, T the sequence, t = mesh.tensor):
                         (2x params) and the tables' float32 gradients summed whole
   saved_activations     what autodiff keeps per layer run, by remat policy and attention kernel
                         (with a pipeline, every iteration's layers)
-  pipeline_buffers      the stage buffers [M, b, T/t, D] and the moving state
+  pipeline_buffers      the output buffer [M, b, T/t, D], the inputs spread over the stages
+                        [M/S, b, T/t, D], and the moving state
   pipeline_weight_grads each iteration's gradient of the stage weights beside their sum
   layer_backward        attention's working set (cuDNN: the [b, 1, T, S] mask; XLA: float32
                         scores, their gradient, bf16 probabilities: 11-15 bytes per score), two
@@ -160,7 +161,8 @@ def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
 
 
 def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
-    """The stage buffers ([M, b, T/t, D] in and out, plus the moving state), and each
+    """The stage buffers (the outputs [M, b, T/t, D], the inputs spread M/S per stage, the moving
+    state), and each
     iteration's gradient of the stage weights beside their running sum (the weight gradients
     are reduced over `data` in every iteration, not once per step)."""
     pipe = pipeline.from_config(cfg, plan.mesh_sizes["stage"])
@@ -168,4 +170,6 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
         return {"pipeline_buffers": 0, "pipeline_weight_grads": 0}
     layers = parallel.bytes_per_device(plan.abstract["params"]["layers"],
                                        plan.specs["params"]["layers"], plan.mesh_sizes)
-    return {"pipeline_buffers": (pipe.microbatches + 2) * slab, "pipeline_weight_grads": layers}
+    spread = -(-pipe.microbatches // pipe.stages)  # the inputs, spread K per stage
+    return {"pipeline_buffers": (pipe.microbatches + 2 + spread) * slab,
+            "pipeline_weight_grads": layers}

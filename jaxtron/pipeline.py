@@ -25,6 +25,7 @@ another layout permutes the layers back (`reorder`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -118,6 +119,17 @@ def reorder(layers: Any, src: np.ndarray, dst: np.ndarray) -> Any:
     return jax.tree.map(lambda w: w[where], layers)
 
 
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+def _from_owner(inputs_SKbTD: jax.Array, t: jax.Array) -> jax.Array:
+    """Microbatch t of inputs spread [S, K, ...] over the stages: a masked sum over the stages
+    (an all-reduce of one microbatch). Rematerialized: nothing of it is kept per iteration."""
+    s, k = inputs_SKbTD.shape[:2]
+    local_SbTD = jax.lax.dynamic_index_in_dim(inputs_SKbTD, t % k, 1, False)
+    owner = jnp.arange(s) == jnp.minimum(t // k, s - 1)
+    return jnp.sum(jnp.where(owner.reshape(s, *[1] * (local_SbTD.ndim - 1)), local_SbTD, 0),
+                   axis=0)
+
+
 def _microbatches(x: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...]; row i*M + j goes to microbatch j, so no row changes device."""
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
@@ -150,9 +162,16 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     x_MbTD = _microbatches(x_BTD, m)
     positions_MbT, segments_MbT = _microbatches(positions_BT, m), _microbatches(segment_ids_BT, m)
     names = ("act_stage", None, "act_batch", "act_seq", "act_embed")
-    # Microbatches enter from, and the last stage's outputs return to, a buffer; every stage has
-    # a slot, only stage 0's is read (it keeps everything local to the stage that uses it).
-    buffer_SMbTD = constrain(jnp.broadcast_to(x_MbTD, (s, *x_MbTD.shape)), names)
+    # The inputs stay spread over the stages, [S, K, b, T, D] with K = ceil(M/S): stage s holds
+    # microbatches s*K ... s*K+K-1, and each iteration the one stage 0 needs is summed over the
+    # stages from its owner (an all-reduce of one microbatch), instead of every stage receiving
+    # every microbatch up front.
+    k = -(-m // s)
+    padded = jnp.pad(x_MbTD, [(0, s * k - m)] + [(0, 0)] * (x_MbTD.ndim - 1))
+    inputs_SKbTD = constrain(padded.reshape(s, k, *x_MbTD.shape[1:]), names)
+    # The last stage's outputs return to stage 0's slot of a buffer: read back for the next
+    # repeat (circular) or as the result.
+    buffer_SMbTD = constrain(jnp.zeros((s, *x_MbTD.shape), x_MbTD.dtype), names)
     state_SbTD = constrain(jnp.zeros_like(buffer_SMbTD[:, 0]), names[:1] + names[2:])
 
     def stage_fn(weights_LR, repeat, x_bTD, micro):
@@ -165,19 +184,24 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
 
     stages_fn = jax.vmap(stage_fn, spmd_axis_name="stage")
     carry = (state_SbTD, buffer_SMbTD)
-    carry, _ = jax.lax.scan(lambda c, t: (_iteration(stages_fn, staged, c, t, pipe), None),
-                            carry, jnp.arange(pipe.iterations))
+    carry, _ = jax.lax.scan(
+        lambda c, t: (_iteration(stages_fn, staged, inputs_SKbTD, c, t, pipe), None),
+        carry, jnp.arange(pipe.iterations))
     out_MbTD = carry[1][0]
     return out_MbTD.swapaxes(0, 1).reshape(x_BTD.shape)
 
 
-def _iteration(stages_fn, staged, carry, t, pipe: Pipeline):
+def _iteration(stages_fn, staged, inputs_SKbTD, carry, t, pipe: Pipeline):
     """One tick of the schedule: every stage runs its current item, then all move one stage on."""
     state_SbTD, buffer_SMbTD = carry
     s, items, m = pipe.stages, pipe.microbatches * pipe.repeats, pipe.microbatches
     stage = jnp.arange(s)
     item = t - stage  # stage s works on item t - s: microbatch item % M in repeat item // M
-    fresh_SbTD = jax.lax.dynamic_index_in_dim(buffer_SMbTD, t % m, 1, False)
+    # Stage 0's next item: microbatch t from the stage that holds it (first repeat), else the
+    # output of its previous repeat from the buffer.
+    new_bTD = _from_owner(inputs_SKbTD, t)
+    again_SbTD = jax.lax.dynamic_index_in_dim(buffer_SMbTD, t % m, 1, False)
+    fresh_SbTD = jnp.where(t < m, new_bTD[None], again_SbTD)
     first = (stage == 0).reshape(s, *[1] * (state_SbTD.ndim - 1))
     inputs_SbTD = jnp.where(first, fresh_SbTD, state_SbTD)
     repeat = jnp.clip(item // m, 0, pipe.repeats - 1)

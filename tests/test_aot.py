@@ -180,7 +180,8 @@ def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     """The preset (TP8 / PP8 / DP2) and its circular variant: at least 10% of the usable memory
     left, because the pipeline keeps no per-iteration copy of the stage weights (before, the
     backward held one per iteration: 1109 GiB per GPU)."""
-    report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128, *schedule)
+    hlo_path = tmp_path / "step.hlo"
+    report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128, *schedule, "--hlo", str(hlo_path))
     assert report["devices"] == 128 and report["hosts"] == 16
     assert report["fits"] is True
     assert report["memory"]["peak_bytes"] <= 0.9 * report["memory"]["usable_bytes"]
@@ -190,6 +191,13 @@ def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     permutes = [r for r in report["collectives"] if r["op"] == "collective-permute"]
     assert any(r["axes"] == ["stage"] and r["crosses_hosts"] for r in permutes)
     assert not any(r["crosses_hosts"] for r in report["collectives"] if r["axes"] == ["tensor"])
+    # The microbatches stay spread over the stages: no all-gather hands any device the whole
+    # input buffer [M, b, T/t, D] (256 x 1 x 512 x 8192 bf16 = 2 GiB), as broadcasting it did.
+    module = hlo.parse(hlo_path.read_text())
+    whole = 256 * 1 * (4096 // 8) * 8192 * 2
+    gathers = [inst for insts in module.computations.values() for inst in insts
+               if inst.opcode in ("all-gather", "all-gather-start")]
+    assert gathers and max(hlo.collective_bytes("all-gather", g, 1) for g in gathers) < whole
 
 
 def test_fused_attention_and_chunked_loss_on_one_node(tmp_path):
