@@ -142,14 +142,16 @@ def _stage_sharded(w: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, P("stage", *[P.UNCONSTRAINED] * (w.ndim - 1)))
 
 
-LayerFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+LayerFn = Callable[..., jax.Array]  # (stacked, x, positions, segment_ids, select=) -> x
 
 
 def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Array,
         segment_ids_BT: jax.Array, pipe: Pipeline) -> jax.Array:
     """Apply all stacked layers (stored in `layer_order`) to x through the pipeline.
 
-    `layers_fn(stacked_group, x, positions, segment_ids)` runs one stage's group of layers.
+    `layers_fn(stacked, x, positions, segment_ids, select=...)` runs one stage's layers, where
+    each stacked layer holds its R repeats' weights [R, ...] and `select` picks the ones this
+    iteration runs (inside the layer, so the pick is recomputed in the backward, not saved).
     """
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     # [S, L/(S*R), R, ...]: each stage's layers, every layer with its R repeats side by side. The
