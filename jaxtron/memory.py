@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from jaxtron import attention, parallel, pipeline
 from jaxtron.config import Config
+from jaxtron.step import loss_chunks
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds
 
@@ -117,13 +118,6 @@ def _head_bytes(cfg: Config, sizes: dict[str, int]) -> int:
     if math.prod(sizes.values()) == 1:
         return logits
     return (3 if chunks > 1 else 2) * logits
-
-
-def loss_chunks(seq_len: int, chunk: int) -> int:
-    """How many equal chunks of at most `chunk` positions split seq_len (1: no chunking)."""
-    if chunk <= 0 or chunk >= seq_len:
-        return 1
-    return seq_len // next(n for n in range(chunk, 0, -1) if seq_len % n == 0)
 
 
 def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many: bool) -> int:

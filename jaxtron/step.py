@@ -37,7 +37,7 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
     x_BTD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
     mask_BT = batch["segment_ids"] != 0
-    parts = _chunks(x_BTD.shape[1], chunk)
+    parts = loss_chunks(x_BTD.shape[1], chunk)
     if parts == 1:
         total = _cross_entropy(x_BTD, model.head(), batch["targets"], mask_BT)
         return total, jnp.sum(mask_BT)
@@ -46,19 +46,22 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
         return a.reshape(a.shape[0], parts, a.shape[1] // parts, *a.shape[2:]).swapaxes(0, 1)
 
     head_DV = model.head()
-    body = jax.checkpoint(lambda total, xs: (total + _cross_entropy(*xs[:1], head_DV, *xs[1:]),
-                                             None))
+
+    @jax.checkpoint
+    def body(total, chunk_xs):
+        x_BcD, targets_Bc, mask_Bc = chunk_xs
+        return total + _cross_entropy(x_BcD, head_DV, targets_Bc, mask_Bc), None
+
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                             (split(x_BTD), split(batch["targets"]), split(mask_BT)))
     return total, jnp.sum(mask_BT)
 
 
-def _chunks(seq_len: int, chunk: int) -> int:
+def loss_chunks(seq_len: int, chunk: int) -> int:
     """How many equal chunks of at most `chunk` positions split seq_len (1: no chunking)."""
     if chunk <= 0 or chunk >= seq_len:
         return 1
-    size = next(n for n in range(chunk, 0, -1) if seq_len % n == 0)
-    return seq_len // size
+    return seq_len // next(n for n in range(chunk, 0, -1) if seq_len % n == 0)
 
 
 def _cross_entropy(x_BTD, head_DV, targets_BT, mask_BT) -> jax.Array:
