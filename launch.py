@@ -4,7 +4,7 @@
     python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
     python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
     python launch.py --config configs/llama3_8b.yaml --compile-for h100 --devices 8 --report r.json
-    python launch.py xla.collective_matmul=true xla.flags=[--xla_dump_to=/tmp/hlo]   # XLA flags
+    python launch.py model.collective_matmul=true xla.flags=[--xla_dump_to=/tmp/hlo]  # overlap, flags
     python launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0   # and id 1
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
 

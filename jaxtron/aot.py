@@ -197,13 +197,15 @@ def format_report(report: dict) -> list[str]:
     overhead = flops["compiled_per_device"] / max(flops["model_per_device"], 1)
     lines.append(f"flops per device per step: model {flops['model_per_device'] / 1e12:.2f} T, "
                  f"compiled matmuls {flops['compiled_per_device'] / 1e12:.2f} T ({overhead:.2f}x)")
-    lines.append("collectives per device per step (op over axes: executions, bytes):")
+    lines.append("collectives per device per step (op over axes: executions, bytes; the part "
+                 "with a matmul between its start and done):")
     for row in report["collectives"]:
         axes = "+".join(row["axes"]) if row["axes"] else ("none" if row["axes"] == [] else "?")
         mode = "async" if row["async"] else "sync"
         hosts = ", across hosts" if row["crosses_hosts"] else ""
         lines.append(f"  {row['op']:<18} over {axes:<16} {mode:<5} {row['count']:>6} x, "
-                     f"{_bytes(row['bytes'])}{hosts}")
+                     f"{_bytes(row['bytes'])}; overlapped {row['overlapped']} x, "
+                     f"{_bytes(row['overlapped_bytes'])}{hosts}")
     if not report["collectives"]:
         lines.append("  none")
     kernels = ", ".join(f"{name} {count}" for name, count in report["kernels"].items())

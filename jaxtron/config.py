@@ -50,6 +50,9 @@ class ModelConfig:
     remat: str = "none"  # a key of model.REMAT_POLICIES
     attention: str = "auto"  # auto (cudnn on GPUs, xla elsewhere), cudnn, xla
     attention_check: bool = True  # on a GPU: test the kernel against xla before the first step
+    # mesh.tensor > 1: overlap each tensor-parallel matmul with its all-gather / reduce-scatter
+    # over the sequence (jaxtron/collective_matmul.py)
+    collective_matmul: bool = False
 
     @property
     def head_size(self) -> int:
@@ -117,7 +120,6 @@ class XlaConfig:
     """XLA compiler flags, set before JAX starts a backend (jaxtron/xla_flags.py)."""
 
     preset: str = "auto"  # none | gpu | auto (gpu when a CUDA build of jax is installed)
-    collective_matmul: bool = False  # tensor parallelism: overlap matmuls with their collectives
     flags: list[str] = field(default_factory=list)  # raw flags, e.g. ["--xla_dump_to=/tmp/hlo"]
 
 
@@ -164,6 +166,14 @@ class Config:
 
 
 def _closest(name: str, options: list[str], where: str) -> str:
+    """A suggestion for an unknown key: the same key in another section first (`train.lr` ->
+    `optim.lr`), else the closest name in its own section."""
+    if where.count(".") == 1:
+        sections = typing.get_type_hints(Config)
+        elsewhere = [f"{section}.{name}" for section, schema in sections.items()
+                     if dataclasses.is_dataclass(schema) and name in typing.get_type_hints(schema)]
+        if elsewhere:
+            return f" (did you mean '{elsewhere[0]}'?)"
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
     return f" (did you mean '{where}{match[0]}'?)" if match else ""
 

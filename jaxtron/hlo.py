@@ -8,6 +8,9 @@ layers, the microbatch and pipeline loops) and async wrappers. Everything here c
 - `collectives`: every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute,
   grouped by (op, mesh axes, async), with executions and bytes per step per device. Bytes follow
   nccl-tests' "size": the whole buffer (an all-gather's output, a reduce-scatter's input).
+  `overlapped` (and `overlapped_bytes`) count the async executions with a matmul or attention
+  kernel scheduled between their start and done: communication the GPU hides behind compute (the module text is in XLA's
+  schedule order), the rest is exposed unless other work happens to fill it.
 - `kernels`: custom calls (cuBLAS, cuDNN) and Triton fusions, by name, in executions per step.
 - `dot_flops`: 2 * M * N * K of every matmul (plain dots, cuBLAS calls, Triton GEMM fusions)
   and the two matmuls of each cuDNN attention call, per step per device.
@@ -280,10 +283,41 @@ def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tup
     return tuple(a for a in names if a in varying)
 
 
+def is_matmul(inst: Instruction) -> bool:
+    """A matmul or attention kernel: a dot, a cuBLAS / cuDNN call, a Triton or cuDNN GEMM fusion."""
+    if inst.opcode in ("dot", "convolution"):
+        return True
+    if inst.opcode == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', inst.rest)
+        return bool(target) and target.group(1).startswith(("__cublas", "__cudnn"))
+    kind = _fusion_kind(inst) if inst.opcode == "fusion" else None
+    return bool(kind) and ("gemm" in kind or kind.startswith("__cudnn"))
+
+
+def overlapped(module: Module) -> set[str]:
+    """Async starts (and the async bodies they run) with a matmul scheduled before their done."""
+    hidden: set[str] = set()
+    for insts in module.computations.values():
+        open_: dict[str, bool] = {}  # start name -> a matmul seen since
+        for inst in insts:
+            if inst.opcode.endswith("-start"):
+                open_[inst.name] = False
+            elif inst.opcode.endswith("-done"):
+                start = next((o for o in _operands(inst) if o in open_), None)
+                if start is not None and open_.pop(start):
+                    hidden.add(start)
+                    hidden.update(_CALLEE.findall(module.instructions[start].rest))
+            elif is_matmul(inst):
+                open_ = dict.fromkeys(open_, True)
+    return hidden
+
+
 def collectives(module: Module, mesh_shape: dict[str, int], gpus_per_host: int = 0) -> list[dict]:
     """Every collective grouped by (op, axes, async): instructions, executions and bytes per step,
-    and whether any of its groups spans hosts of `gpus_per_host` devices (0: one host)."""
+    executions overlapped with a matmul, and whether any of its groups spans hosts of
+    `gpus_per_host` devices (0: one host)."""
     num_devices = math.prod(mesh_shape.values())
+    hidden = overlapped(module)
     rows: dict[tuple, dict] = {}
     for comp, insts in module.computations.items():
         runs = module.executions.get(comp, 0)
@@ -298,13 +332,18 @@ def collectives(module: Module, mesh_shape: dict[str, int], gpus_per_host: int =
             key = (op, axes, is_async)
             row = rows.setdefault(key, {"op": op, "axes": list(axes) if axes is not None else None,
                                         "async": is_async, "crosses_hosts": False,
-                                        "instructions": 0, "count": 0, "bytes": 0})
+                                        "instructions": 0, "count": 0, "bytes": 0,
+                                        "overlapped": 0, "overlapped_bytes": 0})
             if gpus_per_host and groups:
                 row["crosses_hosts"] |= any(len({i // gpus_per_host for i in g}) > 1
                                             for g in groups)
             row["instructions"] += 1
+            size = runs * collective_bytes(op, inst, width)
             row["count"] += runs
-            row["bytes"] += runs * collective_bytes(op, inst, width)
+            row["bytes"] += size
+            if inst.name in hidden or comp in hidden:
+                row["overlapped"] += runs
+                row["overlapped_bytes"] += size
     return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["op"]), -r["bytes"]))
 
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron import attention as attention_lib
+from jaxtron import collective_matmul
 from jaxtron.attention import attention
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
@@ -120,23 +121,37 @@ class Attention(nnx.Module):
             self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
             self.bv = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
 
-    def _project(self, x_BTD, name: str, heads: str) -> jax.Array:
-        dtype = jnp.dtype(self.cfg.dtype)
-        y = jnp.einsum("btd,dnh->btnh", x_BTD, getattr(self, "w" + name)[...].astype(dtype))
+    def _weight(self, name: str) -> jax.Array:
+        return getattr(self, name)[...].astype(self.cfg.dtype)
+
+    def _projections(self, x_BTD) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q[B, T, N, H], k and v [B, T, K, H], heads split over tensor, sequence whole."""
+        names = ("wq", "wk", "wv")
+        if _overlapped(self.cfg):
+            q, k, v = collective_matmul.gather_matmuls(x_BTD, *map(self._weight, names))
+        else:
+            q, k, v = (jnp.einsum("btd,dnh->btnh", x_BTD, self._weight(n)) for n in names)
         if self.cfg.qkv_bias:
-            y = y + getattr(self, "b" + name)[...].astype(dtype)
-        return constrain(y, (*BATCH_WHOLE_SEQ, heads, None))
+            q, k, v = (y + self._weight(b) for y, b in zip((q, k, v), ("bq", "bk", "bv")))
+        return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
+                constrain(k, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)),
+                constrain(v, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)))
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
-        q_BTNH = self._project(x_BTD, "q", "act_heads")
-        k_BTKH = self._project(x_BTD, "k", "act_kv_heads")
-        v_BTKH = checkpoint_name(self._project(x_BTD, "v", "act_kv_heads"), "value_proj")
+        q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD)
+        v_BTKH = checkpoint_name(v_BTKH, "value_proj")
         q_BTNH = checkpoint_name(apply_rope(q_BTNH, positions_BT, inv_freq), "query_proj")
         k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
         out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
         out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)), "attn_out")
-        wo = self.wo[...].astype(out_BTNH.dtype)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, wo)
+        if _overlapped(self.cfg):
+            return collective_matmul.matmul_scatter(out_BTNH, self._weight("wo"))
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self._weight("wo"))
+
+
+def _overlapped(cfg: ModelConfig) -> bool:
+    """Whether the tensor-parallel matmuls run as collective matmuls here."""
+    return cfg.collective_matmul and collective_matmul.applies()
 
 
 class MLP(nnx.Module):
@@ -144,16 +159,21 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
-        self.dtype = jnp.dtype(cfg.dtype)
+        self.cfg = cfg
         self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        gate_BTF = x_BTD @ self.w_gate[...].astype(self.dtype)
-        up_BTF = x_BTD @ self.w_up[...].astype(self.dtype)
+        gate, up, down = (w[...].astype(self.cfg.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if _overlapped(self.cfg):
+            gate_BTF, up_BTF = collective_matmul.gather_matmuls(x_BTD, gate, up)
+        else:
+            gate_BTF, up_BTF = x_BTD @ gate, x_BTD @ up
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
-        return h_BTF @ self.w_down[...].astype(self.dtype)
+        if _overlapped(self.cfg):
+            return collective_matmul.matmul_scatter(h_BTF, down)
+        return h_BTF @ down
 
 
 class Block(nnx.Module):

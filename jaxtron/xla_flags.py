@@ -52,14 +52,6 @@ XLA_PRESETS: dict[str, tuple[str, ...]] = {
         "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
     ),
 }
-# xla.collective_matmul (tensor parallelism): split each matmul whose operand is sharded over
-# `tensor` into per-shard steps that overlap the collective-permutes bringing the next shard.
-COLLECTIVE_MATMUL_FLAGS = (
-    # Rewrite einsums into windowed (collective-matmul) loops from this operand size in MiB: 0, all.
-    "--xla_gpu_threshold_for_windowed_einsum_mib=0",
-    # Run the windowed loop's matmul steps on several streams, so steps and transfers overlap.
-    "--xla_gpu_multi_streamed_windowed_einsum=true",
-)
 # Modules of a CUDA build of jax (pip install 'jax[cuda12]' or 'jax[cuda13]'): its PJRT plugin and
 # its kernel plugin. Finding them imports neither, and starts no backend.
 CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin",
@@ -87,12 +79,11 @@ def _installed(module: str) -> bool:
 
 
 def _merge(cfg_xla: XlaConfig, env_flags: str) -> dict[str, tuple[str, str]]:
-    """Flag name -> (flag, where it came from): XLA_FLAGS, preset, collective matmul, xla.flags,
-    a later flag replacing an earlier one of the same name."""
+    """Flag name -> (flag, where it came from): XLA_FLAGS, preset, xla.flags, a later flag
+    replacing an earlier one of the same name."""
     preset = resolve_preset(cfg_xla.preset)
-    matmul = COLLECTIVE_MATMUL_FLAGS if cfg_xla.collective_matmul else ()
     sources = [("XLA_FLAGS", env_flags.split()), (f"xla.preset={preset}", XLA_PRESETS[preset]),
-               ("xla.collective_matmul", matmul), ("xla.flags", cfg_xla.flags)]
+               ("xla.flags", cfg_xla.flags)]
     merged: dict[str, tuple[str, str]] = {}
     for source, flags in sources:
         for flag in map(str, flags):
@@ -112,7 +103,7 @@ def _flag_name(flag: str, source: str) -> str:
 
 
 def for_config(cfg_xla: XlaConfig, env_flags: str = "") -> list[str]:
-    """The XLA flags in effect: `env_flags` (XLA_FLAGS), preset, collective matmul, xla.flags."""
+    """The XLA flags in effect: `env_flags` (XLA_FLAGS), preset, xla.flags."""
     return [flag for flag, _ in _merge(cfg_xla, env_flags).values()]
 
 
@@ -136,7 +127,7 @@ def check(flags: list[str], sources: dict[str, str] | None = None) -> None:
         return f"{flag} (from {(sources or {}).get(name, 'XLA_FLAGS')})"
 
     if unknown := re.search(r"Unknown flags? in XLA_FLAGS: (.*)", proc.stderr):
-        known = [_flag_name(f, "") for f in XLA_PRESETS["gpu"] + COLLECTIVE_MATMUL_FLAGS]
+        known = [_flag_name(f, "") for f in XLA_PRESETS["gpu"]]
         described = []
         for name in re.findall(r"--([A-Za-z0-9_]+)", unknown.group(1)):
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)

@@ -225,6 +225,36 @@ def test_one_gpu_long_sequence_temporaries(tmp_path):
     assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
 
 
+def _tensor_rows(report: dict) -> dict[str, dict]:
+    return {r["op"]: r for r in report["collectives"] if r["axes"] == ["tensor"]}
+
+
+def test_collective_matmul_overlaps_the_tensor_collectives(tmp_path):
+    """llama3_8b cut to 8 layers, tensor=8, seq 4096, on 8 H100s. Without collective matmul the
+    sequence-parallel all-gathers and reduce-scatters over `tensor` carry the activations, about
+    half of their bytes with no matmul to hide behind. With it, the same data moves as
+    collective-permutes, each with a matmul scheduled between its start and done."""
+    args = ("model.num_layers=8", "mesh.tensor=8", "mesh.fsdp=1", "train.seq_len=4096",
+            "train.batch_size=8")
+    (tmp_path / "off").mkdir()
+    (tmp_path / "on").mkdir()
+    off = _tensor_rows(_launch(tmp_path / "off", "llama3_8b.yaml", 8, *args))
+    on_report = _launch(tmp_path / "on", "llama3_8b.yaml", 8, *args, "model.collective_matmul=true")
+    on = _tensor_rows(on_report)
+    assert "collective-permute" not in off
+    moved = off["all-gather"]["bytes"] + off["reduce-scatter"]["bytes"]
+    exposed = lambda rows: sum(r["bytes"] - r["overlapped_bytes"] for r in rows.values())
+    assert exposed(off) >= 0.3 * moved
+    # The layers' gathers and scatters are gone (the embedding, LM head and loss keep theirs).
+    left = on["all-gather"]["bytes"] + on["reduce-scatter"]["bytes"]
+    assert left <= 0.15 * moved
+    permute = on["collective-permute"]
+    assert permute["bytes"] >= 0.6 * moved
+    assert permute["overlapped_bytes"] >= 0.95 * permute["bytes"]
+    assert exposed(on) <= 0.25 * exposed(off)
+    assert on_report["fits"] is True
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--compile-for", "a100", "--devices", "8"], "unknown target"),
     (["--compile-for", "h100"], "needs --devices"),

@@ -146,3 +146,19 @@ def test_trip_count_read_off_the_induction_variable():
     assert module.executions["body"] == 3
     (row,) = hlo.collectives(module, MESH)
     assert (row["op"], row["count"], row["bytes"]) == ("all-reduce", 3, 3 * 32)
+
+
+def test_overlap_is_a_matmul_between_start_and_done():
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(MODULE), MESH)}
+    # As written, each start is followed straight by its done (the GEMMs run before or after).
+    assert all(row["overlapped"] == row["overlapped_bytes"] == 0 for row in rows.values())
+    lines = MODULE.splitlines()
+    done = next(i for i, line in enumerate(lines) if "all-gather-done(" in line)
+    cublas = next(i for i, line in enumerate(lines) if "__cublas" in line)
+    lines.insert(done + 2, lines.pop(done))  # the loop's GEMM now runs while the gather flies
+    rs_done = next(i for i, line in enumerate(lines) if "async-done(" in line)
+    lines.insert(rs_done - 1, lines.pop(cublas))  # the cuBLAS call inside the reduce-scatter's
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse("\n".join(lines)), MESH)}
+    assert (rows["all-gather"]["overlapped"], rows["all-gather"]["overlapped_bytes"]) == (6, 6 * 1024)
+    assert rows["reduce-scatter"]["overlapped"] == 1
+    assert rows["all-reduce"]["overlapped"] == 0  # the cuBLAS call moved past it

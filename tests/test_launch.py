@@ -62,6 +62,9 @@ def test_dry_run_plans_llama3_70b_without_allocating(capsys):
 
 BAD_INPUTS = [
     (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["train.lr=0.1"], "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),  # across sections
+    (["xla.collective_matmul=true"],
+     "unknown config key 'xla.collective_matmul' (did you mean 'model.collective_matmul'?)"),
     (["train.steps=abc"], "bad value for 'train.steps'"),
     (["mesh.fsdp=3"], "has 3 devices but 8 are available"),
     (["mesh.tensor=8", "mesh.fsdp=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),

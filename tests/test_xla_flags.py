@@ -14,8 +14,6 @@ from jaxtron.config import ConfigError, XlaConfig, load
 
 ROOT = Path(__file__).resolve().parent.parent
 TYPO = "--xla_gpu_enable_latency_hidding_scheduler=true"  # "hidding": not a flag of any jaxlib
-COLLECTIVE_MATMUL = ["--xla_gpu_threshold_for_windowed_einsum_mib=0",
-                     "--xla_gpu_multi_streamed_windowed_einsum=true"]
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
@@ -72,16 +70,9 @@ def test_later_flags_override_earlier_ones_of_the_same_name():
     assert flags[-2:] == ["--xla_gpu_all_reduce_combine_threshold_bytes=1", "--xla_dump_to=/tmp/b"]
 
 
-def test_collective_matmul_adds_windowed_einsum_flags():
-    matmul = xla_flags.for_config(XlaConfig(preset="none", collective_matmul=True))
-    assert matmul == COLLECTIVE_MATMUL
-    both = xla_flags.for_config(XlaConfig(preset="gpu", collective_matmul=True))
-    assert both == list(xla_flags.XLA_PRESETS["gpu"]) + COLLECTIVE_MATMUL
-
-
 def test_gpu_flags_are_known_to_this_jaxlib_and_the_check_is_real():
     # GPU DebugOptions flags are registered in every jaxlib build, the CPU-only one included.
-    flags = xla_flags.for_config(XlaConfig(preset="gpu", collective_matmul=True))
+    flags = xla_flags.for_config(XlaConfig(preset="gpu"))
     xla_flags.check(flags)
     with pytest.raises(ConfigError, match=f"has no XLA flag {TYPO} \\(from XLA_FLAGS\\), did you "
                                           "mean --xla_gpu_enable_latency_hiding_scheduler\\?"):
