@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxtron import attention, parallel, pipeline
 from jaxtron.config import Config
-from jaxtron.step import loss_chunks
+from jaxtron.vocab import chunks as loss_chunks
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds
 

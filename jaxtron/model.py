@@ -19,7 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron import attention as attention_lib
-from jaxtron import collective_matmul
+from jaxtron import collective_matmul, vocab
 from jaxtron.attention import attention
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
@@ -211,18 +211,17 @@ class Transformer(nnx.Module):
         """Token ids -> float32 logits[B, T, V] (whole: for inspection and parity checks; the
         train step's loss takes `hidden` and `head` and never holds them all at once)."""
         x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
-        return logits(x_BTD, self.head())
+        return constrain(vocab.logits(x_BTD, self.head()), ("act_batch_io", None, "act_vocab"))
 
     def hidden(self, tokens_BT, positions_BT, segment_ids_BT,
                run_layers: LayerRunner | None = None) -> jax.Array:
         """Token ids -> the final-normed hidden states [B, T, D] that the LM head reads.
         `run_layers` applies the layer stack; the default runs every layer in order, a parallel
         strategy (the pipeline) hands in its own."""
-        dtype = jnp.dtype(self.cfg.dtype)
-        # Gather the table over fsdp and stage first (as FSDP does for any weight), keeping vocab
-        # split over tensor; a lookup straight from the sharded table makes XLA replicate the output.
-        table_VD = constrain(self.embed[...].astype(dtype), ("act_vocab", None))
-        x_BTD = table_VD[tokens_BT]
+        if jax.sharding.get_abstract_mesh().empty:
+            x_BTD = self.embed[...].astype(self.cfg.dtype)[tokens_BT]
+        else:  # the table gathered in the compute dtype, its gradient reduce-scattered
+            x_BTD = vocab.sharded_embed(self.embed[...], tokens_BT, self.cfg.dtype)
         x_BTD = constrain(x_BTD, (*IO_SEQ, "act_embed"))
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, graphdef)
@@ -232,14 +231,12 @@ class Transformer(nnx.Module):
     def head(self) -> jax.Array:
         """The LM head [D, V] in the compute dtype, gathered like the table (vocab split over
         tensor); tied models read the embedding's table."""
-        head_DV = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        head_DV = self.head_weight().T if self.cfg.tie_embeddings else self.head_weight()
         return constrain(head_DV.astype(self.cfg.dtype), (None, "act_vocab"))
 
-
-def logits(x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
-    """float32 logits [B, T, V] of hidden states under the LM head."""
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
-    return constrain(logits_BTV, ("act_batch_io", None, "act_vocab"))
+    def head_weight(self) -> jax.Array:
+        """The LM head as stored: lm_head [D, V], or with tied embeddings the table [V, D]."""
+        return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
 
 
 # run_layers(run_group, stacked, x, positions, segment_ids) -> x: applies the stacked layers, where

@@ -16,8 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtron import model as model_lib
-from jaxtron import parallel, pipeline
+from jaxtron import parallel, pipeline, vocab
 from jaxtron.config import Config
 from jaxtron.optim import lr_schedule, schedule_count
 from jaxtron.state import Plan
@@ -30,46 +29,20 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
               chunk: int = 0) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
 
-    With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions in a
-    scan whose body is rematerialized: only one chunk's float32 logits [B, chunk, V] exist at a
-    time, forward and backward, instead of the whole [B, T, V]. Same value and gradient."""
+    With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions
+    (jaxtron/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
+    Under a mesh the head is gathered in the compute dtype and its gradient leaves by one
+    reduce-scatter; without one the compiler partitions plain ops. Same value and gradient."""
     model = nnx.merge(graphdef, params)
     run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
     x_BTD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
     mask_BT = batch["segment_ids"] != 0
-    parts = loss_chunks(x_BTD.shape[1], chunk)
-    if parts == 1:
-        total = _cross_entropy(x_BTD, model.head(), batch["targets"], mask_BT)
-        return total, jnp.sum(mask_BT)
-
-    def split(a):  # [B, T, ...] -> [C, B, T/C, ...]: chunk c holds positions c*T/C ...
-        return a.reshape(a.shape[0], parts, a.shape[1] // parts, *a.shape[2:]).swapaxes(0, 1)
-
-    head_DV = model.head()
-
-    @jax.checkpoint
-    def body(total, chunk_xs):
-        x_BcD, targets_Bc, mask_Bc = chunk_xs
-        return total + _cross_entropy(x_BcD, head_DV, targets_Bc, mask_Bc), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (split(x_BTD), split(batch["targets"]), split(mask_BT)))
+    if jax.sharding.get_abstract_mesh().empty:
+        total = vocab.plain_total(x_BTD, model.head(), batch["targets"], mask_BT, chunk)
+    else:
+        total = vocab.sharded_total(x_BTD, model.head_weight(), batch["targets"], mask_BT, chunk,
+                                   tied=model.cfg.tie_embeddings)
     return total, jnp.sum(mask_BT)
-
-
-def loss_chunks(seq_len: int, chunk: int) -> int:
-    """How many equal chunks of at most `chunk` positions split seq_len (1: no chunking)."""
-    if chunk <= 0 or chunk >= seq_len:
-        return 1
-    return seq_len // next(n for n in range(chunk, 0, -1) if seq_len % n == 0)
-
-
-def _cross_entropy(x_BTD, head_DV, targets_BT, mask_BT) -> jax.Array:
-    """Summed cross-entropy of the logits of x under the head, over the masked positions."""
-    logits_BTV = model_lib.logits(x_BTD, head_DV)
-    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0))
 
 
 def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,

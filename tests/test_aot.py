@@ -241,15 +241,17 @@ def test_collective_matmul_overlaps_the_tensor_collectives(tmp_path):
     off = _tensor_rows(_launch(tmp_path / "off", "llama3_8b.yaml", 8, *args))
     on_report = _launch(tmp_path / "on", "llama3_8b.yaml", 8, *args, "model.collective_matmul=true")
     on = _tensor_rows(on_report)
-    assert "collective-permute" not in off
     moved = off["all-gather"]["bytes"] + off["reduce-scatter"]["bytes"]
+    # Off, the only permutes over tensor are the embedding gradient's ring (jaxtron/vocab.py).
+    ring = off["collective-permute"]["bytes"] if "collective-permute" in off else 0
+    assert ring <= 0.02 * moved
     exposed = lambda rows: sum(r["bytes"] - r["overlapped_bytes"] for r in rows.values())
     assert exposed(off) >= 0.3 * moved
     # The layers' gathers and scatters are gone (the embedding, LM head and loss keep theirs).
     left = on["all-gather"]["bytes"] + on["reduce-scatter"]["bytes"]
     assert left <= 0.15 * moved
     permute = on["collective-permute"]
-    assert permute["bytes"] >= 0.6 * moved
+    assert permute["bytes"] - ring >= 0.6 * moved
     assert permute["overlapped_bytes"] >= 0.95 * permute["bytes"]
     assert exposed(on) <= 0.25 * exposed(off)
     assert on_report["fits"] is True
