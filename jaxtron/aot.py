@@ -97,7 +97,7 @@ def usable_fraction() -> float:
 def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,
                 hlo_path: str | None = None) -> dict:
     """Compile cfg's train step for `num_devices` GPUs of `target`; the report (see `report`)."""
-    cfg = for_gpus(cfg, num_devices)
+    cfg = for_gpus(cfg)
     compiled, plan, seconds = compile_step_for(cfg, target, num_devices, gpus_per_host)
     text = compiled.as_text()
     if hlo_path:
@@ -107,16 +107,16 @@ def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int =
                   per_host)
 
 
-def for_gpus(cfg: Config, num_devices: int) -> Config:
-    """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn, or xla in pipelines)."""
-    return attention.configure(cfg, "gpu", num_devices)
+def for_gpus(cfg: Config) -> Config:
+    """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn in 16-bit compute)."""
+    return attention.configure(cfg, "gpu")
 
 
 def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8):
     """(compiled train step, plan, seconds): train()'s step, compiled for the target's devices
     (`model.attention=auto` meaning what it means on them: cudnn)."""
     devices = target_devices(target, num_devices, gpus_per_host)
-    cfg = for_gpus(cfg, num_devices)
+    cfg = for_gpus(cfg)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, num_devices)
     mesh = parallel.make_mesh(cfg.mesh, devices)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
@@ -50,7 +51,24 @@ def cudnn_attention(
 
     The scores never exist in memory: cuDNN tiles them in on-chip SRAM, forward and backward. The
     mask is [B, 1, T, S] (one per sequence, shared by every head); jax's entry with packed-layout
-    offsets checks for a local Hopper GPU, so it cannot be compiled ahead of time elsewhere."""
+    offsets checks for a local Hopper GPU, so it cannot be compiled ahead of time elsewhere.
+
+    Inside the pipeline's stages (a partly manual program, whose shardings jax's cuDNN
+    partitioning rule cannot read) the kernel runs in a `shard_map` over the remaining axes, on
+    each device's own sequences and heads (the specs of RULES)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    if mesh.empty or manual not in mesh.axis_types:  # outside the pipeline: jax partitions it
+        return _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
+    q_spec = parallel.spec(("act_batch", None, "act_heads", None))
+    kv_spec = parallel.spec(("act_batch", None, "act_kv_heads", None))
+    run = jax.shard_map(_cudnn_local, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
+                        out_specs=q_spec, axis_names=free, check_vma=False)
+    return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
+def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
                                         is_causal=True, implementation="cudnn")
@@ -63,27 +81,23 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
 CHOICES = ("auto", *ATTENTION_IMPLS)  # model.attention; auto: cudnn on GPUs, xla elsewhere
 
 
-def resolve(impl: str, platform: str, stages: int = 1, dtype: str = "bfloat16") -> str:
+def resolve(impl: str, platform: str, dtype: str = "bfloat16") -> str:
     """The kernel `model.attention` means on devices of `platform` (auto: cudnn on GPUs in 16-bit
-    compute, but xla inside pipeline stages: jax's cuDNN batching rule cannot take the
-    per-sequence mask of stages vmapped together)."""
-    if impl == "cudnn" and stages > 1:
-        raise ConfigError("model.attention=cudnn does not run inside pipeline stages yet "
-                          "(mesh.stage > 1); use model.attention=auto or xla there")
+    compute, xla elsewhere). Pipeline stages run their layers per device (a shard_map over
+    `stage`), so the choice is the same inside them."""
     if impl == "cudnn" and dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"model.attention=cudnn needs model.dtype=bfloat16 or float16, not "
                           f"{dtype}")
     if impl != "auto":
         return impl
     gpu = platform in ("gpu", "cuda")
-    return "cudnn" if gpu and stages == 1 and dtype in ("bfloat16", "float16") else "xla"
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "xla"
 
 
-def configure(cfg: Config, platform: str, num_devices: int) -> Config:
-    """cfg with model.attention resolved for `num_devices` devices of `platform` (auto -> cudnn
-    on GPUs, xla inside pipeline stages and in float32)."""
-    stages = parallel.mesh_shape(cfg.mesh, num_devices)["stage"]
-    kernel = resolve(cfg.model.attention, platform, stages, cfg.model.dtype)
+def configure(cfg: Config, platform: str) -> Config:
+    """cfg with model.attention resolved for devices of `platform` (auto -> cudnn on GPUs in
+    16-bit compute, else xla)."""
+    kernel = resolve(cfg.model.attention, platform, cfg.model.dtype)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 

@@ -16,9 +16,9 @@ Here each of these becomes n = |tensor| steps inside a `shard_map` over `tensor`
 The permutes do not depend on the matmul beside them, so XLA's latency-hiding scheduler runs them
 together (an async collective-permute started before the GEMM, finished after). Autodiff turns
 each loop into its mirror image for the backward. The values equal the plain matmuls up to
-float rounding of the summation order (tests/test_collective_matmul.py). Only `tensor` (and
-`stage`, under the pipeline) is manual: data and fsdp stay with the compiler, so FSDP gathers the
-weights as before.
+float rounding of the summation order (tests/test_collective_matmul.py). Only `tensor` is manual
+here (the pipeline's stages are already): data and fsdp stay with the compiler, so FSDP gathers
+the weights as before.
 """
 
 from __future__ import annotations
@@ -34,13 +34,6 @@ def applies() -> bool:
     """True inside a mesh whose `tensor` axis has more than one device."""
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and mesh.shape.get(AXIS, 1) > 1
-
-
-def _manual_axes() -> set[str]:
-    """`tensor`, and `stage` when there are stages: the layers then run under the pipeline's
-    `vmap(spmd_axis_name="stage")`, which adds `stage` to the specs, so it must be manual too."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return {AXIS} | ({"stage"} if mesh.shape.get("stage", 1) > 1 else set())
 
 
 def _shift_left(x: jax.Array, n: int) -> jax.Array:
@@ -93,7 +86,7 @@ def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array) -> tuple[jax.Array, ..
     w_specs = tuple(P(None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
     out_specs = tuple(P(None, None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
     run = jax.shard_map(_gather_local, in_specs=(P(None, AXIS, None), *w_specs),
-                        out_specs=out_specs, axis_names=_manual_axes(), check_vma=False)
+                        out_specs=out_specs, axis_names={AXIS}, check_vma=False)
     return run(x_BTD, *weights)
 
 
@@ -103,5 +96,5 @@ def matmul_scatter(h: jax.Array, w: jax.Array) -> jax.Array:
     h_spec = P(None, None, AXIS, *[None] * (h.ndim - 3))
     w_spec = P(AXIS, *[None] * (w.ndim - 1))
     run = jax.shard_map(_scatter_local, in_specs=(h_spec, w_spec), out_specs=P(None, AXIS, None),
-                        axis_names=_manual_axes(), check_vma=False)
+                        axis_names={AXIS}, check_vma=False)
     return run(h, w)

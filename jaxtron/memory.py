@@ -22,7 +22,7 @@ device per microbatch, T the sequence, t = mesh.tensor):
   lm_head_and_loss      float32 logits of the loss chunks [b, chunk, V/t] and the same tables
   workspace             cuBLAS / cuDNN scratch and small buffers
 
-`model.attention=auto` is taken as it resolves on GPUs (cuDNN; XLA inside pipeline stages and in
+`model.attention=auto` is taken as it resolves on GPUs (cuDNN, inside pipeline stages too; XLA in
 float32). The coefficients are read off XLA's buffer assignment for H100 (`launch.py --compile-for
 h100`, `--xla_dump_to`); `tests/test_aot.py` compiles layouts of small and large models and holds
 the sum within 15% of the compiled peak, so a change to the step that moves the peak shows there.
@@ -53,7 +53,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     """Bytes per device of every large term of the step on GPUs (see the module docstring)."""
     m, t, sizes = cfg.model, cfg.train, plan.mesh_sizes
     tp, stages = sizes["tensor"], sizes["stage"]
-    kernel = attention.resolve(m.attention, "gpu", stages, m.dtype)
+    kernel = attention.resolve(m.attention, "gpu", m.dtype)
     act = jnp.dtype(m.dtype).itemsize
     params = plan.bytes_per_device("params")
     b = _rows(cfg, sizes, ("data", "fsdp"))
@@ -156,9 +156,9 @@ def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
 
 def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
     """The stage buffers (the outputs [M, b, T/t, D], the inputs spread M/S per stage, the moving
-    state), and each
-    iteration's gradient of the stage weights beside their running sum (the weight gradients
-    are reduced over `data` in every iteration, not once per step)."""
+    state), and the float32 gradients of the stage weights: each iteration's beside their running
+    sum (reduced over `data` in every iteration, not once per step; measured as two copies of the
+    stage's weights in the 70B preset's buffer assignment, gpipe and circular)."""
     pipe = pipeline.from_config(cfg, plan.mesh_sizes["stage"])
     if pipe is None:
         return {"pipeline_buffers": 0, "pipeline_weight_grads": 0}
@@ -166,4 +166,4 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
                                        plan.specs["params"]["layers"], plan.mesh_sizes)
     spread = -(-pipe.microbatches // pipe.stages)  # the inputs, spread K per stage
     return {"pipeline_buffers": (pipe.microbatches + 2 + spread) * slab,
-            "pipeline_weight_grads": layers}
+            "pipeline_weight_grads": 2 * layers}

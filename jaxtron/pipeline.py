@@ -2,8 +2,8 @@
 
 The stacked layer weights [L, ...] are split into S stages (sharded over `stage`), each stage into
 R repeats of L/(S*R) consecutive layers. A step's batch is split into M microbatches. Every
-iteration, all S stages run at once (one stage function `jax.vmap`-ed over the stage dimension with
-`spmd_axis_name="stage"`), then the activations move one stage on (a roll over the stage-sharded
+iteration, all S stages run at once (one stage function in a `shard_map` over `stage`: each device
+runs its own stage's layers), then the activations move one stage on (a roll over the stage-sharded
 dimension, which XLA turns into a collective permute; the last stage's output rings back to stage
 0). Item k = r*M + m (microbatch m in repeat r) is at stage s in iteration k + s, so the schedule
 takes M*R + S - 1 iterations, of which S - 1 per stage are idle: the bubble.
@@ -142,6 +142,21 @@ def _stage_sharded(w: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, P("stage", *[P.UNCONSTRAINED] * (w.ndim - 1)))
 
 
+def _on_every_stage(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """fn over one stage's slices -> fn over [S, ...] arrays, every stage at once. Under a mesh a
+    `shard_map` over `stage`: each device runs its own stage's slice as a plain program (the other
+    axes stay with the compiler), so kernels without a batching rule for it, such as cuDNN's
+    fused attention, run as they do outside the pipeline. Without a mesh a vmap."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return jax.vmap(fn)
+
+    def local(*args):
+        return fn(*jax.tree.map(lambda a: a[0], args))[None]
+
+    return jax.shard_map(local, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"},
+                         check_vma=False)
+
+
 LayerFn = Callable[..., jax.Array]  # (stacked, x, positions, segment_ids, select=) -> x
 
 
@@ -184,7 +199,7 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
         return layers_fn(weights_LR, x_bTD, positions_MbT[micro], segments_MbT[micro],
                          select=select)
 
-    stages_fn = jax.vmap(stage_fn, spmd_axis_name="stage")
+    stages_fn = _on_every_stage(stage_fn)
     carry = (state_SbTD, buffer_SMbTD)
     carry, _ = jax.lax.scan(
         lambda c, t: (_iteration(stages_fn, staged, inputs_SKbTD, c, t, pipe), None),

@@ -34,7 +34,7 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows."""
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
-    cfg = attention_lib.configure(cfg, devices[0].platform, len(devices))
+    cfg = attention_lib.configure(cfg, devices[0].platform)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     check_remat(cfg.model, devices[0])

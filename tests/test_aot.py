@@ -179,7 +179,7 @@ def test_llama3_8b_on_one_node_fits(tmp_path):
 def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     """The preset (TP8 / PP8 / DP2) and its circular variant: at least 10% of the usable memory
     left, because the pipeline keeps no per-iteration copy of the stage weights (before, the
-    backward held one per iteration: 1109 GiB per GPU)."""
+    backward held one per iteration: 1109 GiB per GPU), and cuDNN attention inside the stages."""
     hlo_path = tmp_path / "step.hlo"
     report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128, *schedule, "--hlo", str(hlo_path))
     assert report["devices"] == 128 and report["hosts"] == 16
@@ -198,6 +198,11 @@ def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     gathers = [inst for insts in module.computations.values() for inst in insts
                if inst.opcode in ("all-gather", "all-gather-start")]
     assert gathers and max(hlo.collective_bytes("all-gather", g, 1) for g in gathers) < whole
+    # cuDNN fused attention inside the stages: every layer of every iteration, forward (with its
+    # recompute) and backward. (gpipe: 263 iterations x 10 layers; circular: 1287 x 2.)
+    iterations, per_group = (1287, 2) if schedule else (263, 10)
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward", 0) == iterations * per_group
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) >= 2 * iterations * per_group
 
 
 def test_fused_attention_and_chunked_loss_on_one_node(tmp_path):

@@ -54,7 +54,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     from jaxtron.step import compile_step
 
     devices = jax.devices()
-    cfg = attention.configure(cfg, devices[0].platform, len(devices))  # as train() runs it
+    cfg = attention.configure(cfg, devices[0].platform)  # as train() runs it
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
