@@ -61,8 +61,8 @@ def cudnn_attention(
     if mesh.empty or manual not in mesh.axis_types:  # outside the pipeline: jax partitions it
         return _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
-    q_spec = parallel.spec(("act_batch", None, "act_heads", None))
-    kv_spec = parallel.spec(("act_batch", None, "act_kv_heads", None))
+    q_spec = parallel.spec_here(("act_batch", None, "act_heads", None))
+    kv_spec = parallel.spec_here(("act_batch", None, "act_kv_heads", None))
     run = jax.shard_map(_cudnn_local, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
                         out_specs=q_spec, axis_names=free, check_vma=False)
     return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)

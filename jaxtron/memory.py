@@ -13,7 +13,8 @@ device per microbatch, T the sequence, t = mesh.tensor):
                         (with a pipeline, every iteration's layers)
   pipeline_buffers      the output buffer [M, b, T/t, D], the inputs spread over the stages
                         [M/S, b, T/t, D], and the moving state
-  pipeline_weight_grads each iteration's gradient of the stage weights beside their sum
+  pipeline_weight_grads the float32 gradients of the stage weights: the running sum and this
+                        iteration's
   layer_backward        attention's working set (cuDNN: the [b, 1, T, S] mask; XLA: float32
                         scores, their gradient, bf16 probabilities: 11-15 bytes per score), two
                         layers' gathered weights, sequence parallelism's full-sequence [b, T, D]
@@ -165,5 +166,6 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
     layers = parallel.bytes_per_device(plan.abstract["params"]["layers"],
                                        plan.specs["params"]["layers"], plan.mesh_sizes)
     spread = -(-pipe.microbatches // pipe.stages)  # the inputs, spread K per stage
+    # With passes (accumulation around the pipeline) the pass's sum is grad_accumulation's.
     return {"pipeline_buffers": (pipe.microbatches + 2 + spread) * slab,
-            "pipeline_weight_grads": 2 * layers}
+            "pipeline_weight_grads": 2 * layers if plan.accumulation == 1 else 0}

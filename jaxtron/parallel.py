@@ -57,10 +57,26 @@ def spec(names: tuple[str | None, ...]) -> P:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Pin an activation's sharding by logical names; a no-op outside a mesh context."""
+    """Pin an activation's sharding by logical names; a no-op outside a mesh context. Inside a
+    `shard_map` the axes it made manual are left out: there x is already this device's part."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    return jax.lax.with_sharding_constraint(x, spec(names))
+    return jax.lax.with_sharding_constraint(x, spec_here(names))
+
+
+def spec_here(names: tuple[str | None, ...]) -> P:
+    """`spec(names)` without the mesh axes that are manual at this point of the program."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Manual}
+    if not manual:
+        return spec(names)
+
+    def keep(entry):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in manual)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return P(*(keep(entry) for entry in spec(names)))
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:

@@ -32,8 +32,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
 from jaxtron.parallel import constrain
 
@@ -142,19 +144,51 @@ def _stage_sharded(w: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, P("stage", *[P.UNCONSTRAINED] * (w.ndim - 1)))
 
 
-def _on_every_stage(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """fn over one stage's slices -> fn over [S, ...] arrays, every stage at once. Under a mesh a
-    `shard_map` over `stage`: each device runs its own stage's slice as a plain program (the other
-    axes stay with the compiler), so kernels without a batching rule for it, such as cuDNN's
-    fused attention, run as they do outside the pipeline. Without a mesh a vmap."""
+def _on_every_stage(fn: Callable[..., jax.Array], replicas: int) -> Callable[..., jax.Array]:
+    """fn(weights, repeat, x, micro, positions, segments) over one stage's slices -> the same over
+    [S, ...] arrays, every stage at once; weights [S, replicas, ...] (one copy per data replica),
+    positions and segments [M, b, T].
+
+    Under a mesh a `shard_map` over `stage` and `data`: each device runs its own stage on its own
+    rows as a plain program (fsdp and tensor stay with the compiler), so kernels without a
+    batching rule for the stage dimension, such as cuDNN's fused attention, run as they do outside
+    the pipeline, and each data replica's weight gradient stays on its devices until the
+    iterations are done (a weight shared over `data` here would be all-reduced every iteration).
+    Without a mesh a vmap."""
     if jax.sharding.get_abstract_mesh().empty:
-        return jax.vmap(fn)
+        return jax.vmap(lambda w, *rest: fn(jax.tree.map(lambda a: a[0], w), *rest),
+                        in_axes=(0, 0, 0, 0, None, None))
 
-    def local(*args):
-        return fn(*jax.tree.map(lambda a: a[0], args))[None]
+    def local(weights, repeat, x, micro, positions, segments):
+        first = lambda a: a[0]
+        out = fn(jax.tree.map(lambda a: a[0, 0], weights), first(repeat), first(x), first(micro),
+                 positions, segments)
+        return out[None]
 
-    return jax.shard_map(local, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"},
-                         check_vma=False)
+    rows = P("stage", "data")
+    return jax.shard_map(local, in_specs=(rows, P("stage"), rows, P("stage"), P(None, "data"),
+                                          P(None, "data")),
+                         out_specs=rows, axis_names={"stage", "data"}, check_vma=False)
+
+
+def _data_replicas() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.shape.get("data", 1)
+
+
+def _layer_specs(stacked: Any) -> list[P]:
+    """Each stacked layer weight's mesh spec [L_stage, ...] (RULES), in leaf order."""
+    logical = jax.tree.leaves(nnx.get_partition_spec(stacked), is_leaf=lambda x: isinstance(x, P))
+    return [parallel.spec(tuple(names)) for names in logical]
+
+
+def _replicated(w: jax.Array, replicas: int, spec: P) -> jax.Array:
+    """Staged [S, L', R, ...] -> [S, replicas, L', R, ...] copies, the copy dimension over `data`,
+    the weight's own dimensions split as `spec` says (else the compiler may gather them)."""
+    w = jnp.broadcast_to(w[:, None], (w.shape[0], replicas, *w.shape[1:]))
+    if jax.sharding.get_abstract_mesh().empty:
+        return w
+    return jax.lax.with_sharding_constraint(w, P("stage", "data", None, None, *spec[1:]))
 
 
 LayerFn = Callable[..., jax.Array]  # (stacked, x, positions, segment_ids, select=) -> x
@@ -191,7 +225,7 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     buffer_SMbTD = constrain(jnp.zeros((s, *x_MbTD.shape), x_MbTD.dtype), names)
     state_SbTD = constrain(jnp.zeros_like(buffer_SMbTD[:, 0]), names[:1] + names[2:])
 
-    def stage_fn(weights_LR, repeat, x_bTD, micro):
+    def stage_fn(weights_LR, repeat, x_bTD, micro, positions_MbT, segments_MbT):
         pick = lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
         # Recomputed in the backward from the layer's [R, ...] weights, never saved.
         select = jax.checkpoint(lambda layer: jax.tree.map(pick, layer),
@@ -199,7 +233,15 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
         return layers_fn(weights_LR, x_bTD, positions_MbT[micro], segments_MbT[micro],
                          select=select)
 
-    stages_fn = _on_every_stage(stage_fn)
+    # One copy of the stage weights per data replica [S, data, ...]: its gradient is summed over
+    # the iterations on the replica's devices, then over `data` once, by the broadcast's transpose.
+    replicas = _data_replicas()
+    leaves, tree = jax.tree.flatten(staged)
+    staged = jax.tree.unflatten(tree, [_replicated(w, replicas, spec)
+                                       for w, spec in zip(leaves, _layer_specs(stacked))])
+    per_stage = _on_every_stage(stage_fn, replicas)
+    stages_fn = lambda w, repeat, x, micro: per_stage(w, repeat, x, micro, positions_MbT,
+                                                      segments_MbT)
     carry = (state_SbTD, buffer_SMbTD)
     carry, _ = jax.lax.scan(
         lambda c, t: (_iteration(stages_fn, staged, inputs_SKbTD, c, t, pipe), None),
