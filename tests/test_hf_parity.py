@@ -1,4 +1,4 @@
-"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via tools/convert_hf.
+"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via jaxtron/hf.py.
 
 Each case builds the real HF model (torch, float32, eval) with every weight randomised (norm scales
 and biases too, so a swapped or dropped tensor shows), converts its state dict with the one
@@ -10,8 +10,6 @@ llama2 1.0e-5 / 5.7e-6, llama3 1.5e-5 / 1.2e-5, qwen2 8.0e-6 / 5.5e-6, mistral 1
 
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +20,10 @@ from flax import nnx
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
+from jaxtron import hf as convert_hf
+from jaxtron.config import ConfigError
 from jaxtron.config import ModelConfig
 from jaxtron.model import abstract_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import convert_hf  # noqa: E402
 
 # Max |logit difference| allowed. Both sides compute in float32 with logits of size ~5-10; the
 # measured gaps are ~1e-5 (float32 summation order), while a real bug (wrong RoPE scaling, a
@@ -189,3 +186,37 @@ def test_config_from_transformers4_style_json():
     assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.norm_eps == 1e-5
     with pytest.raises(ValueError, match="yarn"):
         convert_hf.config_from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_directory_in_and_out(tmp_path, name):
+    """A directory saved by transformers (safetensors) reads with jaxtron.hf.from_pretrained and
+    gives transformers' logits through jaxtron.hf.logits; written back with save_pretrained it
+    loads in transformers with no missing or unexpected weight, the same tensors and logits."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model, _, hf_tensors, _ = _case(name)
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # sharded, with an index
+    assert (tmp_path / "hf" / convert_hf.INDEX).is_file()
+    cfg, params = convert_hf.from_pretrained(tmp_path / "hf")
+    tokens, positions, _ = _inputs(CASES[name][2])
+    ref = _hf(hf_model, tokens, positions)
+    assert np.abs(convert_hf.logits(cfg, params, tokens) - ref).max() < TOL
+
+    model_type = hf_model.config.model_type
+    convert_hf.save_pretrained(cfg, params, tmp_path / "out", model_type)
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(back).__name__ == type(hf_model).__name__
+    written = convert_hf.read_tensors(tmp_path / "out")
+    for key, value in written.items():
+        np.testing.assert_array_equal(value, hf_tensors[key])
+    assert np.abs(_hf(back.eval(), tokens, positions) - ref).max() < TOL
+
+
+def test_pickled_checkpoints_are_refused(tmp_path):
+    hf_model, *_ = _case("llama2")
+    hf_model.config.save_pretrained(tmp_path)
+    torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")  # the older pickled layout
+    with pytest.raises(ConfigError, match="only pickled weights .*pytorch_model.bin"):
+        convert_hf.from_pretrained(tmp_path)

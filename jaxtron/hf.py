@@ -1,8 +1,12 @@
-"""Hugging Face Llama-family weights <-> jaxtron params, through one name-mapping table.
+"""Hugging Face Llama-family checkpoints <-> jaxtron params, through one name-mapping table.
 
 Covers `LlamaForCausalLM`, `MistralForCausalLM` (without sliding windows) and `Qwen2ForCausalLM`
-(QKV bias). Library functions only for now: the `import`/`export` command line that reads
-safetensors and writes Orbax checkpoints comes with `jaxtron/checkpoint.py`.
+(QKV bias). A directory in Hugging Face's layout (`config.json` and `*.safetensors`, sharded with
+`model.safetensors.index.json` or not) reads with `from_pretrained` and writes with
+`save_pretrained`; no PyTorch is needed (safetensors reads and writes numpy).
+
+    cfg, params = jaxtron.hf.from_pretrained("~/Llama-3.2-1B")
+    logits = jaxtron.hf.logits(cfg, params, tokens)  # numpy [B, T, V]
 
 Our params are the pure nested dict of `nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs)))`, with
 per-layer weights stacked on a leading L axis. HF `nn.Linear` weights are [out, in]; ours are
@@ -12,7 +16,10 @@ permutation (tests/test_hf_parity.py checks logits against transformers itself).
 
 from __future__ import annotations
 
+import functools
+import json
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -20,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import abstract_model
 
 ParamPath = tuple[str, ...]  # keys into our nested param dict
@@ -216,3 +223,126 @@ def config_from_hf(hf_config: dict) -> dict:
         "qkv_bias": hf["model_type"] == "qwen2",
         **_rope_overrides(hf),
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# Directories in Hugging Face's layout.
+
+INDEX = "model.safetensors.index.json"
+PICKLED = ("*.bin", "*.pt", "*.pth")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
+
+
+def read_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a directory's safetensors files (through the index when there is one).
+    Pickled checkpoints (.bin, .pt) are refused: loading them runs code from the file."""
+    from safetensors.numpy import load_file
+
+    root = Path(hf_dir).expanduser()
+    if (root / INDEX).is_file():
+        files = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
+        if pickled:
+            raise ConfigError(f"{root} holds only pickled weights ({', '.join(pickled[:3])}), "
+                              "which run code when loaded; convert them to safetensors first")
+        raise ConfigError(f"{root} has no *.safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        tensors.update(load_file(str(root / name)))
+    return tensors
+
+
+def read_config(hf_dir: str | Path, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of a directory's config.json, computing and storing in `dtype`."""
+    path = Path(hf_dir).expanduser() / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: a Hugging Face model directory has a config.json")
+    try:
+        overrides = config_from_hf(json.loads(path.read_text()))
+    except ValueError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    return ModelConfig(**overrides, dtype=dtype, param_dtype=dtype)
+
+
+def from_pretrained(hf_dir: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+    """(model config, params as a pure nested dict of numpy arrays) of a Hugging Face directory."""
+    cfg = read_config(hf_dir, dtype)
+    try:
+        return cfg, hf_to_params(read_tensors(hf_dir), cfg)
+    except ValueError as err:
+        raise ConfigError(f"{Path(hf_dir).expanduser()}: {err}") from None
+
+
+def logits(cfg: ModelConfig, params: dict, tokens) -> np.ndarray:
+    """float32 logits [B, T, V] of int tokens [B, T] (one document per row, positions 0..T-1)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return np.asarray(_forward(cfg, params, tokens, positions, jnp.ones_like(tokens)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(cfg: ModelConfig, params, tokens, positions, segment_ids):
+    graphdef = nnx.graphdef(abstract_model(cfg))
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, segment_ids)
+
+
+def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
+    """A config.json for `cfg` (the inverse of `config_from_hf`)."""
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"model_type '{model_type}' is not one of {', '.join(ARCHITECTURES)}")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_factor > 0:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
+                "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+                "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
+    return {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_size, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": max(cfg.rope_original_max_len, 2048),
+        "attention_bias": cfg.qkv_bias and model_type == "qwen2", "mlp_bias": False,
+        "torch_dtype": cfg.param_dtype,
+        **({"sliding_window": None} if model_type == "mistral" else {}),
+    }
+
+
+def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
+                    model_type: str = "llama") -> Path:
+    """Write config.json and the weights as safetensors shards of at most SHARD_BYTES, with
+    an index when there is more than one, in the param dtype."""
+    from safetensors.numpy import save_file
+
+    if cfg.qkv_bias != (model_type == "qwen2"):
+        raise ConfigError(f"model.qkv_bias={cfg.qkv_bias} does not fit model_type '{model_type}'"
+                          " (QKV biases are Qwen2's)")
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v) for k, v in params_to_hf(params, cfg).items()}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                 "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, model_type), indent=2))
+    return out
