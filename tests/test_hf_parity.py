@@ -20,9 +20,8 @@ from flax import nnx
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from jaxtron import hf as convert_hf
-from jaxtron.config import ConfigError
-from jaxtron.config import ModelConfig
+from jaxtron import hf
+from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import abstract_model
 
 # Max |logit difference| allowed. Both sides compute in float32 with logits of size ~5-10; the
@@ -69,9 +68,9 @@ def _case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
             else:
                 p.normal_(0.0, 0.2)
     hf_tensors = {k: v.numpy() for k, v in hf_model.state_dict().items()}
-    overrides = convert_hf.config_from_hf(hf_model.config.to_dict())
+    overrides = hf.config_from_hf(hf_model.config.to_dict())
     cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
-    return hf_model, cfg, hf_tensors, convert_hf.hf_to_params(hf_tensors, cfg)
+    return hf_model, cfg, hf_tensors, hf.hf_to_params(hf_tensors, cfg)
 
 
 def _ours(cfg: ModelConfig, params: dict, tokens, positions, segment_ids) -> np.ndarray:
@@ -135,7 +134,7 @@ def test_packed_documents_match_hf_alone(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip_is_exact(name):
     _, cfg, hf_tensors, params = _case(name)
-    back = convert_hf.params_to_hf(params, cfg)
+    back = hf.params_to_hf(params, cfg)
     if cfg.tie_embeddings:  # HF's state dict lists the shared head too; checkpoints omit it
         hf_tensors = {k: v for k, v in hf_tensors.items() if k != "lm_head.weight"}
     assert sorted(back) == sorted(hf_tensors)
@@ -157,7 +156,7 @@ def test_mistral_sliding_window_is_refused(window):
     print(f"window 16: HF logits move by {diff:.2e}")
     assert diff > 100 * TOL, f"a window of 16 over {seq_len} tokens moved HF logits by {diff:.2e}"
     with pytest.raises(ValueError, match=r"sliding_window=16"):
-        convert_hf.config_from_hf(windowed.config.to_dict())
+        hf.config_from_hf(windowed.config.to_dict())
 
 
 def test_unknown_and_missing_names_are_named():
@@ -165,27 +164,27 @@ def test_unknown_and_missing_names_are_named():
     extra = {**hf_tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32),
              "model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8, np.float32)}
     with pytest.raises(ValueError, match=r"o_proj\.bias") as err:
-        convert_hf.hf_to_params(extra, cfg)
+        hf.hf_to_params(extra, cfg)
     assert "inv_freq" not in str(err.value)  # buffers are dropped, not reported
     partial = {k: v for k, v in hf_tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        convert_hf.hf_to_params(partial, cfg)
+        hf.hf_to_params(partial, cfg)
 
 
 def test_config_from_transformers4_style_json():
     """Hub config.json files written by transformers 4 keep rope_theta and rope_scaling apart."""
-    hf = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    config = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
           "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
           "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
           "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    cfg = ModelConfig(**convert_hf.config_from_hf(hf))
+    cfg = ModelConfig(**hf.config_from_hf(config))
     assert (cfg.num_kv_heads, cfg.head_size, cfg.rope_theta) == (8, 64, 500000.0)
     assert (cfg.rope_scaling_factor, cfg.rope_original_max_len) == (32.0, 8192)
     assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.norm_eps == 1e-5
     with pytest.raises(ValueError, match="yarn"):
-        convert_hf.config_from_hf({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        hf.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -197,18 +196,18 @@ def test_directory_in_and_out(tmp_path, name):
 
     hf_model, _, hf_tensors, _ = _case(name)
     hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # sharded, with an index
-    assert (tmp_path / "hf" / convert_hf.INDEX).is_file()
-    cfg, params = convert_hf.from_pretrained(tmp_path / "hf")
+    assert (tmp_path / "hf" / hf.INDEX).is_file()
+    cfg, params = hf.from_pretrained(tmp_path / "hf")
     tokens, positions, _ = _inputs(CASES[name][2])
     ref = _hf(hf_model, tokens, positions)
-    assert np.abs(convert_hf.logits(cfg, params, tokens) - ref).max() < TOL
+    assert np.abs(hf.logits(cfg, params, tokens) - ref).max() < TOL
 
     model_type = hf_model.config.model_type
-    convert_hf.save_pretrained(cfg, params, tmp_path / "out", model_type)
+    hf.save_pretrained(cfg, params, tmp_path / "out", model_type)
     back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(back).__name__ == type(hf_model).__name__
-    written = convert_hf.read_tensors(tmp_path / "out")
+    written = hf.read_tensors(tmp_path / "out")
     for key, value in written.items():
         np.testing.assert_array_equal(value, hf_tensors[key])
     assert np.abs(_hf(back.eval(), tokens, positions) - ref).max() < TOL
@@ -219,4 +218,4 @@ def test_pickled_checkpoints_are_refused(tmp_path):
     hf_model.config.save_pretrained(tmp_path)
     torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")  # the older pickled layout
     with pytest.raises(ConfigError, match="only pickled weights .*pytorch_model.bin"):
-        convert_hf.from_pretrained(tmp_path)
+        hf.from_pretrained(tmp_path)
