@@ -8,9 +8,8 @@ layers, the microbatch and pipeline loops) and async wrappers. Everything here c
 - `collectives`: every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute,
   grouped by (op, mesh axes, async), with executions and bytes per step per device. Bytes follow
   nccl-tests' "size": the whole buffer (an all-gather's output, a reduce-scatter's input).
-  `overlapped` (and `overlapped_bytes`) count the async executions with a matmul or attention
-  kernel scheduled between their start and done: communication the GPU hides behind compute (the module text is in XLA's
-  schedule order), the rest is exposed unless other work happens to fill it.
+  `overlapped` (`overlapped_bytes`): the async executions with a matmul or attention kernel
+  scheduled between start and done (the text is in XLA's schedule order), hidden behind compute.
 - `kernels`: custom calls (cuBLAS, cuDNN) and Triton fusions, by name, in executions per step.
 - `dot_flops`: 2 * M * N * K of every matmul (plain dots, cuBLAS calls, Triton GEMM fusions)
   and the two matmuls of each cuDNN attention call, per step per device.
@@ -30,6 +29,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_COUNTS = ("instructions", "count", "bytes", "overlapped", "overlapped_bytes")  # per step
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -285,30 +285,25 @@ def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tup
 
 def is_matmul(inst: Instruction) -> bool:
     """A matmul or attention kernel: a dot, a cuBLAS / cuDNN call, a Triton or cuDNN GEMM fusion."""
-    if inst.opcode in ("dot", "convolution"):
-        return True
-    if inst.opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]+)"', inst.rest)
-        return bool(target) and target.group(1).startswith(("__cublas", "__cudnn"))
-    kind = _fusion_kind(inst) if inst.opcode == "fusion" else None
-    return bool(kind) and ("gemm" in kind or kind.startswith("__cudnn"))
+    kind = _target(inst) or (inst.opcode == "fusion" and _fusion_kind(inst)) or ""
+    return inst.opcode in ("dot", "convolution") or kind.startswith(("__cublas", "__cudnn")) \
+        or "gemm" in kind
 
 
 def overlapped(module: Module) -> set[str]:
     """Async starts (and the async bodies they run) with a matmul scheduled before their done."""
     hidden: set[str] = set()
     for insts in module.computations.values():
-        open_: dict[str, bool] = {}  # start name -> a matmul seen since
+        pending: dict[str, bool] = {}  # start name -> a matmul seen since
         for inst in insts:
+            done = inst.opcode.endswith("-done")
+            start = next((o for o in _operands(inst) if o in pending), None) if done else None
             if inst.opcode.endswith("-start"):
-                open_[inst.name] = False
-            elif inst.opcode.endswith("-done"):
-                start = next((o for o in _operands(inst) if o in open_), None)
-                if start is not None and open_.pop(start):
-                    hidden.add(start)
-                    hidden.update(_CALLEE.findall(module.instructions[start].rest))
+                pending[inst.name] = False
+            elif start is not None and pending.pop(start):
+                hidden |= {start, *_CALLEE.findall(module.instructions[start].rest)}
             elif is_matmul(inst):
-                open_ = dict.fromkeys(open_, True)
+                pending = dict.fromkeys(pending, True)
     return hidden
 
 
@@ -329,21 +324,16 @@ def collectives(module: Module, mesh_shape: dict[str, int], gpus_per_host: int =
             axes = mesh_axes(groups, mesh_shape)
             width = len(groups[0]) if groups and op != "collective-permute" else 1
             is_async = inst.opcode.endswith("-start") or comp in module.async_bodies
-            key = (op, axes, is_async)
-            row = rows.setdefault(key, {"op": op, "axes": list(axes) if axes is not None else None,
-                                        "async": is_async, "crosses_hosts": False,
-                                        "instructions": 0, "count": 0, "bytes": 0,
-                                        "overlapped": 0, "overlapped_bytes": 0})
+            row = rows.setdefault((op, axes, is_async), {
+                "op": op, "axes": list(axes) if axes is not None else None, "async": is_async,
+                "crosses_hosts": False, **dict.fromkeys(_COUNTS, 0)})
             if gpus_per_host and groups:
                 row["crosses_hosts"] |= any(len({i // gpus_per_host for i in g}) > 1
                                             for g in groups)
-            row["instructions"] += 1
             size = runs * collective_bytes(op, inst, width)
-            row["count"] += runs
-            row["bytes"] += size
-            if inst.name in hidden or comp in hidden:
-                row["overlapped"] += runs
-                row["overlapped_bytes"] += size
+            shown = inst.name in hidden or comp in hidden
+            for key, value in zip(_COUNTS, (1, runs, size, runs * shown, size * shown)):
+                row[key] += value
     return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["op"]), -r["bytes"]))
 
 
@@ -355,11 +345,16 @@ def kernels(module: Module) -> dict[str, int]:
         runs = module.executions.get(comp, 0)
         for inst in insts:
             if inst.opcode == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', inst.rest)
-                found[target.group(1) if target else "custom-call"] += runs
+                found[_target(inst) or "custom-call"] += runs
             elif inst.opcode == "fusion" and (kind := _fusion_kind(inst)):
                 found[kind] += runs
     return dict(sorted(found.items(), key=lambda kv: -kv[1]))
+
+
+def _target(inst: Instruction) -> str:
+    """A custom call's target (`__cublas$lt$matmul`, `__cudnn$fmha...`); "" for anything else."""
+    found = inst.opcode == "custom-call" and re.search(r'custom_call_target="([^"]+)"', inst.rest)
+    return found.group(1) if found else ""
 
 
 def _fusion_kind(inst: Instruction) -> str | None:
@@ -383,10 +378,7 @@ def _flops(inst: Instruction, module: Module) -> int:
     if inst.opcode == "dot":
         dims = _dot_dims(inst.rest)
         return _gemm_flops(inst, module, dims) if dims else 0
-    if inst.opcode != "custom-call":
-        return 0
-    target = re.search(r'custom_call_target="([^"]+)"', inst.rest)
-    target = target.group(1) if target else ""
+    target = _target(inst)
     if target.startswith("__cublas"):
         config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', inst.rest)
         return _gemm_flops(inst, module, json.loads(config.group(1))) if config else 0
@@ -404,8 +396,7 @@ def _dot_dims(rest: str) -> dict | None:
 
 def _operand_shapes(inst: Instruction, module: Module) -> list[tuple[str, tuple[int, ...]]]:
     """Shapes of an instruction's operands, looked up by name in the module."""
-    names = re.findall(r"%([\w.\-]+)", inst.rest.split(")", 1)[0])
-    return [a for n in names for a in arrays(module.shapes.get(n, ""))[:1]]
+    return [a for n in _operands(inst) for a in arrays(module.shapes.get(n, ""))[:1]]
 
 
 def _gemm_flops(inst: Instruction, module: Module, dims: dict) -> int:
@@ -415,7 +406,7 @@ def _gemm_flops(inst: Instruction, module: Module, dims: dict) -> int:
     if not operands or not out:
         return 0
     lhs = operands[0][1]
-    k = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []) if d != "")
+    k = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []) if d)
     return 2 * math.prod(out[0][1]) * k
 
 
@@ -425,8 +416,5 @@ def _attention_flops(inst: Instruction, module: Module, backward: bool) -> int:
     operands = _operand_shapes(inst, module)
     if len(operands) < 2:
         return 0
-    (_, q), (_, k) = operands[:2]
-    b, t, n, h = q
-    s = k[1]
-    forward = 4 * b * n * t * s * h
-    return forward * 5 // 2 if backward else forward
+    (b, t, n, h), s = operands[0][1], operands[1][1][1]
+    return 4 * b * n * t * s * h * (5 if backward else 2) // 2
