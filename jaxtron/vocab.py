@@ -116,14 +116,21 @@ class _Layout:
         self.row_spec = P(self.rows or None, None)
 
 
-def _gather_head(w, layout: _Layout, dtype) -> jax.Array:
-    """This device's head shard -> [D, V/|act_vocab|] in the compute dtype."""
+def _gather_table(w, layout: _Layout, dtype) -> jax.Array:
+    """This device's table shard -> the table with vocab split over act_vocab only, in the
+    compute dtype and the stored orientation ([V/t, D] tied, else [D, V/t])."""
     w = w.astype(dtype)
     for axis in reversed(layout.gathered):
         w = jax.lax.all_gather(w, axis, axis=layout.v_dim, tiled=True)
     for axis in reversed(layout.embed):
         w = jax.lax.all_gather(w, axis, axis=layout.d_dim, tiled=True)
-    return w.T if layout.tied else w
+    return w
+
+
+def _gather_head(w, layout: _Layout, dtype) -> jax.Array:
+    """The LM head [D, V/|act_vocab|] in the compute dtype."""
+    table = _gather_table(w, layout, dtype)
+    return table.T if layout.tied else table
 
 
 def _scatter_head_grad(g_DV, layout: _Layout) -> jax.Array:
@@ -163,12 +170,17 @@ def _scatter_seq(x, layout: _Layout) -> jax.Array:
     return x
 
 
+def _index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's position along `axes` taken together (the first one major)."""
+    index = 0
+    for axis in axes:
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+    return index
+
+
 def _vocab_offset(width: int, layout: _Layout) -> jax.Array:
     """Where this device's vocab slice of `width` entries starts."""
-    index = 0
-    for axis in layout.kept:
-        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
-    return index * width
+    return _index(layout.kept) * width
 
 
 def _chunk_logits(x_bcD, head_DV, layout: _Layout):
@@ -276,7 +288,7 @@ def sharded_total(x_BTD, w, targets_BT, mask_BT, chunk: int, tied: bool) -> jax.
 
 def _lookup_local(w, tokens, *, layout: _Layout, dtype):
     """This device's rows: x[b, T/|seq|, D], rows of its vocab slice summed over tensor."""
-    table_VD = _gather_head(w, layout, dtype).T
+    table_VD = _gather_table(w, layout, dtype)  # the embedding table is stored [V, D]
     local = tokens - _vocab_offset(table_VD.shape[0], layout)
     mine = (local >= 0) & (local < table_VD.shape[0])
     x = jnp.where(mine[..., None], table_VD[jnp.where(mine, local, 0)], 0)
@@ -292,7 +304,7 @@ def _lookup_grad_local(w, tokens, dx, *, layout: _Layout, dtype):
     width = w.shape[layout.v_dim] * math.prod(jax.lax.axis_size(a) for a in layout.gathered)
     local = tokens - _vocab_offset(width, layout)
     rows = jnp.where((local >= 0) & (local < width), local, width)  # out of range: dropped
-    ways, me = _seq_ways(layout), _seq_index(layout)
+    ways, me = _seq_ways(layout), _index(layout.seq)
     n = dx.shape[1]
     grad_VD = jnp.zeros((width, dx.shape[-1]), jnp.float32)
     for step in range(ways):
@@ -303,13 +315,6 @@ def _lookup_grad_local(w, tokens, dx, *, layout: _Layout, dtype):
         if step < ways - 1:
             dx = _shift_seq(dx, layout, ways)
     return _scatter_head_grad(grad_VD.astype(dtype).T, layout).astype(w.dtype)
-
-
-def _seq_index(layout: _Layout) -> jax.Array:
-    index = 0
-    for axis in layout.seq:
-        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
-    return index
 
 
 def _shift_seq(x, layout: _Layout, ways: int) -> jax.Array:
