@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtron import data as data_lib
+from jaxtron import weights
 from jaxtron.config import CheckpointConfig, ConfigError
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
@@ -153,11 +154,21 @@ def restore_input(directory: Path, batches: grain.DatasetIterator,
 
 def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
                  weights_only: bool) -> tuple[dict, dict]:
-    """Start from another run's checkpoint (`.../checkpoints/<step>`); with `weights_only`, take
-    its params alone (fine-tuning: fresh optimizer state, step 0, data from the start)."""
-    directory = Path(path).absolute()
-    if not directory.name.isdigit() or not (directory / "state").is_dir():
-        raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)")
+    """Start from another run's checkpoint: `path` is a checkpoint (`.../checkpoints/<step>`),
+    or a run, import or checkpoints directory (its newest complete checkpoint). With
+    `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
+    the start); an imported model (tools/convert_hf.py import) holds nothing else."""
+    try:
+        _, directory = weights.locate(path)
+    except ConfigError:
+        raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
+                          ", nor a run or import directory holding a complete one") from None
+    if weights.read_meta(directory).get("layout") == weights.LAYERED:
+        if not weights_only:
+            raise ConfigError(f"checkpoint.restore={path} holds imported weights only (no optimizer"
+                              " state or data position); add checkpoint.weights_only=true")
+        params = weights.restore_layers(directory, abstract_state["params"], shardings["params"])
+        return {"params": params}, weights.read_meta(directory)
     manager = ocp.CheckpointManager(directory.parent, item_names=("state", "data", "meta"),
                                     options=ocp.CheckpointManagerOptions(read_only=True))
     try:

@@ -1,279 +1,154 @@
-"""Hugging Face Llama-family checkpoints <-> jaxtron params, through one name-mapping table.
+"""Hugging Face model directories: read, run and write Llama-family weights, tensor by tensor.
 
-Covers `LlamaForCausalLM`, `MistralForCausalLM` (without sliding windows) and `Qwen2ForCausalLM`
-(QKV bias). A directory in Hugging Face's layout (`config.json` and `*.safetensors`, sharded with
-`model.safetensors.index.json` or not) reads with `from_pretrained` and writes with
-`save_pretrained`; no PyTorch is needed (safetensors reads and writes numpy).
+A directory in Hugging Face's layout is `config.json` plus `*.safetensors` (sharded with
+`model.safetensors.index.json` or not), usually with tokenizer files. No PyTorch is needed:
+tensors are memory-mapped one at a time (jaxtron.tensorfile), bfloat16 included. Pickled weights
+(`.bin`, `.pt`) run code when loaded and are read only when the caller allows it (and has torch).
 
     cfg, params = jaxtron.hf.from_pretrained("~/Llama-3.2-1B")
     logits = jaxtron.hf.logits(cfg, params, tokens)  # numpy [B, T, V]
+    jaxtron.hf.save_pretrained(cfg, params, "out/", model_type="llama")
 
-Our params are the pure nested dict of `nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs)))`, with
-per-layer weights stacked on a leading L axis. HF `nn.Linear` weights are [out, in]; ours are
-[in, out] with heads split out. Our RoPE rotates halves exactly as HF Llama does, so q/k need no
-permutation (tests/test_hf_parity.py checks logits against transformers itself).
+The name mapping and config reading are in jaxtron.hf_mapping; `tools/convert_hf.py` converts
+whole directories to and from jaxtron checkpoints.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtron import tensorfile
 from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.hf_mapping import (
+    ParamPath,
+    check_names,
+    check_tied,
+    config_from_hf,
+    expected_shapes,
+    hf_layout,
+    hf_to_params,
+)
 from jaxtron.model import abstract_model
-
-ParamPath = tuple[str, ...]  # keys into our nested param dict
-# (HF [out, in]-style array, head size) -> ours, and back.
-Transform = tuple[Callable[[np.ndarray, int], np.ndarray], Callable[[np.ndarray, int], np.ndarray]]
-
-COPY: Transform = (lambda x, h: x, lambda y, h: y)
-LINEAR: Transform = (lambda x, h: x.T, lambda y, h: y.T)  # [out, in] <-> [in, out]
-QKV: Transform = (  # [N*H, D] <-> [D, N, H]
-    lambda x, h: x.T.reshape(x.shape[1], -1, h),
-    lambda y, h: y.reshape(y.shape[0], -1).T,
-)
-OUT: Transform = (  # [D, N*H] <-> [N, H, D]
-    lambda x, h: x.T.reshape(-1, h, x.shape[0]),
-    lambda y, h: y.reshape(-1, y.shape[-1]).T,
-)
-BIAS: Transform = (lambda x, h: x.reshape(-1, h), lambda y, h: y.reshape(-1))  # [N*H] <-> [N, H]
-
-LAYER = "model.layers.{i}."
-# One row per tensor: HF name ({i}: layer index, stacked on our L axis), our path, transform.
-MAPPING: tuple[tuple[str, ParamPath, Transform], ...] = (
-    ("model.embed_tokens.weight", ("embed",), COPY),
-    (LAYER + "input_layernorm.weight", ("layers", "attn_norm", "scale"), COPY),
-    (LAYER + "self_attn.q_proj.weight", ("layers", "attn", "wq"), QKV),
-    (LAYER + "self_attn.k_proj.weight", ("layers", "attn", "wk"), QKV),
-    (LAYER + "self_attn.v_proj.weight", ("layers", "attn", "wv"), QKV),
-    (LAYER + "self_attn.q_proj.bias", ("layers", "attn", "bq"), BIAS),  # Qwen2
-    (LAYER + "self_attn.k_proj.bias", ("layers", "attn", "bk"), BIAS),  # Qwen2
-    (LAYER + "self_attn.v_proj.bias", ("layers", "attn", "bv"), BIAS),  # Qwen2
-    (LAYER + "self_attn.o_proj.weight", ("layers", "attn", "wo"), OUT),
-    (LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), COPY),
-    (LAYER + "mlp.gate_proj.weight", ("layers", "mlp", "w_gate"), LINEAR),
-    (LAYER + "mlp.up_proj.weight", ("layers", "mlp", "w_up"), LINEAR),
-    (LAYER + "mlp.down_proj.weight", ("layers", "mlp", "w_down"), LINEAR),
-    ("model.norm.weight", ("final_norm", "scale"), COPY),
-    ("lm_head.weight", ("lm_head",), LINEAR),  # absent when embeddings are tied
-)
-# Non-parameter buffers some checkpoints carry; recomputed from the config, so dropped.
-IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-
-
-def _hf_names(pattern: str, num_layers: int) -> list[str]:
-    """The concrete HF names of one MAPPING row."""
-    if "{i}" not in pattern:
-        return [pattern]
-    return [pattern.format(i=i) for i in range(num_layers)]
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
-    """Our param paths and shapes for `cfg`, without allocating anything."""
-    pure = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))
-    leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
-    return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in leaves}
-
-
-def _nest(flat: dict[ParamPath, Any]) -> dict:
-    """{('a', 'b'): x} -> {'a': {'b': x}}."""
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
-def _drop_tied_head(tensors: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """Tied models' HF state dicts still list `lm_head.weight`: accept it if it is the embedding."""
-    if not cfg.tie_embeddings or "lm_head.weight" not in tensors:
-        return tensors
-    embed = tensors.get("model.embed_tokens.weight")
-    if embed is not None and not np.array_equal(np.asarray(tensors["lm_head.weight"]), embed):
-        raise ValueError("checkpoint has its own lm_head.weight but model.tie_embeddings=True; "
-                         "set model.tie_embeddings=False")
-    return {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-
-
-def hf_to_params(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
-    """HF state dict (name -> array) -> our pure nested param dict, numpy, in cfg.param_dtype."""
-    shapes, h = expected_shapes(cfg), cfg.head_size
-    dtype = jnp.dtype(cfg.param_dtype)
-    tensors = {k: v for k, v in hf_tensors.items() if not IGNORED.search(k)}
-    tensors = _drop_tied_head(tensors, cfg)
-    flat, used, missing = {}, set(), []
-    for pattern, path, (to_ours, _) in MAPPING:
-        if path not in shapes:
-            continue
-        names = _hf_names(pattern, cfg.num_layers)
-        absent = [n for n in names if n not in tensors]
-        if absent:
-            missing += absent
-            continue
-        arrays = [to_ours(np.asarray(tensors[n]), h) for n in names]
-        value = np.stack(arrays) if "{i}" in pattern else arrays[0]
-        if value.shape != shapes[path]:
-            raise ValueError(f"{pattern} gives {'/'.join(path)} shape {value.shape}, "
-                             f"the config expects {shapes[path]}; check the model.* sizes")
-        flat[path] = value.astype(dtype)
-        used.update(names)
-    if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors the config needs: "
-                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    unknown = sorted(set(tensors) - used)
-    if unknown:
-        raise ValueError(f"checkpoint has {len(unknown)} tensors with no place in the model "
-                         f"(check model.* against its config.json): {', '.join(unknown[:8])}"
-                         f"{' ...' if len(unknown) > 8 else ''}")
-    return _nest(flat)
-
-
-def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Our pure nested param dict -> HF state dict (tied models omit lm_head.weight)."""
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat = {tuple(k.key for k in path): np.asarray(leaf) for path, leaf in leaves}
-    rows = {path: (pattern, to_hf) for pattern, path, (_, to_hf) in MAPPING}
-    unknown = sorted("/".join(p) for p in set(flat) - set(rows))
-    if unknown:
-        raise ValueError(f"params with no HF name: {', '.join(unknown)}")
-    out = {}
-    for path, value in flat.items():
-        pattern, to_hf = rows[path]
-        if "{i}" not in pattern:
-            out[pattern] = to_hf(value, cfg.head_size)
-            continue
-        for i, name in enumerate(_hf_names(pattern, value.shape[0])):
-            out[name] = to_hf(value[i], cfg.head_size)
-    return out
-
-
-def _rope_overrides(hf: dict) -> dict:
-    """RoPE fields from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (4)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError("per-layer-type RoPE parameters are not supported")
-    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
-    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "llama3":
-        out |= {
-            "rope_scaling_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_max_len": int(rope.get("original_max_position_embeddings",
-                                                  hf["max_position_embeddings"])),
-        }
-    elif kind != "default":
-        raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are)")
-    return out
-
-
-def _check_supported(hf: dict) -> None:
-    """Refuse configs whose architecture our Transformer does not compute."""
-    kind = hf.get("model_type")
-    if kind not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type '{kind}' is not supported ({', '.join(SUPPORTED_TYPES)} are)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
-    if hf.get("mlp_bias") or (kind != "qwen2" and hf.get("attention_bias")):
-        raise ValueError("MLP and output-projection biases are not supported")
-    window = _sliding_window(hf)
-    if window is not None:  # HF tests `is None` too
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: "
-                         "our attention is full causal, so only sliding_window=null converts")
-
-
-def _sliding_window(hf: dict) -> int | None:
-    """The attention window transformers applies for this config; None means full causal."""
-    # HF Mistral slides whenever sliding_window is set: it has no use_sliding_window switch and
-    # ignores one left in config.json. Qwen2 slides only with use_sliding_window=true.
-    if hf.get("model_type") == "mistral" or hf.get("use_sliding_window", False):
-        return hf.get("sliding_window")
-    return None
-
-
-def config_from_hf(hf_config: dict) -> dict:
-    """HF config.json dict -> our `model.*` overrides (ModelConfig field names)."""
-    hf = hf_config
-    _check_supported(hf)
-    heads = hf["num_attention_heads"]
-    return {
-        "vocab_size": hf["vocab_size"],
-        "num_layers": hf["num_hidden_layers"],
-        "d_model": hf["hidden_size"],
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp_dim": hf["intermediate_size"],
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": hf["model_type"] == "qwen2",
-        **_rope_overrides(hf),
-    }
-
-
-# ------------------------------------------------------------------------------------------------
-# Directories in Hugging Face's layout.
 
 INDEX = "model.safetensors.index.json"
 PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
+Getter = Callable[[str], np.ndarray]
 
 
-def read_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a directory's safetensors files (through the index when there is one).
-    Pickled checkpoints (.bin, .pt) are refused: loading them runs code from the file."""
-    from safetensors.numpy import load_file
-
-    root = Path(hf_dir).expanduser()
+def _weight_files(root: Path) -> list[str]:
+    """The safetensors files of a directory, through its index when it has one."""
     if (root / INDEX).is_file():
         files = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
-        if pickled:
-            raise ConfigError(f"{root} holds only pickled weights ({', '.join(pickled[:3])}), "
-                              "which run code when loaded; convert them to safetensors first")
-        raise ConfigError(f"{root} has no *.safetensors files")
-    tensors: dict[str, np.ndarray] = {}
+        absent = [f for f in files if not (root / f).is_file()]
+        if absent:
+            raise ConfigError(f"{root / INDEX} names {', '.join(absent[:3])}, which is not in "
+                              f"{root}; the download is incomplete")
+        return files
+    return sorted(p.name for p in root.glob("*.safetensors"))
+
+
+def _pickled(root: Path, files: list[str]) -> dict[str, np.ndarray]:
+    """Every tensor of pickled PyTorch files (`torch.load(weights_only=True)`)."""
+    try:
+        import torch
+    except ImportError:
+        raise ConfigError("reading pickled (.bin/.pt) weights needs PyTorch: pip install torch, "
+                          "or convert them to safetensors") from None
+    tensors = {}
     for name in files:
-        tensors.update(load_file(str(root / name)))
+        for key, t in torch.load(root / name, map_location="cpu", weights_only=True).items():
+            t = t.detach().contiguous()
+            tensors[key] = (t.view(torch.int16).numpy().view(tensorfile.DTYPES["BF16"])
+                            if t.dtype == torch.bfloat16 else t.numpy())
     return tensors
 
 
-def read_config(hf_dir: str | Path, dtype: str = "float32") -> ModelConfig:
-    """The ModelConfig of a directory's config.json, computing and storing in `dtype`."""
+def open_tensors(hf_dir: str | Path, allow_pickle: bool = False) -> tuple[list[str], Getter]:
+    """(the tensor names of a directory, a function reading one of them). Safetensors files are
+    memory-mapped; pickled ones are refused unless `allow_pickle` (loading them runs code)."""
+    root = Path(hf_dir).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory")
+    files = _weight_files(root)
+    if files:
+        where: dict[str, tuple[Path, dict, int]] = {}
+        for name in files:
+            try:
+                entries, start = tensorfile.header(root / name)
+            except tensorfile.TensorFileError as err:
+                raise ConfigError(str(err)) from None
+            where |= {key: (root / name, entries, start) for key in entries}
+        return sorted(where), lambda key: tensorfile.read(where[key][0], key, *where[key][1:])
+    pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
+    if not pickled:
+        raise ConfigError(f"{root} has no *.safetensors files")
+    if not allow_pickle:
+        raise ConfigError(f"{root} holds only pickled weights ({', '.join(pickled[:3])}), which run "
+                          "code when loaded; pass --allow-pickle if you trust their source")
+    tensors = _pickled(root, pickled)
+    return sorted(tensors), tensors.__getitem__
+
+
+def read_tensors(hf_dir: str | Path, allow_pickle: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor of a directory by name (memory-mapped: read as they are used)."""
+    names, get = open_tensors(hf_dir, allow_pickle)
+    return {name: get(name) for name in names}
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    """A directory's config.json as a dict."""
     path = Path(hf_dir).expanduser() / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} not found: a Hugging Face model directory has a config.json")
     try:
-        overrides = config_from_hf(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except ValueError as err:
-        raise ConfigError(f"{path}: {err}") from None
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_config(hf_dir: str | Path, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of a directory's config.json, computing and storing in `dtype`."""
+    try:
+        overrides = config_from_hf(read_hf_config(hf_dir))
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"{Path(hf_dir).expanduser() / 'config.json'}: {err}") from None
     return ModelConfig(**overrides, dtype=dtype, param_dtype=dtype)
 
 
-def from_pretrained(hf_dir: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict]:
+def check_tensors(hf_dir: str | Path, cfg: ModelConfig, allow_pickle: bool = False) -> Getter:
+    """The directory's reader, once its tensor names fit `cfg` (ConfigError naming any that
+    are missing or have no place)."""
+    names, get = open_tensors(hf_dir, allow_pickle)
+    try:
+        check_names(names, cfg)
+        check_tied(names, get, cfg)
+    except ValueError as err:
+        raise ConfigError(f"{Path(hf_dir).expanduser()}: {err}") from None
+    return get
+
+
+def from_pretrained(hf_dir: str | Path, dtype: str = "float32",
+                    allow_pickle: bool = False) -> tuple[ModelConfig, dict]:
     """(model config, params as a pure nested dict of numpy arrays) of a Hugging Face directory."""
     cfg = read_config(hf_dir, dtype)
+    check_tensors(hf_dir, cfg, allow_pickle)
     try:
-        return cfg, hf_to_params(read_tensors(hf_dir), cfg)
+        return cfg, hf_to_params(read_tensors(hf_dir, allow_pickle), cfg)
     except ValueError as err:
         raise ConfigError(f"{Path(hf_dir).expanduser()}: {err}") from None
 
@@ -316,33 +191,68 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
     }
 
 
-def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
-                    model_type: str = "llama") -> Path:
-    """Write config.json and the weights as safetensors shards of at most SHARD_BYTES, with
-    an index when there is more than one, in the param dtype."""
-    from safetensors.numpy import save_file
+def _hf_specs(cfg: ModelConfig, dtype) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each HF tensor's shape and dtype, computed without any data."""
+    shapes, by_path = expected_shapes(cfg), {}
+    for _, path, layer, to_hf in hf_layout(cfg):
+        if path not in by_path:
+            ours = shapes[path] if layer is None else shapes[path][1:]
+            by_path[path] = tuple(jax.eval_shape(lambda y, f=to_hf: f(y, cfg.head_size),
+                                                 jax.ShapeDtypeStruct(ours, np.float32)).shape)
+    return {name: (by_path[path], np.dtype(dtype)) for name, path, _, _ in hf_layout(cfg)}
 
+
+def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np.ndarray],
+                     out_dir: str | Path, model_type: str = "llama", dtype: Any = None) -> Path:
+    """Write config.json and safetensors shards of at most SHARD_BYTES (with an index when there
+    are several), asking `get(our path, layer or None)` for one tensor at a time, so that only
+    one is in memory. `dtype`: the files' dtype (default cfg.param_dtype)."""
     if cfg.qkv_bias != (model_type == "qwen2"):
         raise ConfigError(f"model.qkv_bias={cfg.qkv_bias} does not fit model_type '{model_type}'"
                           " (QKV biases are Qwen2's)")
+    config = hf_config(cfg, model_type)
+    dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: np.ascontiguousarray(v) for k, v in params_to_hf(params, cfg).items()}
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, value in tensors.items():
-        if shards[-1] and size + value.nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += value.nbytes
-    names = (["model.safetensors"] if len(shards) == 1 else
+    layout = {name: (path, layer, to_hf) for name, path, layer, to_hf in hf_layout(cfg)}
+    specs = _hf_specs(cfg, dtype)
+    sizes = [(n, dtype.itemsize * int(np.prod(specs[n][0], dtype=np.int64))) for n in layout]
+    shards = tensorfile.plan_shards(sizes, SHARD_BYTES)
+    files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for name, shard in zip(names, shards):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+
+    def produce(name: str) -> np.ndarray:
+        path, layer, to_hf = layout[name]
+        return np.asarray(to_hf(np.asarray(get(path, layer)), cfg.head_size)).astype(dtype)
+
+    for file, names in zip(files, shards):
+        tensorfile.write(out / file, names, specs, produce)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-                 "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}
+        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+                 "weight_map": {n: file for file, names in zip(files, shards) for n in names}}
         (out / INDEX).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, model_type), indent=2))
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype.name}, indent=2))
     return out
+
+
+def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
+                    model_type: str = "llama", dtype: Any = None) -> Path:
+    """Write `params` (our pure nested dict) as a Hugging Face directory (see write_pretrained)."""
+    def get(path: ParamPath, layer: int | None) -> np.ndarray:
+        value = functools.reduce(lambda node, key: node[key], path, params)
+        return value if layer is None else value[layer]
+
+    return write_pretrained(cfg, get, out_dir, model_type, dtype)
+
+
+def copy_tokenizer(source: str | Path, out_dir: str | Path) -> list[str]:
+    """Copy the tokenizer files of `source` (a directory, or one tokenizer file and the files
+    beside it) into `out_dir`; the names copied."""
+    source = Path(source).expanduser()
+    folder = source if source.is_dir() else source.parent
+    names = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
+    if source.is_file() and source.name not in names:
+        names.append(source.name)
+    for name in names:
+        shutil.copyfile(folder / name, Path(out_dir) / name)
+    return names

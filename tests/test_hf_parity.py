@@ -20,7 +20,7 @@ from flax import nnx
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
-from jaxtron import hf
+from jaxtron import hf, hf_mapping
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import abstract_model
 
@@ -68,9 +68,9 @@ def _case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
             else:
                 p.normal_(0.0, 0.2)
     hf_tensors = {k: v.numpy() for k, v in hf_model.state_dict().items()}
-    overrides = hf.config_from_hf(hf_model.config.to_dict())
+    overrides = hf_mapping.config_from_hf(hf_model.config.to_dict())
     cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
-    return hf_model, cfg, hf_tensors, hf.hf_to_params(hf_tensors, cfg)
+    return hf_model, cfg, hf_tensors, hf_mapping.hf_to_params(hf_tensors, cfg)
 
 
 def _ours(cfg: ModelConfig, params: dict, tokens, positions, segment_ids) -> np.ndarray:
@@ -134,7 +134,7 @@ def test_packed_documents_match_hf_alone(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip_is_exact(name):
     _, cfg, hf_tensors, params = _case(name)
-    back = hf.params_to_hf(params, cfg)
+    back = hf_mapping.params_to_hf(params, cfg)
     if cfg.tie_embeddings:  # HF's state dict lists the shared head too; checkpoints omit it
         hf_tensors = {k: v for k, v in hf_tensors.items() if k != "lm_head.weight"}
     assert sorted(back) == sorted(hf_tensors)
@@ -156,7 +156,7 @@ def test_mistral_sliding_window_is_refused(window):
     print(f"window 16: HF logits move by {diff:.2e}")
     assert diff > 100 * TOL, f"a window of 16 over {seq_len} tokens moved HF logits by {diff:.2e}"
     with pytest.raises(ValueError, match=r"sliding_window=16"):
-        hf.config_from_hf(windowed.config.to_dict())
+        hf_mapping.config_from_hf(windowed.config.to_dict())
 
 
 def test_unknown_and_missing_names_are_named():
@@ -164,11 +164,11 @@ def test_unknown_and_missing_names_are_named():
     extra = {**hf_tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32),
              "model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8, np.float32)}
     with pytest.raises(ValueError, match=r"o_proj\.bias") as err:
-        hf.hf_to_params(extra, cfg)
+        hf_mapping.hf_to_params(extra, cfg)
     assert "inv_freq" not in str(err.value)  # buffers are dropped, not reported
     partial = {k: v for k, v in hf_tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
-        hf.hf_to_params(partial, cfg)
+        hf_mapping.hf_to_params(partial, cfg)
 
 
 def test_config_from_transformers4_style_json():
@@ -179,12 +179,12 @@ def test_config_from_transformers4_style_json():
           "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    cfg = ModelConfig(**hf.config_from_hf(config))
+    cfg = ModelConfig(**hf_mapping.config_from_hf(config))
     assert (cfg.num_kv_heads, cfg.head_size, cfg.rope_theta) == (8, 64, 500000.0)
     assert (cfg.rope_scaling_factor, cfg.rope_original_max_len) == (32.0, 8192)
     assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.norm_eps == 1e-5
     with pytest.raises(ValueError, match="yarn"):
-        hf.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        hf_mapping.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 from pathlib import Path
@@ -24,54 +23,12 @@ from typing import Any
 import numpy as np
 import yaml
 
-from jaxtron.cli import EXIT_USAGE, one_line_errors
+from jaxtron.cli import one_line_errors
+from jaxtron.config import ConfigError
+from jaxtron.weights import complete_steps, locate, read_meta
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
-
-
-class NotACheckpoint(Exception):
-    """The path is missing, or is not a checkpoint, a checkpoints directory or a run directory."""
-
-
-# ---------------------------------------------------------------- finding checkpoints
-def is_complete(step_dir: Path) -> bool:
-    """A finalized jaxtron checkpoint: a step-named directory whose items were all written.
-    Orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames, so unfinished ones never match."""
-    return (step_dir.name.isdigit() and (step_dir / "state" / "_METADATA").is_file()
-            and (step_dir / "meta" / "metadata").is_file())
-
-
-def complete_steps(checkpoints_dir: Path) -> list[Path]:
-    """The complete checkpoints under `checkpoints_dir`, oldest first."""
-    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(p.name))
-
-
-def resolve(path: Path) -> tuple[Path | None, Path]:
-    """-> (the checkpoints directory to list, None for a single checkpoint; the one to show)."""
-    if not path.exists():
-        raise NotACheckpoint(f"{path}: no such file or directory")
-    if path.name.isdigit() and (path / "state").is_dir():
-        if not is_complete(path):
-            raise NotACheckpoint(f"{path}: an incomplete checkpoint (state/_METADATA or "
-                                 "meta/metadata is missing)")
-        return None, path
-    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = complete_steps(checkpoints_dir) if checkpoints_dir.is_dir() else []
-    if not steps:
-        raise NotACheckpoint(f"{path}: not a checkpoint (.../checkpoints/<step>), nor a run or "
-                             "checkpoints directory holding a complete one")
-    return checkpoints_dir, steps[-1]
-
-
-# ---------------------------------------------------------------- reading metadata
-def read_meta(step_dir: Path) -> dict:
-    """The `meta` item: step, loss, tokens_seen, time, config (YAML text)."""
-    try:
-        return json.loads((step_dir / "meta" / "metadata").read_text())
-    except (OSError, ValueError) as e:
-        raise NotACheckpoint(f"{step_dir}: unreadable meta item ({e})") from None
 
 
 def read_arrays(step_dir: Path) -> tuple[list[tuple[str, tuple, np.dtype]], Any]:
@@ -85,7 +42,7 @@ def read_arrays(step_dir: Path) -> tuple[list[tuple[str, tuple, np.dtype]], Any]
         tree = ocp.PyTreeCheckpointHandler().metadata(step_dir.absolute() / "state").tree
     except Exception as e:  # noqa: BLE001 - any Orbax failure means an unreadable checkpoint
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise NotACheckpoint(f"{step_dir}: unreadable state metadata ({first})") from None
+        raise ConfigError(f"{step_dir}: unreadable state metadata ({first})") from None
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]  # empty optax states (None) drop out
     arrays = [(jax.tree_util.keystr(path, simple=True, separator="."), tuple(leaf.shape),
                np.dtype(leaf.dtype)) for path, leaf in leaves]
@@ -170,13 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="a checkpoint (.../checkpoints/<step>), "
                         "a checkpoints directory or a run directory")
     args = parser.parse_args(argv)
-    return one_line_errors(lambda: inspect(args.path), prefix="inspect_ckpt",
-                           statuses={NotACheckpoint: EXIT_USAGE})
+    return one_line_errors(lambda: inspect(args.path), prefix="inspect_ckpt")
 
 
 def inspect(path: Path) -> None:
     """Print the listing (for a run or checkpoints directory), then the checkpoint itself."""
-    listing, step_dir = resolve(path)
+    listing, step_dir = locate(path)
     if listing is not None:
         print_listing(listing)
     print_checkpoint(step_dir)

@@ -1,0 +1,207 @@
+"""Model weights in checkpoints, outside the training loop: found from any path a user gives, read one
+layer at a time, and written one layer at a time for imported models.
+
+A training checkpoint stores each weight stacked over layers, in the pipeline's storage order
+(meta "layer_order"). A stacked weight of a large model does not fit a host (one 70B MLP matrix
+in float32 is 75 GB), so weights are read here straight from the checkpoint's arrays with
+TensorStore, one layer's slice at a time. An imported checkpoint (`tools/convert_hf.py import`)
+is written with Orbax's partial saves one layer at a time, so it stores each layer separately
+(meta "layout": "layers"); restoring it stacks the layers on the devices, one weight at a time
+(`restore_layers`).
+
+jax, Orbax and TensorStore are imported inside the functions that read arrays, so that finding a
+checkpoint answers at once, without their start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxtron import config as config_lib
+from jaxtron.config import ConfigError
+
+LAYERED = "layers"  # meta["layout"] of a checkpoint that stores each layer separately
+Getter = Callable[[tuple[str, ...], "int | None"], np.ndarray]  # (param path, layer) -> array
+
+
+def is_complete(step_dir: Path) -> bool:
+    """A finalized checkpoint: a step-named directory whose state and meta items were written.
+    Orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames, so unfinished ones never match."""
+    return (step_dir.name.isdigit() and (step_dir / "state" / "_METADATA").is_file()
+            and (step_dir / "meta" / "metadata").is_file())
+
+
+def complete_steps(checkpoints_dir: Path) -> list[Path]:
+    """The complete checkpoints under `checkpoints_dir`, oldest first."""
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def locate(path: str | Path) -> tuple[Path | None, Path]:
+    """(the checkpoints directory `path` names, None for a single checkpoint; the checkpoint it
+    means: itself, or the newest complete one of a checkpoints or run directory)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory")
+    if path.name.isdigit() and (path / "state").is_dir():
+        if not is_complete(path):
+            raise ConfigError(f"{path}: an incomplete checkpoint (state/_METADATA or "
+                              "meta/metadata is missing)")
+        return None, path.absolute()
+    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = complete_steps(checkpoints_dir) if checkpoints_dir.is_dir() else []
+    if not steps:
+        raise ConfigError(f"{path}: not a checkpoint (.../checkpoints/<step>), nor a run, import "
+                          "or checkpoints directory holding a complete one")
+    return checkpoints_dir.absolute(), steps[-1].absolute()
+
+
+def read_meta(step_dir: Path) -> dict:
+    """The `meta` item: step, tokens_seen, config (YAML text), layer_order, and more."""
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{step_dir}: unreadable meta item ({e})") from None
+
+
+def config_of(meta: dict) -> config_lib.Config:
+    """The run config a checkpoint was saved with (its meta's YAML, read through the schema)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(meta["config"])
+        f.flush()
+        return config_lib.load([f.name])
+
+
+def _open_leaf(step_dir: Path) -> Callable[[tuple[str, ...]], Any]:
+    """A function opening one array of the `state` item (by its key path) with TensorStore."""
+    import tensorstore as ts
+
+    state = step_dir / "state"
+    flags = json.loads((state / "_METADATA").read_text())
+    driver = "zarr3" if flags.get("use_zarr3") else "zarr"
+
+    def open_leaf(keys: tuple[str, ...]) -> Any:
+        name = ".".join(keys)
+        store = ({"driver": "ocdbt", "base": f"file://{state}", "path": name}
+                 if flags.get("use_ocdbt", True) else {"driver": "file", "path": str(state / name)})
+        try:
+            return ts.open({"driver": driver, "kvstore": store}, open=True).result()
+        except ValueError:
+            raise ConfigError(f"{step_dir} has no array {name}") from None
+
+    return open_leaf
+
+
+def reader(path: str | Path) -> tuple[config_lib.Config, dict, Getter]:
+    """(run config, meta, get) for the checkpoint `path` names; get(param path, model layer)
+    reads one weight, or one layer of a stacked one (None for the unstacked weights)."""
+    _, step_dir = locate(path)
+    meta = read_meta(step_dir)
+    cfg, open_leaf = config_of(meta), _open_leaf(step_dir)
+    order = list(meta.get("layer_order", range(cfg.model.num_layers)))
+
+    def get(param_path: tuple[str, ...], layer: int | None) -> np.ndarray:
+        if layer is None:
+            return np.asarray(open_leaf(("params", *param_path)).read().result())
+        if meta.get("layout") == LAYERED:
+            return np.asarray(open_leaf(("params", "layer", str(layer), *param_path[1:]))
+                              .read().result())
+        stored = open_leaf(("params", *param_path))
+        return np.asarray(stored[order.index(layer)].read().result())
+
+    return cfg, meta, get
+
+
+def read_params(path: str | Path) -> tuple[config_lib.Config, dict]:
+    """(run config, params as our pure nested dict of numpy arrays, layers in model order) of
+    the checkpoint `path` names: the whole model in host memory, for small models and tools."""
+    import jax
+    from flax import nnx
+
+    from jaxtron.model import abstract_model
+
+    cfg, _, get = reader(path)
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model)))
+
+    def read(keys, leaf) -> np.ndarray:
+        path = tuple(k.key for k in keys)
+        if path[0] != "layers":
+            return get(path, None)
+        return np.stack([get(path, i) for i in range(leaf.shape[0])])
+
+    return cfg, jax.tree_util.tree_map_with_path(read, abstract)
+
+
+def write_layers(step_dir: Path, top: dict, layers: Iterable[dict], meta: dict) -> None:
+    """Write a checkpoint holding `top` (params outside the layers, nested) and each of
+    `layers` (one nested dict per layer, in model order) with one Orbax partial save per layer,
+    so that only one layer is in memory; the meta item last, which completes it."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import v1
+
+    if step_dir.exists():
+        raise ConfigError(f"{step_dir} already exists; choose a new output directory")
+    step_dir.parent.mkdir(parents=True, exist_ok=True)
+    v1.partial.save(step_dir, {"params": top})
+    for i, layer in enumerate(layers):
+        v1.partial.save(step_dir, {"params": {"layer": {str(i): layer}}})
+    v1.partial.finalize(step_dir)
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(step_dir / "meta",
+                                                       {**meta, "layout": LAYERED})
+
+
+def restore_layers(step_dir: Path, abstract_params: dict, shardings: dict) -> dict:
+    """The params of a checkpoint written by write_layers, stacked in model order straight into
+    `shardings`: one weight at a time (its layers read sharded like one slice of the stack,
+    then stacked on the devices), so at most one weight is held twice."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    handler = ocp.PyTreeCheckpointHandler()
+    flat_abs = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    flat_sh = jax.tree.leaves(shardings)
+
+    def restore(target: dict) -> dict:
+        args = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)
+        return ocp.Checkpointer(handler).restore(step_dir / "state", args=args)
+
+    out = []
+    for (keys, leaf), sharding in zip(flat_abs, flat_sh):
+        path = tuple(k.key for k in keys)
+        if path[0] != "layers":
+            sds = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            out.append(_at(restore({"params": _nest_one(path, sds)})["params"], path))
+            continue
+        one = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+        sds = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=one)
+        target = {"params": {"layer": {str(i): _nest_one(path[1:], sds)
+                                       for i in range(leaf.shape[0])}}}
+        layers = restore(target)["params"]["layer"]
+        parts = [_at(layers[str(i)], path[1:]) for i in range(leaf.shape[0])]
+        out.append(jax.jit(jnp.stack, out_shardings=sharding)(parts))
+        for part in parts:
+            part.delete()
+    return jax.tree.unflatten(jax.tree.structure(abstract_params), out)
+
+
+def _nest_one(path: tuple[str, ...], value: Any) -> dict:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree

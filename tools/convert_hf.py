@@ -1,0 +1,159 @@
+"""Hugging Face model directories to jaxtron checkpoints and back, one tensor at a time.
+
+    python tools/convert_hf.py import ~/Llama-3.2-1B imports/llama3_1b
+    python launch.py --config imports/llama3_1b/config.yaml          # fine-tune it, on any mesh
+    python tools/convert_hf.py export runs/llama3_1b hf/llama3_1b    # the newest checkpoint of a run
+
+`import` reads `config.json` and the safetensors weights (sharded with an index or not; pickled
+`.bin`/`.pt` only with --allow-pickle, which needs PyTorch) and writes OUT_DIR/checkpoints/0 (the
+weights, one layer per Orbax partial save), OUT_DIR/config.yaml (a preset that fine-tunes them:
+the model section read from config.json, the tokenizer copied beside it, checkpoint.restore and
+weights_only set) and the tokenizer files. `export` takes a checkpoint saved on any mesh or
+pipeline layout (a step directory, or the newest of a run or import directory) and writes
+config.json (with `architectures`), safetensors shards with an index, and the run's tokenizer files.
+Host memory stays near one layer plus the largest tensor either way. Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from jaxtron import hf, hf_mapping, weights
+from jaxtron.cli import one_line_errors
+from jaxtron.config import ConfigError, ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+CONTEXT = 2048  # the preset's train.seq_len, or the model's own context when shorter
+
+
+def _fresh_dir(path: Path) -> None:
+    """Refuse to write into a directory that already holds something (nothing is overwritten)."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(f"{path} already exists and is not empty; choose a new output directory")
+
+
+def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
+            context: int, compute_dtype: str) -> dict:
+    """The config preset that fine-tunes an imported model."""
+    model = {f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__
+             if f not in ("scan_layers", "remat", "attention", "attention_check",
+                          "collective_matmul", "init_std")}
+    preset = {
+        "model": {**model, "dtype": compute_dtype},
+        "train": {"seq_len": min(context, CONTEXT)},
+        "checkpoint": {"restore": str(out.absolute()), "weights_only": True},
+        "run": {"dir": f"runs/{out.name}"},
+    }
+    if tokenizer:
+        preset["data"] = {"tokenizer": str((out / tokenizer).absolute())}
+    return preset
+
+
+def _tokenizer_name(copied: list[str]) -> str | None:
+    """The file data.tokenizer should name among the copied ones (tokenizer.json first)."""
+    return next((n for n in ("tokenizer.json", "tokenizer.model") if n in copied), None)
+
+
+def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
+                 allow_pickle: bool) -> None:
+    """HF directory -> OUT_DIR/{checkpoints/0, config.yaml, tokenizer files}."""
+    cfg = hf.read_config(source, dtype)
+    get = hf.check_tensors(source, cfg, allow_pickle)
+    config_json = hf.read_hf_config(source)
+    _fresh_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        copied = hf.copy_tokenizer(source, out)
+        preset = _preset(cfg, out, _tokenizer_name(copied),
+                         int(config_json.get("max_position_embeddings", CONTEXT)), compute_dtype)
+        text = (f"# {config_json['model_type']} weights imported from {source.absolute()}\n"
+                f"# by tools/convert_hf.py; fine-tune: python launch.py --config {out}/config.yaml\n"
+                + yaml.safe_dump(preset, sort_keys=False))
+        (out / "config.yaml").write_text(text)
+        run_cfg = weights.config_of({"config": text})  # the preset loads through the schema
+        meta = {"step": 0, "tokens_seen": 0, "config": text, "source": str(source.absolute()),
+                "hf_model_type": config_json["model_type"],
+                "layer_order": list(range(cfg.num_layers))}
+        layers = (hf_mapping.nest({path[1:]: value for path, value  # path[0] is "layers"
+                                   in hf_mapping.layer_params(get, cfg, i).items()})
+                  for i in range(cfg.num_layers))
+        weights.write_layers(out / "checkpoints" / "0",
+                             hf_mapping.nest(hf_mapping.top_params(get, cfg)), layers, meta)
+    except (ValueError, KeyError) as err:
+        shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left to be mistaken
+        raise ConfigError(f"{source}: {err}") from None
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    print(f"imported {cfg.num_layers} layers of {source} into {out}/checkpoints/0 "
+          f"({run_cfg.model.param_dtype}); tokenizer: {', '.join(copied) or 'none found'}")
+    print(f"fine-tune: python launch.py --config {out}/config.yaml")
+
+
+def _run_tokenizer(cfg, step_dir: Path) -> Path | None:
+    """Where the run's tokenizer is: data.tokenizer, or the prepared datasets' own."""
+    if cfg.data.tokenizer:
+        return Path(cfg.data.tokenizer).expanduser()
+    if cfg.data.source == "arrayrecord" and cfg.data.mixture:
+        from jaxtron import prepared
+
+        path = cfg.data.mixture[0].path
+        return prepared.tokenizer_file(path, prepared.read_manifest(path))
+    return None
+
+
+def export_model(source: Path, out: Path, model_type: str | None, dtype: str | None,
+                 tokenizer: Path | None) -> None:
+    """A checkpoint (any mesh, any pipeline layout) -> HF directory."""
+    cfg, meta, get = weights.reader(source)
+    _, step_dir = weights.locate(source)
+    kind = model_type or meta.get("hf_model_type") or ("qwen2" if cfg.model.qkv_bias else "llama")
+    _fresh_dir(out)
+    try:
+        hf.write_pretrained(cfg.model, get, out, kind, dtype)
+        found = tokenizer or _run_tokenizer(cfg, step_dir)
+        copied = hf.copy_tokenizer(found, out) if found and found.exists() else []
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    note = (f"tokenizer: {', '.join(copied)}" if copied else
+            "no tokenizer file (the run trained its own on the default corpus; pass --tokenizer)")
+    print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory -> jaxtron checkpoint and preset")
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("out_dir", type=Path)
+    imp.add_argument("--dtype", choices=DTYPES, default="float32",
+                     help="stored weights (model.param_dtype); default float32 master weights")
+    imp.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16",
+                     help="the preset's model.dtype")
+    imp.add_argument("--allow-pickle", action="store_true",
+                     help="read .bin/.pt weights (they run code when loaded: trusted sources only)")
+    exp = sub.add_parser("export", help="jaxtron checkpoint -> Hugging Face directory")
+    exp.add_argument("ckpt_dir", type=Path, help="a checkpoint, or a run or import directory")
+    exp.add_argument("hf_dir", type=Path)
+    exp.add_argument("--model-type", choices=sorted(hf.ARCHITECTURES),
+                     help="default: the imported model's, else qwen2 with QKV biases, else llama")
+    exp.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's param dtype")
+    exp.add_argument("--tokenizer", type=Path, help="tokenizer file or directory to include")
+    args = parser.parse_args(argv)
+    if args.command == "import":
+        run = lambda: import_model(args.hf_dir, args.out_dir, args.dtype, args.compute_dtype,
+                                   args.allow_pickle)
+    else:
+        run = lambda: export_model(args.ckpt_dir, args.hf_dir, args.model_type, args.dtype,
+                                   args.tokenizer)
+    return one_line_errors(run, prefix=f"convert_hf {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
