@@ -1,0 +1,228 @@
+"""tools/convert_hf.py on real directories: Hugging Face -> jaxtron -> Hugging Face is exact for every
+family and dtype; a pipeline-trained run exports to transformers with matching logits and imports
+back to fine-tune on another mesh; pickles, missing, extra and misshapen tensors are refused."""
+
+import dataclasses
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from test_hf_parity import CASES, TOL, _case, _hf, _inputs
+from transformers import AutoModelForCausalLM
+
+import launch
+from jaxtron import checkpoint, hf, parallel, tensorfile, weights
+from jaxtron import state as state_lib
+from jaxtron.config import ConfigError, MeshConfig, PipelineConfig
+from jaxtron.optim import make_optimizer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import convert_hf
+
+RUN = ["train.seq_len=64", "train.batch_size=8", "train.eval_every=0", "run.tensorboard=false",
+       "run.progress=lines"]
+
+
+def _convert(*args) -> int:
+    try:
+        return convert_hf.main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+
+
+def _save(name: str, path: Path, dtype=torch.float32, **kwargs) -> torch.nn.Module:
+    """The tiny random model of CASES[name], saved by transformers (sharded by default)."""
+    model = _case(name)[0]
+    copy = AutoModelForCausalLM.from_config(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    copy.to(dtype).save_pretrained(path, **{"max_shard_size": "100KB", **kwargs})
+    return copy
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    left, right = hf.read_tensors(a), hf.read_tensors(b)
+    left.pop("lm_head.weight", None) if "lm_head.weight" not in right else None
+    assert sorted(left) == sorted(right)
+    for name in left:
+        assert left[name].dtype == right[name].dtype, name
+        np.testing.assert_array_equal(left[name], right[name], err_msg=name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_import_then_export_gives_the_same_tensors_and_logits(tmp_path, name):
+    """float32, sharded with an index: the exported directory has the original's exact tensors,
+    loads in transformers with nothing missing or unexpected, and gives the original's logits."""
+    original = _save(name, tmp_path / "hf")
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    assert (tmp_path / "imp" / "config.yaml").is_file()
+    assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "out")
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(back).__name__ == type(original).__name__
+    tokens, positions, _ = _inputs(CASES[name][2])
+    assert np.abs(_hf(back.eval(), tokens, positions) - _hf(original, tokens, positions)).max() < TOL
+
+
+def test_bfloat16_weights_go_through_bit_exact(tmp_path):
+    """Published checkpoints are bfloat16 (no numpy type): read and written without a float32
+    detour, bit for bit, in one unsharded file."""
+    _save("qwen2", tmp_path / "hf", torch.bfloat16, max_shard_size="1GB")
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp", "--dtype", "bfloat16") == 0
+    assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
+    assert not (tmp_path / "out" / hf.INDEX).exists()
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "out")
+    assert hf.read_tensors(tmp_path / "out")["model.norm.weight"].dtype == ml_dtypes.bfloat16
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_tensorfile_reads_what_safetensors_writes_and_back(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ref = {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+           "c": torch.randn(2, 2, 2)}
+    save_file(ref, tmp_path / "ref.safetensors")
+    entries, start = tensorfile.header(tmp_path / "ref.safetensors")
+    ours = {k: tensorfile.read(tmp_path / "ref.safetensors", k, entries, start) for k in ref}
+    np.testing.assert_array_equal(ours["a"].view(np.int16), ref["a"].view(torch.int16).numpy())
+    specs = {k: (v.shape, v.dtype) for k, v in ours.items()}
+    tensorfile.write(tmp_path / "ours.safetensors", list(ref), specs, ours.__getitem__)
+    back = load_file(tmp_path / "ours.safetensors")
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory):
+    """Two steps of a 4-layer model on a circular pipeline: its checkpoint stores the layers in
+    the order 0, 2, 1, 3."""
+    run_dir = tmp_path_factory.mktemp("pipe") / "run"
+    rc = launch.main([*RUN, "model.num_layers=4", "mesh.stage=2", "mesh.fsdp=4", "train.steps=2",
+                      "pipeline.schedule=circular", "pipeline.repeats=2", "train.microbatches=2",
+                      f"run.dir={run_dir}"])
+    assert rc == 0
+    return run_dir
+
+
+def test_read_params_puts_layers_in_the_order_the_trainer_restores_them(pipeline_run):
+    """weights.read_params (one layer at a time, TensorStore) against the trainer's own restore
+    and layer permutation onto a mesh without stages."""
+    cfg, params = weights.read_params(pipeline_run)
+    assert weights.read_meta(weights.locate(pipeline_run)[1])["layer_order"] == [0, 2, 1, 3]
+    one = dataclasses.replace(cfg, mesh=MeshConfig(fsdp=1), pipeline=PipelineConfig(),
+                              train=dataclasses.replace(cfg.train, microbatches=1))
+    tx = make_optimizer(one.optim, one.train.steps)
+    plan = state_lib.make_plan(one, tx, 1)  # one device, one stage: layers in model order
+    mesh = parallel.make_mesh(one.mesh, jax.devices()[:1])
+    shardings = parallel.named(plan.specs, mesh)
+    restored, meta = checkpoint.restore_from(str(pipeline_run), plan.abstract, shardings, None,
+                                             weights_only=True)
+    restored = state_lib.in_layer_order(restored, meta, plan, tx, shardings, print)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(restored["params"])):
+        np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_a_pipeline_run_exports_to_transformers_and_fine_tunes_back_on_another_mesh(
+        pipeline_run, tmp_path):
+    cfg, params = weights.read_params(pipeline_run)
+    assert _convert("export", pipeline_run, tmp_path / "hf") == 0
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 32))
+    theirs = _hf(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
+    assert np.abs(hf.logits(cfg.model, params, tokens) - theirs).max() < TOL
+
+    imp, tuned = tmp_path / "imp", tmp_path / "tuned"
+    assert _convert("import", tmp_path / "hf", imp, "--compute-dtype", "float32") == 0
+    # lr 0 for one step: the fine-tuning run starts from exactly the exported weights ...
+    args = ["--config", str(imp / "config.yaml"), *RUN, "mesh.tensor=2", "mesh.fsdp=2",
+            "mesh.data=2", "optim.lr=0"]
+    assert launch.main([*args, "train.steps=1", f"run.dir={tuned}"]) == 0
+    _, start = weights.read_params(tuned)
+    for got, want in zip(jax.tree.leaves(start), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(got, want)
+    # ... and with a learning rate it trains: the loss falls over a few steps.
+    assert launch.main([*args[:-1], "train.steps=6", "train.log_every=1", "optim.lr=3e-3",
+                        "optim.warmup_steps=1", f"run.dir={tmp_path / 'tuned2'}"]) == 0
+    rows = [json.loads(r) for r in (tmp_path / "tuned2" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, rows
+
+
+def test_an_import_restores_only_as_weights(tmp_path):
+    _save("llama2", tmp_path / "hf")
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    with pytest.raises(ConfigError, match="holds imported weights only .*add checkpoint.weights_only=true$"):
+        checkpoint.restore_from(str(tmp_path / "imp"), {}, {}, None, weights_only=False)
+
+
+def _one_line(capsys, status: int, *args) -> str:
+    capsys.readouterr()  # what came before (transformers' progress bars) is not the tool's
+    rc = _convert(*args)
+    err = capsys.readouterr().err
+    assert rc == status and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_pickled_weights_need_allow_pickle(tmp_path, capsys):
+    model = _case("llama3")[0]
+    model.config.save_pretrained(tmp_path / "hf")
+    torch.save(model.state_dict(), tmp_path / "hf" / "pytorch_model.bin")  # the older layout
+    err = _one_line(capsys, 2, "import", tmp_path / "hf", tmp_path / "imp")
+    assert "pytorch_model.bin" in err and "--allow-pickle" in err
+    assert not (tmp_path / "imp").exists()
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp", "--allow-pickle") == 0
+    _save("llama3", tmp_path / "safe")
+    assert _convert("import", tmp_path / "safe", tmp_path / "imp2") == 0
+    a, b = weights.read_params(tmp_path / "imp")[1], weights.read_params(tmp_path / "imp2")[1]
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _edit_tensors(src: Path, dst: Path, edit) -> None:
+    """A copy of the HF directory `src` whose tensors are `edit(dict)`, in one file."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", hf.INDEX))
+    tensors = edit(hf.read_tensors(src))
+    specs = {k: (v.shape, v.dtype) for k, v in tensors.items()}
+    tensorfile.write(dst / "model.safetensors", list(tensors), specs, tensors.__getitem__)
+
+
+@pytest.mark.parametrize("defect,message", [
+    ("missing", "lacks 1 tensors the config needs: model.layers.1.mlp.up_proj.weight"),
+    ("extra", "no place in the model .*: model.layers.0.mlp.extra.weight"),
+    ("shape", "model.layers.0.mlp.up_proj.weight gives layers/mlp/w_up shape"),
+    ("architecture", "model_type 'gpt2' is not supported"),
+    ("not_empty", "already exists and is not empty"),
+])
+def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, message):
+    _save("llama2", tmp_path / "hf")
+    bad, out = tmp_path / "bad", tmp_path / "imp"
+    if defect == "missing":
+        _edit_tensors(tmp_path / "hf", bad, lambda t: {k: v for k, v in t.items()
+                                                       if k != "model.layers.1.mlp.up_proj.weight"})
+    elif defect == "extra":
+        _edit_tensors(tmp_path / "hf", bad, lambda t: {**t, "model.layers.0.mlp.extra.weight":
+                                                       np.zeros(3, np.float32)})
+    elif defect == "shape":
+        _edit_tensors(tmp_path / "hf", bad, lambda t: {**t, "model.layers.0.mlp.up_proj.weight":
+                                                       np.zeros((64, 64), np.float32)})
+    else:
+        shutil.copytree(tmp_path / "hf", bad)
+    if defect == "architecture":
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    if defect == "not_empty":
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+    err = _one_line(capsys, 2, "import", bad, out)
+    assert re.search(message, err), err
+    if defect == "not_empty":
+        assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    else:
+        assert not out.exists()
