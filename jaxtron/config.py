@@ -81,7 +81,7 @@ class DatasetEntry:
 class DataConfig:
     source: str = "stdlib"  # "stdlib": the Python standard library's sources; "arrayrecord": mixture
     mixture: list[DatasetEntry] = field(default_factory=list)  # source=arrayrecord: the datasets
-    tokenizer: str = ""  # SentencePiece .model path; "" trains (once, cached) one on the corpus
+    tokenizer: str = ""  # .model, HF tokenizer.json, or a dir with one; "" trains a .model, cached
     cache_dir: str = ""  # "" -> $JAXTRON_CACHE or ~/.cache/jaxtron
     workers: int = 0  # Grain worker processes that prepare batches ahead; 0: in the main process
 

@@ -13,9 +13,9 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
-import sentencepiece as spm
 
 from jaxtron.config import SOURCES, ConfigError, DataConfig
 
@@ -129,23 +129,31 @@ class TokenCorpus(Sequence):
         return TokenCorpus(tokens, np.concatenate([[0], np.cumsum(lengths)]))
 
 
-def encode_corpus(sp: spm.SentencePieceProcessor, texts: Sequence[str]) -> TokenCorpus:
-    """Tokenize documents with SentencePiece's multithreaded batch encoder."""
-    ids = sp.encode(list(texts), num_threads=os.cpu_count() or 1)
+class Encoder(Protocol):
+    """What the corpus needs of a tokenizer (jaxtron.tokenizer.Tokenizer, which imports this
+    module and so is not named here)."""
+
+    sha256: str  # of the file the ids depend on: the token cache's key
+
+    def encode_batch(self, texts: Sequence[str], threads: int = 0) -> list[list[int]]: ...
+
+
+def encode_corpus(tok: Encoder, texts: Sequence[str]) -> TokenCorpus:
+    """Tokenize documents with the tokenizer's multithreaded batch encoder."""
+    ids = tok.encode_batch(texts)
     lengths = np.fromiter((len(doc) for doc in ids), np.int64, len(ids))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = np.fromiter((t for doc in ids for t in doc), np.int32, int(offsets[-1]))
     return TokenCorpus(tokens, offsets)
 
 
-def load_corpus(data: DataConfig, sp: spm.SentencePieceProcessor) -> TokenCorpus:
-    """The whole default corpus tokenized by `sp`: encoded once, cached under tokenizer + files."""
+def load_corpus(data: DataConfig, tok: Encoder) -> TokenCorpus:
+    """The whole default corpus tokenized by `tok`: encoded once, cached under tokenizer + files."""
     files = source_files(data)
-    model = sp.serialized_model_proto()
-    key = hashlib.sha256(model + files_digest(files).encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{tok.sha256}\0{files_digest(files)}".encode()).hexdigest()[:16]
     path = cache_dir(data) / f"tokens-{data.source}-{key}.npz"
     if not path.is_file():
-        corpus = encode_corpus(sp, read_texts(files))
+        corpus = encode_corpus(tok, read_texts(files))
         buffer = io.BytesIO()
         np.savez(buffer, tokens=corpus.tokens, offsets=corpus.offsets)
         write_atomic(path, buffer.getvalue())

@@ -147,17 +147,17 @@ class Stream:
 
 def _stdlib_stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
     """Stdlib chunks: train files shuffled and repeated (seed), or the val files in order."""
-    sp = load_tokenizer(data, vocab_size)
-    if sp.get_piece_size() > vocab_size:
+    tok = load_tokenizer(data, vocab_size)
+    if tok.get_piece_size() > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
-                          f"{sp.get_piece_size()} pieces; raise it")
+                          f"{tok.get_piece_size()} pieces; raise it")
     train_ids, val_ids = corpus_lib.stdlib_split(corpus_lib.source_files(data))
-    docs = corpus_lib.load_corpus(data, sp).subset(train_ids if seed is not None else val_ids)
-    chunks = chunk_dataset(docs, seq_len, sp.bos_id(), sp.eos_id())
+    docs = corpus_lib.load_corpus(data, tok).subset(train_ids if seed is not None else val_ids)
+    chunks = chunk_dataset(docs, seq_len, tok.bos_id(), tok.eos_id())
     if seed is None and not len(chunks):
         raise ConfigError("no stdlib file is held out for eval; set train.eval_every=0")
     items = chunks.repeat(None) if seed is None else shuffle_and_shard(chunks, seed)
-    return Stream(items, None, sp.bos_id())
+    return Stream(items, None, tok.bos_id())
 
 
 def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
@@ -310,9 +310,10 @@ def corpus_summary(data: DataConfig, vocab_size: int) -> str:
     """One log line: documents, tokens and the unigram entropy a context-free model would score."""
     if data.source == "arrayrecord":
         return mixture_summary(data)
-    sp = load_tokenizer(data, vocab_size)
-    corpus = corpus_lib.load_corpus(data, sp)
+    tok = load_tokenizer(data, vocab_size)
+    corpus = corpus_lib.load_corpus(data, tok)
     held_out = len(corpus_lib.stdlib_split(corpus_lib.source_files(data))[1])
     return (f"corpus: {len(corpus):,} documents ({held_out} held out for eval), "
             f"{len(corpus.tokens):,} tokens, unigram entropy "
-            f"{corpus_lib.unigram_entropy(corpus, sp.eos_id()):.3f} nats (a context-free model's loss)")
+            f"{corpus_lib.unigram_entropy(corpus, tok.eos_id()):.3f} nats "
+            "(a context-free model's loss)")

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import grain
 import numpy as np
-import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxtron.config import SOURCES, ConfigError, DataConfig
 from jaxtron.corpus import is_held_out
-from jaxtron.tokenizer import load_tokenizer
+from jaxtron.tokenizer import SP_FILE, Tokenizer, from_path, load_tokenizer
 
 MANIFEST_FORMAT = "jaxtron.tokens.v1"
 TOKEN_DTYPES = ("uint16", "int32")
@@ -55,8 +54,14 @@ def read_manifest(path: str) -> dict:
 
 
 def tokenizer_file(path: str, manifest: dict) -> Path:
-    """The copy of the SentencePiece model a dataset was tokenized with."""
-    return Path(path).expanduser() / manifest["tokenizer"].get("file", "tokenizer.model")
+    """The copy of the tokenizer a dataset was tokenized with: its tokenizer.model or
+    tokenizer.json (manifests without a `file` are SentencePiece's)."""
+    return Path(path).expanduser() / manifest["tokenizer"].get("file", SP_FILE)
+
+
+def _identity(tok: dict) -> tuple[str, int, int]:
+    """What two datasets' tokenizers must share: the ids (sha256 of the file) and bos and eos."""
+    return tok["sha256"], tok["bos_id"], tok["eos_id"]
 
 
 def _sha256(path: Path) -> str:
@@ -73,9 +78,10 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
     manifests = [read_manifest(entry.path) for entry in data.mixture]
     first, tok = data.mixture[0].path, manifests[0]["tokenizer"]
     for entry, manifest in zip(data.mixture, manifests):
-        if manifest["tokenizer"]["sha256"] != tok["sha256"]:
+        if _identity(manifest["tokenizer"]) != _identity(tok):
             raise ConfigError(f"data.mixture path {entry.path} was tokenized with another "
-                              f"tokenizer than {first}; all datasets of a mixture must share one")
+                              f"tokenizer than {first} (sha256, bos_id, eos_id); all datasets of "
+                              "a mixture must share one")
         if not manifest["splits"]["train"]["shards"]:
             raise ConfigError(f"data.mixture path {entry.path}: the train split has no shards")
     model = tokenizer_file(first, manifests[0])
@@ -83,10 +89,11 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
         raise ConfigError(f"data.mixture path {first}: {model.name} is missing or does not match "
                           "the manifest's sha256; prepare the dataset again")
     if data.tokenizer:
-        mine = Path(data.tokenizer).expanduser()
-        if not mine.is_file() or _sha256(mine) != tok["sha256"]:
+        mine = load_tokenizer(data, vocab_size)
+        if (mine.sha256, mine.bos_id(), mine.eos_id()) != _identity(tok):
             raise ConfigError(f"data.tokenizer={data.tokenizer} is not the datasets' tokenizer "
-                              f"({model}); set data.tokenizer='' or to that file")
+                              f"({model}, with its bos and eos); set data.tokenizer='' or to that "
+                              "file")
     if tok["vocab_size"] > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the datasets' "
                           f"tokenizer ({tok['vocab_size']} pieces); raise it")
@@ -107,13 +114,13 @@ def check_dataset(data: DataConfig, vocab_size: int) -> None:
         _check_mixture(data, vocab_size)
 
 
-def dataset_tokenizer(data: DataConfig, vocab_size: int) -> spm.SentencePieceProcessor:
+def dataset_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
     """The tokenizer the batches are made with: the datasets' own when source=arrayrecord."""
     if data.source != "arrayrecord":
         return load_tokenizer(data, vocab_size)
     check_dataset(data, vocab_size)
     path = data.mixture[0].path
-    return spm.SentencePieceProcessor(model_file=str(tokenizer_file(path, read_manifest(path))))
+    return from_path(tokenizer_file(path, read_manifest(path)))
 
 
 def decode_tokens(record: bytes, dtype: str) -> np.ndarray:
@@ -181,7 +188,7 @@ class SplitShards:
         return {"shards": self.shards, "documents": self.documents, "tokens": self.tokens}
 
 
-def build_manifest(records: list[dict], sp: spm.SentencePieceProcessor, run: dict) -> dict:
+def build_manifest(records: list[dict], tok: Tokenizer, run: dict) -> dict:
     """manifest.json of docs/data_format.md, from the units' completion records in order."""
     splits = {name: {"shards": [], "documents": 0, "tokens": 0} for name in SPLITS}
     for record in records:
@@ -190,8 +197,8 @@ def build_manifest(records: list[dict], sp: spm.SentencePieceProcessor, run: dic
                 split[key] += record["splits"][name][key]
     files = [f for record in records for f in record["files"]]
     examples = [entry for record in records for entry in record["bad_examples"]]
-    tokenizer = {"file": "tokenizer.model", "sha256": run["tokenizer_sha256"],
-                 "vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id()}
+    tokenizer = {"file": tok.file, "sha256": run["tokenizer_sha256"],
+                 "vocab_size": tok.get_piece_size(), "bos_id": tok.bos_id(), "eos_id": tok.eos_id()}
     return {"format": MANIFEST_FORMAT, "tokenizer": tokenizer, "dtype": run["dtype"],
             "val_fraction": run["val_fraction"], "splits": splits,
             "sources": [{k: f[k] for k in ("path", "documents", "tokens", "bad")} for f in files],

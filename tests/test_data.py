@@ -58,9 +58,9 @@ def test_stdlib_files_are_the_library_without_tests():
 def test_tokenizer_round_trips_the_whole_corpus_exactly(cfg, sp, corpus):
     texts = corpus_lib.read_texts(corpus_lib.stdlib_files())
     assert len(texts) == len(corpus)
-    decoded = sp.decode([doc.tolist() for doc in corpus])
+    decoded = [sp.decode(doc) for doc in corpus]
     assert sum(d != t for d, t in zip(decoded, texts)) == 0
-    assert (corpus.tokens != sp.unk_id()).all()  # byte fallback: nothing is UNK
+    assert sp.piece_to_id("<unk>") == 0 and (corpus.tokens != 0).all()  # byte fallback: no UNK
     assert (sp.bos_id(), sp.eos_id(), sp.get_piece_size()) == (1, 2, VOCAB)
     assert sp.encode("\n") == [sp.piece_to_id("\n")]
     assert sp.decode(sp.encode("if x:\n\tpass  # é ✓\r\n")) == "if x:\n\tpass  # é ✓\r\n"
@@ -361,6 +361,13 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
     data_lib.check_dataset(ok, VOCAB)
     data_lib.check_dataset(dataclasses.replace(ok, tokenizer=datasets["model"]), VOCAB)
     assert prepared.dataset_tokenizer(ok, VOCAB).get_piece_size() == VOCAB
+    old = tmp_path / "old"  # a manifest from before tokenizer.json: no "file", tokenizer.model
+    write_dataset(old, {"train": [np.arange(5)], "val": []}, Path(datasets["model"]))
+    meta = json.loads((old / "manifest.json").read_text())
+    del meta["tokenizer"]["file"]
+    (old / "manifest.json").write_text(json.dumps(meta))
+    old_data = mixture({"old": str(old)}, cfg.cache_dir, ("old", 1.0))
+    assert prepared.dataset_tokenizer(old_data, VOCAB).sha256 == meta["tokenizer"]["sha256"]
     bad_manifest = tmp_path / "bad"
     bad_manifest.mkdir()
     (bad_manifest / "manifest.json").write_text('{"format": "other"}')
@@ -385,7 +392,9 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
         (mixture({**datasets, "o": str(other)}, "", ("a", 1.0), ("o", 1.0)), VOCAB,
          f"^data.mixture path {other} was tokenized with another tokenizer than .*/a"),
         (dataclasses.replace(ok, tokenizer=str(stray)), VOCAB,
-         f"^data.tokenizer={stray} is not the datasets' tokenizer"),
+         f"^data.tokenizer={stray}: not a SentencePiece model$"),
+        (dataclasses.replace(ok, tokenizer=str(tmp_path / "none.json")), VOCAB,
+         f"^data.tokenizer={tmp_path / 'none.json'}: no such file or directory"),
         (ok, 1000, "^model.vocab_size=1000 is smaller than the datasets' tokenizer \\(8192"),
     ]
     for data, vocab, message in cases:

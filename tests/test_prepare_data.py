@@ -308,7 +308,7 @@ def test_strict_stops_on_bad_input(tmp_path, tokenizer, bad_inputs):
 
 @pytest.mark.parametrize("args, message", [
     (["nowhere/*.jsonl", "--tokenizer", "{tok}"], "no file matches"),
-    (["{corpus}", "--tokenizer", "missing.model"], "no such SentencePiece model file"),
+    (["{corpus}", "--tokenizer", "missing.model"], "--tokenizer missing.model: no such file"),
     (["{corpus}"], "one of the arguments --tokenizer --train-tokenizer is required"),
     (["{corpus}", "--tokenizer", "{tok}", "--val-fraction", "2"], "between 0 and 1"),
 ])

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import sentencepiece as spm
 from text_inputs import (Source, absolute, bad_entry, describe, file_size, find_sources,
                          read_documents, sample_lines)
 from tqdm import tqdm
@@ -38,7 +37,7 @@ from jaxtron.config import ConfigError
 from jaxtron.corpus import write_atomic
 from jaxtron.prepared import (MANIFEST_FORMAT, SHARD_NAME, SPLITS, VAL_RULE, SplitShards,
                               build_manifest, is_val)
-from jaxtron.tokenizer import train_tokenizer
+from jaxtron.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
 
 PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
 RUN_KEYS = ("format", "val_rule", "tokenizer_sha256", "dtype", "val_fraction", "text_field",
@@ -62,6 +61,7 @@ class Settings:
     dtype: str
     part_tokens: int
     strict: bool
+    tokenizer: str  # its file in `out`: tokenizer.model or tokenizer.json
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ class Worker:
     settings: Settings
     messages: mp.Queue  # progress and bad-input lines for the parent's bar
     stop: Any  # an mp.Event the parent sets under --strict: every unit ends at its next batch
-    sp: spm.SentencePieceProcessor  # loaded once per process, not once per unit
+    tok: Tokenizer  # loaded once per process, not once per unit
+    threads: int  # encoding threads of each unit
 
 
 # The pool's initializer runs in each worker process and leaves its Worker here for the tasks
@@ -106,19 +107,20 @@ class Worker:
 _worker: Worker | None = None
 
 
-def init_worker(settings: Settings, messages: mp.Queue, stop: Any) -> None:
+def init_worker(settings: Settings, messages: mp.Queue, stop: Any, threads: int) -> None:
     """Load the tokenizer once per worker process."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends the pool
-    sp = spm.SentencePieceProcessor(model_file=str(settings.out / "tokenizer.model"))
-    _worker = Worker(settings, messages, stop, sp)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # tokenizer.json's encoding threads
+    tok = from_path(settings.out / settings.tokenizer)
+    _worker = Worker(settings, messages, stop, tok, threads)
 
 
-def process_unit(unit: Unit, threads: int) -> dict:
+def process_unit(unit: Unit) -> dict:
     """Tokenize one unit into its shards, then write its completion record."""
     worker = _worker
     try:
-        record = UnitJob(worker, unit, threads).run()
+        record = UnitJob(worker, unit).run()
         write_atomic(worker.settings.out / PARTS / f"{unit.index:05d}.json",
                      json.dumps(record, indent=1).encode())
         return record
@@ -129,8 +131,8 @@ def process_unit(unit: Unit, threads: int) -> dict:
 class UnitJob:
     """Tokenizing one unit: its shards per split, each file's tally, the unit's bad input."""
 
-    def __init__(self, worker: Worker, unit: Unit, threads: int):
-        self.worker, self.unit, self.threads, self.settings = worker, unit, threads, worker.settings
+    def __init__(self, worker: Worker, unit: Unit):
+        self.worker, self.unit, self.settings = worker, unit, worker.settings
         self.dtype = np.dtype(self.settings.dtype).newbyteorder("<")
         self.splits = {s: SplitShards(self.settings.out, s, unit.index, self.settings.part_tokens)
                        for s in SPLITS}
@@ -176,7 +178,7 @@ class UnitJob:
 
     def encode(self, batch: list[tuple[int, int, dict, str]], nbytes: int) -> None:
         """Tokenize a batch of documents and write each to its split."""
-        ids = self.worker.sp.encode([text for *_, text in batch], num_threads=self.threads)
+        ids = self.worker.tok.encode_batch([text for *_, text in batch], self.worker.threads)
         documents = tokens = 0
         for (k, index, where, _), doc in zip(batch, ids):
             if not doc:  # possible with a tokenizer that normalizes whitespace away
@@ -204,31 +206,39 @@ def write_if_changed(path: Path, payload: bytes) -> None:
         write_atomic(path, payload)
 
 
-def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path) -> bytes:
-    """The --tokenizer file's bytes, or a model trained on a sample (reused from an earlier run)."""
+def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path) -> Tokenizer:
+    """The --tokenizer (either kind), or a SentencePiece model trained on a sample (reused from an
+    earlier run)."""
     if args.tokenizer:
-        path = Path(args.tokenizer).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"--tokenizer {args.tokenizer}: no such SentencePiece model file")
         try:
-            spm.SentencePieceProcessor(model_proto=path.read_bytes())
-        except RuntimeError:
-            raise ConfigError(f"--tokenizer {args.tokenizer}: not a SentencePiece model") from None
-        return path.read_bytes()
-    previous, cached = read_json(out / PARTS / "run.json") or {}, out / "tokenizer.model"
+            return from_path(args.tokenizer)
+        except ConfigError as e:  # its line starts with the path
+            raise ConfigError(f"--tokenizer {e}") from None
+    previous, cached = read_json(out / PARTS / "run.json") or {}, out / SP_FILE
     if (previous.get("trained_with") == args.trained_with and cached.is_file()
             and hashlib.sha256(cached.read_bytes()).hexdigest() == previous["tokenizer_sha256"]):
-        return cached.read_bytes()
+        return from_path(cached)
     lines = sample_lines(sources, args.text_field, args.sample_bytes)
     if not lines:
         raise ConfigError("--train-tokenizer: the inputs hold no text to train on")
     print(f"training a {args.train_tokenizer}-piece tokenizer on {len(lines):,} lines",
           file=sys.stderr)
     try:
-        return train_tokenizer(lines, args.train_tokenizer)
+        model = train_tokenizer(lines, args.train_tokenizer)
     except ConfigError as e:
         reason = str(e).split(": ", 1)[-1]
         raise ConfigError(f"--train-tokenizer {args.train_tokenizer}: {reason}") from None
+    return Tokenizer({SP_FILE: model}, "--train-tokenizer")
+
+
+def write_tokenizer(out: Path, tok: Tokenizer) -> None:
+    """Copy the tokenizer's files into `out`, removing another kind's left there by an earlier run
+    (a directory given as data.tokenizer would pick tokenizer.json over the manifest's file)."""
+    for name in FILE_NAMES:
+        if name in tok.files:
+            write_if_changed(out / name, tok.files[name])
+        else:
+            (out / name).unlink(missing_ok=True)
 
 
 def check_run(out: Path, run: dict) -> None:
@@ -288,8 +298,9 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
     messages, stop, strict_stop = context.Queue(), context.Event(), None
     threads = max(1, workers // len(todo))  # fewer units than workers: encode with more threads
     started, documents, tokens, done = time.monotonic(), 0, 0, 0
-    with context.Pool(min(workers, len(todo)), init_worker, (settings, messages, stop)) as pool:
-        results = {unit.index: pool.apply_async(process_unit, (unit, threads))
+    initargs = (settings, messages, stop, threads)
+    with context.Pool(min(workers, len(todo)), init_worker, initargs) as pool:
+        results = {unit.index: pool.apply_async(process_unit, (unit,))
                    for unit in sorted(todo, key=lambda unit: -unit.size)}  # biggest first
         while done < len(results):
             kind, *payload = messages.get()
@@ -328,14 +339,13 @@ def prepare(args: argparse.Namespace) -> int:
     """The whole tool: inputs -> tokenizer -> units -> shards per unit -> manifest."""
     out = absolute(Path(args.out).expanduser())
     sources = find_sources(args.inputs, out)
-    model = obtain_tokenizer(args, sources, out)
-    sp = spm.SentencePieceProcessor(model_proto=model)
-    run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
-           "dtype": "uint16" if sp.get_piece_size() <= 1 << 16 else "int32",
+    tok = obtain_tokenizer(args, sources, out)
+    run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "tokenizer_sha256": tok.sha256,
+           "dtype": "uint16" if tok.get_piece_size() <= 1 << 16 else "int32",
            "val_fraction": args.val_fraction, "text_field": args.text_field,
            "part_tokens": args.part_tokens, "trained_with": args.trained_with}
     check_run(out, run)
-    write_if_changed(out / "tokenizer.model", model)
+    write_tokenizer(out, tok)
     units = plan_units(sources, [file_size(s.path) for s in sources], args.part_tokens)
     records = load_records(out, units)
     bad = [entry for record in records.values() for entry in record["bad_examples"]]
@@ -344,14 +354,14 @@ def prepare(args: argparse.Namespace) -> int:
     remove_unlisted(out, records)
     todo = [unit for unit in units if unit.index not in records]
     settings = Settings(out, args.text_field, args.val_fraction, run["dtype"], args.part_tokens,
-                        args.strict)
+                        args.strict, tok.file)
     total, started = sum(unit.size for unit in units), time.monotonic()
     with tqdm(total=total, initial=total - sum(unit.size for unit in todo), unit="B",
               unit_scale=True, unit_divisor=1024, desc="tokenizing", file=sys.stderr,
               mininterval=0.5, dynamic_ncols=True) as bar:
         records.update(run_units(todo, settings, args.workers, bar))
     seconds, ordered = time.monotonic() - started, [records[unit.index] for unit in units]
-    manifest = build_manifest(ordered, sp, run)
+    manifest = build_manifest(ordered, tok, run)
     write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     new_tokens = sum(f["tokens"] for unit in todo for f in records[unit.index]["files"])
     print(summary(manifest, ordered, new_tokens, seconds), file=sys.stderr)
@@ -372,7 +382,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
     p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
     tok = p.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer", help="SentencePiece .model to tokenize with")
+    tok.add_argument("--tokenizer", help="SentencePiece .model, Hugging Face tokenizer.json, or a "
+                     "directory holding one, to tokenize with")
     tok.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
                      help="train a SentencePiece model of VOCAB pieces on a sample of the inputs")
     p.add_argument("--sample-bytes", type=int, default=50_000_000,
