@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,8 +44,6 @@ PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
 Getter = Callable[[str], np.ndarray]
 
 
@@ -243,16 +240,3 @@ def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
         return value if layer is None else value[layer]
 
     return write_pretrained(cfg, get, out_dir, model_type, dtype)
-
-
-def copy_tokenizer(source: str | Path, out_dir: str | Path) -> list[str]:
-    """Copy the tokenizer files of `source` (a directory, or one tokenizer file and the files
-    beside it) into `out_dir`; the names copied."""
-    source = Path(source).expanduser()
-    folder = source if source.is_dir() else source.parent
-    names = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
-    if source.is_file() and source.name not in names:
-        names.append(source.name)
-    for name in names:
-        shutil.copyfile(folder / name, Path(out_dir) / name)
-    return names

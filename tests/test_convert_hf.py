@@ -14,12 +14,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from test_hf_parity import CASES, TOL, _case, _hf, _inputs
+from test_hf_parity import CASES, LLAMA3_ROPE, TOL, _case, _hf, _inputs
+from test_tokenizer import LLAMA3, build_bpe, ids_of
 from transformers import AutoModelForCausalLM
 
 import launch
-from jaxtron import checkpoint, hf, parallel, tensorfile, weights
+from jaxtron import checkpoint, hf, parallel, prepared, tensorfile, weights
 from jaxtron import state as state_lib
+from jaxtron import tokenizer as tokenizer_lib
 from jaxtron.config import ConfigError, MeshConfig, PipelineConfig
 from jaxtron.optim import make_optimizer
 
@@ -139,6 +141,8 @@ def test_a_pipeline_run_exports_to_transformers_and_fine_tunes_back_on_another_m
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 32))
     theirs = _hf(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
     assert np.abs(hf.logits(cfg.model, params, tokens) - theirs).max() < TOL
+    run_tokenizer = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)
+    assert tokenizer_lib.from_path(tmp_path / "hf").sha256 == run_tokenizer.sha256
 
     imp, tuned = tmp_path / "imp", tmp_path / "tuned"
     assert _convert("import", tmp_path / "hf", imp, "--compute-dtype", "float32") == 0
@@ -226,3 +230,31 @@ def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, messa
         assert [p.name for p in out.iterdir()] == ["notes.txt"]
     else:
         assert not out.exists()
+
+
+def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
+    """The Hub's tokenizer format travels with the weights: import copies tokenizer.json and its
+    config, the preset points data.tokenizer at them, and training on text starts each document
+    with <|begin_of_text|>."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    build_bpe(tmp_path / "hf", LLAMA3, {"bos_token": "<|begin_of_text|>",
+                                        "eos_token": "<|eot_id|>"})
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp", "--compute-dtype",
+                    "float32") == 0
+    assert {p.name for p in (tmp_path / "imp").glob("tokenizer*")} == {
+        "tokenizer.json", "tokenizer_config.json"}
+    preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
+    assert Path(preset.data.tokenizer) == (tmp_path / "imp" / "tokenizer.json").absolute()
+    tok = tokenizer_lib.from_path(preset.data.tokenizer)
+    assert (tok.bos_id(), tok.eos_id()) == tuple(ids_of(tmp_path / "hf" / "tokenizer.json",
+                                                        "<|begin_of_text|>", "<|end_of_text|>"))
+    assert launch.main(["--config", str(tmp_path / "imp" / "config.yaml"), *RUN,
+                        "train.steps=2", f"run.dir={tmp_path / 'run'}"]) == 0
+    assert _convert("export", tmp_path / "run", tmp_path / "out") == 0
+    assert tokenizer_lib.from_path(tmp_path / "out").sha256 == tok.sha256

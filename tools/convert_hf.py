@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from jaxtron import hf, hf_mapping, weights
+from jaxtron import hf, hf_mapping, prepared, weights
+from jaxtron import tokenizer as tokenizer_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, ModelConfig
 
@@ -54,9 +55,22 @@ def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
     return preset
 
 
-def _tokenizer_name(copied: list[str]) -> str | None:
-    """The file data.tokenizer should name among the copied ones (tokenizer.json first)."""
-    return next((n for n in ("tokenizer.json", "tokenizer.model") if n in copied), None)
+def _write_tokenizer(tok: tokenizer_lib.Tokenizer, out: Path) -> str:
+    """Write a tokenizer's files into `out`; a one-line description."""
+    for name, content in tok.files.items():
+        (out / name).write_bytes(content)
+    return (f"{', '.join(tok.files)} ({tok.get_piece_size()} tokens, bos {tok.bos_id()}, "
+            f"eos {tok.eos_id()})")
+
+
+def _import_tokenizer(source: Path, out: Path) -> tuple[str | None, str]:
+    """Copy the directory's tokenizer next to the checkpoint: (its file for data.tokenizer, or
+    None without a usable one; a line saying what was copied or why not)."""
+    try:
+        tok = tokenizer_lib.from_path(source)
+    except ConfigError as err:
+        return None, f"no tokenizer copied ({err}); set data.tokenizer before training on text"
+    return tok.file, f"tokenizer: {_write_tokenizer(tok, out)}"
 
 
 def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
@@ -68,8 +82,8 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
     _fresh_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        copied = hf.copy_tokenizer(source, out)
-        preset = _preset(cfg, out, _tokenizer_name(copied),
+        tokenizer_file, tokenizer_note = _import_tokenizer(source, out)
+        preset = _preset(cfg, out, tokenizer_file,
                          int(config_json.get("max_position_embeddings", CONTEXT)), compute_dtype)
         text = (f"# {config_json['model_type']} weights imported from {source.absolute()}\n"
                 f"# by tools/convert_hf.py; fine-tune: python launch.py --config {out}/config.yaml\n"
@@ -91,20 +105,8 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
         shutil.rmtree(out, ignore_errors=True)
         raise
     print(f"imported {cfg.num_layers} layers of {source} into {out}/checkpoints/0 "
-          f"({run_cfg.model.param_dtype}); tokenizer: {', '.join(copied) or 'none found'}")
+          f"({run_cfg.model.param_dtype}); {tokenizer_note}")
     print(f"fine-tune: python launch.py --config {out}/config.yaml")
-
-
-def _run_tokenizer(cfg, step_dir: Path) -> Path | None:
-    """Where the run's tokenizer is: data.tokenizer, or the prepared datasets' own."""
-    if cfg.data.tokenizer:
-        return Path(cfg.data.tokenizer).expanduser()
-    if cfg.data.source == "arrayrecord" and cfg.data.mixture:
-        from jaxtron import prepared
-
-        path = cfg.data.mixture[0].path
-        return prepared.tokenizer_file(path, prepared.read_manifest(path))
-    return None
 
 
 def export_model(source: Path, out: Path, model_type: str | None, dtype: str | None,
@@ -114,16 +116,16 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     _, step_dir = weights.locate(source)
     kind = model_type or meta.get("hf_model_type") or ("qwen2" if cfg.model.qkv_bias else "llama")
     _fresh_dir(out)
+    tok = (tokenizer_lib.from_path(tokenizer) if tokenizer else
+           prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size))  # the run's own
     try:
         hf.write_pretrained(cfg.model, get, out, kind, dtype)
-        found = tokenizer or _run_tokenizer(cfg, step_dir)
-        copied = hf.copy_tokenizer(found, out) if found and found.exists() else []
+        note = _write_tokenizer(tok, out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    note = (f"tokenizer: {', '.join(copied)}" if copied else
-            "no tokenizer file (the run trained its own on the default corpus; pass --tokenizer)")
-    print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; {note}")
+    print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; "
+          f"tokenizer: {note}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--model-type", choices=sorted(hf.ARCHITECTURES),
                      help="default: the imported model's, else qwen2 with QKV biases, else llama")
     exp.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's param dtype")
-    exp.add_argument("--tokenizer", type=Path, help="tokenizer file or directory to include")
+    exp.add_argument("--tokenizer", type=Path,
+                     help="tokenizer file or directory to include (default: the run's own)")
     args = parser.parse_args(argv)
     if args.command == "import":
         run = lambda: import_model(args.hf_dir, args.out_dir, args.dtype, args.compute_dtype,
