@@ -43,6 +43,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    # An imported model's attention window (Mistral, Qwen2), 0 for none. Attention here is full
+    # causal, which equals a window only up to the window's length: train.seq_len may not exceed it.
+    sliding_window: int = 0
     init_std: float = 0.02
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights
@@ -272,6 +275,12 @@ def check_values(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
+    if m.sliding_window and t.seq_len > m.sliding_window:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's attention window "
+                          f"model.sliding_window={m.sliding_window}, which jaxtron's full causal "
+                          "attention does not apply; lower train.seq_len to at most the window")
+    if m.sliding_window < 0:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be 0 (none) or positive")
     if t.loss_chunk < 0:
         raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 (one chunk) or positive")
     if m.num_heads % m.num_kv_heads:

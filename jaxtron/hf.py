@@ -153,6 +153,10 @@ def from_pretrained(hf_dir: str | Path, dtype: str = "float32",
 def logits(cfg: ModelConfig, params: dict, tokens) -> np.ndarray:
     """float32 logits [B, T, V] of int tokens [B, T] (one document per row, positions 0..T-1)."""
     tokens = jnp.asarray(tokens, jnp.int32)
+    if cfg.sliding_window and tokens.shape[1] > cfg.sliding_window:
+        raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's attention window of "
+                          f"{cfg.sliding_window}, which the full causal attention here does not "
+                          "apply; pass at most that many")
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return np.asarray(_forward(cfg, params, tokens, positions, jnp.ones_like(tokens)))
 
@@ -184,8 +188,19 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
         "rope_theta": cfg.rope_theta, "max_position_embeddings": max(cfg.rope_original_max_len, 2048),
         "attention_bias": cfg.qkv_bias and model_type == "qwen2", "mlp_bias": False,
         "torch_dtype": cfg.param_dtype,
-        **({"sliding_window": None} if model_type == "mistral" else {}),
+        **_window(cfg, model_type),
     }
+
+
+def _window(cfg: ModelConfig, model_type: str) -> dict:
+    """The config.json keys of the attention window (Qwen2 turns it on per layer from
+    max_window_layers: 0 puts it on every layer, as model.sliding_window means)."""
+    window = cfg.sliding_window or None
+    if model_type == "mistral":
+        return {"sliding_window": window}
+    if model_type == "qwen2" and window:
+        return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0}
+    return {}
 
 
 def _hf_specs(cfg: ModelConfig, dtype) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -1,7 +1,7 @@
 """Hugging Face Llama-family tensors <-> jaxtron params, through one name-mapping table.
 
-Covers `LlamaForCausalLM`, `MistralForCausalLM` (without sliding windows) and `Qwen2ForCausalLM`
-(QKV bias): adding a family that computes the same function is adding rows or a config reading.
+Covers `LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM` (QKV bias); an attention
+window is kept as model.sliding_window, which bounds the sequence length (attention is full causal): adding a family that computes the same function is adding rows or a config reading.
 Conversions go one layer at a time (`layer_params`, `hf_layout`), so a converter never needs a
 whole stacked weight in memory. Directories and the public API are in `jaxtron.hf`.
 
@@ -213,10 +213,6 @@ def _check_supported(hf: dict) -> None:
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or (kind != "qwen2" and hf.get("attention_bias")):
         raise ValueError("MLP and output-projection biases are not supported")
-    window = _sliding_window(hf)
-    if window is not None:  # HF tests `is None` too
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: "
-                         "our attention is full causal, so only sliding_window=null converts")
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -244,5 +240,6 @@ def config_from_hf(hf_config: dict) -> dict:
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": hf["model_type"] == "qwen2",
+        "sliding_window": _sliding_window(hf) or 0,
         **_rope_overrides(hf),
     }

@@ -258,3 +258,20 @@ def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
                         "train.steps=2", f"run.dir={tmp_path / 'run'}"]) == 0
     assert _convert("export", tmp_path / "run", tmp_path / "out") == 0
     assert tokenizer_lib.from_path(tmp_path / "out").sha256 == tok.sha256
+
+
+def test_a_windowed_mistral_imports_with_its_window_as_the_sequence_bound(tmp_path):
+    """Mistral v0.1's window (4096 there, 16 here) is kept: the preset trains at most that many
+    tokens per sequence, and export writes the window back."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           sliding_window=16)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
+    assert (preset.model.sliding_window, preset.train.seq_len) == (16, 16)
+    assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 16
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "out")

@@ -17,10 +17,16 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from jaxtron import hf, hf_mapping
+from jaxtron import config, hf, hf_mapping
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import abstract_model
 
@@ -144,8 +150,9 @@ def test_round_trip_is_exact(name):
 
 @pytest.mark.parametrize("window", [{}, {"use_sliding_window": False}],
                          ids=["mistral-default", "use_sliding_window-false"])
-def test_mistral_sliding_window_is_refused(window):
-    """A window shorter than the sequence changes HF's logits, so converting it must fail."""
+def test_mistral_sliding_window_bounds_the_sequence(window):
+    """A window shorter than the sequence changes HF's logits: the window converts as
+    model.sliding_window, and a longer sequence is refused in training and in hf.logits."""
     config_cls, model_cls, seq_len, overrides = CASES["mistral"]
     hf_model = _case("mistral")[0]
     # HF Mistral reads only sliding_window; a stray use_sliding_window=false does not turn it off.
@@ -155,8 +162,18 @@ def test_mistral_sliding_window_is_refused(window):
     diff = np.abs(_hf(windowed.eval(), tokens, positions) - _hf(hf_model, tokens, positions)).max()
     print(f"window 16: HF logits move by {diff:.2e}")
     assert diff > 100 * TOL, f"a window of 16 over {seq_len} tokens moved HF logits by {diff:.2e}"
-    with pytest.raises(ValueError, match=r"sliding_window=16"):
-        hf_mapping.config_from_hf(windowed.config.to_dict())
+    overrides = hf_mapping.config_from_hf(windowed.config.to_dict())
+    assert overrides["sliding_window"] == 16  # kept, and it bounds the sequence:
+    with pytest.raises(ConfigError, match=r"train.seq_len=24 is longer .*model.sliding_window=16"):
+        config.load(overrides=[f"model.{k}={v}" for k, v in overrides.items()]
+                    + ["train.seq_len=24"])
+    cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
+    params = _case("mistral")[3]
+    with pytest.raises(ConfigError, match="24 tokens exceed the model's attention window of 16"):
+        hf.logits(cfg, params, tokens)
+    # Up to the window, full causal attention is the windowed model's.
+    assert np.abs(hf.logits(cfg, params, tokens[:, :16])
+                  - _hf(windowed.eval(), tokens[:, :16], positions[:, :16])).max() < TOL
 
 
 def test_unknown_and_missing_names_are_named():

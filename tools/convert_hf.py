@@ -41,12 +41,12 @@ def _fresh_dir(path: Path) -> None:
 def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
             context: int, compute_dtype: str) -> dict:
     """The config preset that fine-tunes an imported model."""
-    model = {f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__
-             if f not in ("scan_layers", "remat", "attention", "attention_check",
-                          "collective_matmul", "init_std")}
+    skip = {"scan_layers", "remat", "attention", "attention_check", "collective_matmul",
+            "init_std"} | (set() if cfg.sliding_window else {"sliding_window"})
+    model = {f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__ if f not in skip}
     preset = {
         "model": {**model, "dtype": compute_dtype},
-        "train": {"seq_len": min(context, CONTEXT)},
+        "train": {"seq_len": min(context, CONTEXT, cfg.sliding_window or CONTEXT)},
         "checkpoint": {"restore": str(out.absolute()), "weights_only": True},
         "run": {"dir": f"runs/{out.name}"},
     }
