@@ -116,16 +116,23 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     _, step_dir = weights.locate(source)
     kind = model_type or meta.get("hf_model_type") or ("qwen2" if cfg.model.qkv_bias else "llama")
     _fresh_dir(out)
-    tok = (tokenizer_lib.from_path(tokenizer) if tokenizer else
-           prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size))  # the run's own
+    tok = tokenizer_lib.from_path(tokenizer) if tokenizer else _run_tokenizer(cfg, meta)
     try:
         hf.write_pretrained(cfg.model, get, out, kind, dtype)
-        note = _write_tokenizer(tok, out)
+        note = f"tokenizer: {_write_tokenizer(tok, out)}" if tok else "no tokenizer (pass --tokenizer)"
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; "
-          f"tokenizer: {note}")
+          f"{note}")
+
+
+def _run_tokenizer(cfg, meta: dict) -> tokenizer_lib.Tokenizer | None:
+    """The tokenizer the run trained with: data.tokenizer, the prepared datasets' own, or the
+    default corpus's. None for an import that came without one."""
+    if meta.get("layout") == weights.LAYERED and not cfg.data.tokenizer:
+        return None
+    return prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:
