@@ -144,7 +144,9 @@ class CheckpointConfig:
     every: int = 0  # steps between saves; 0 saves only at the end (and on SIGTERM/SIGINT)
     keep: int = 3  # the latest this many are kept ...
     keep_every: int = 0  # ... plus, permanently, every step that is a multiple of this (0: none)
-    restore: str = ""  # start from this checkpoint directory (.../checkpoints/<step>) if run.dir has none
+    # if run.dir has none, start from this checkpoint (.../checkpoints/<step>), or the newest of a
+    # run or import directory (tools/convert_hf.py import)
+    restore: str = ""
     weights_only: bool = False  # with restore: take the params only (fine-tuning): fresh optimizer, step 0
 
 
