@@ -30,13 +30,28 @@ def xla_attention(
     q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
 ) -> jax.Array:
     """Reference attention in plain XLA ops; softmax in float32."""
+    return masked_attention(q_BTNH, k_BSKH, v_BSKH, segment_causal_mask(segment_ids_BT))
+
+
+def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                     start: jax.Array) -> jax.Array:
+    """T new queries over a KV cache of S slots, in which their own keys sit at slots start ..
+    start+T-1: each query sees the slots up to its own (earlier tokens and itself), never the
+    unwritten ones after. The reference math, for generation (T = 1 per step after the prompt)."""
+    query_slot_T = start + jnp.arange(q_BTNH.shape[1])
+    mask_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= query_slot_T[:, None]
+    return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS[None, None, None])
+
+
+def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                     mask: jax.Array) -> jax.Array:
+    """Grouped-query attention where mask[B or 1, 1, 1, T, S] is true; softmax in float32."""
     b, t, n, h = q_BTNH.shape
     k = k_BSKH.shape[2]
     q_BKGTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum(
         "bkgth,bskh->bkgts", q_BKGTH, k_BSKH, preferred_element_type=jnp.float32
     ) / jnp.sqrt(jnp.float32(h))
-    mask = segment_causal_mask(segment_ids_BT)
     scores_BKGTS = jnp.where(mask, scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bskh->bkgth", probs_BKGTS, v_BSKH)

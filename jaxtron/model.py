@@ -2,6 +2,7 @@
 
 Covers Llama 2/3 (Llama-3 RoPE scaling), Mistral and Qwen2 (QKV bias, tied embeddings) shapes.
 Weights carry logical axis names only; `parallel.RULES` decides how they are sharded.
+`Transformer.decode` runs the same modules over a KV cache, for generation (jaxtron/generate.py).
 
 Shape key: B batch, T sequence, D d_model, N query heads, K kv heads, H head size, F mlp width,
 V vocab, L layers.
@@ -20,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron import attention as attention_lib
 from jaxtron import collective_matmul, vocab
-from jaxtron.attention import attention
+from jaxtron.attention import attention, cached_attention
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.parallel import constrain
 
@@ -137,12 +138,32 @@ class Attention(nnx.Module):
                 constrain(k, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)),
                 constrain(v, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)))
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+    def _rotated(self, x_BTD, positions_BT, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v with RoPE at `positions` on q and k, tagged for the remat policies."""
         q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD)
         v_BTKH = checkpoint_name(v_BTKH, "value_proj")
         q_BTNH = checkpoint_name(apply_rope(q_BTNH, positions_BT, inv_freq), "query_proj")
         k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq)
         out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
+        return self._output(out_BTNH)
+
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
+        """(output, k and v caches) for T tokens at positions and cache slots start..start+T-1:
+        their keys and values are written there, then the queries read the cache."""
+        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+        q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq)
+        at = (0, start, 0, 0)
+        k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), at)
+        v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
+        out_BTNH = cached_attention(q_BTNH, k_BSKH, v_BSKH, start)
+        return self._output(out_BTNH), k_BSKH, v_BSKH
+
+    def _output(self, out_BTNH) -> jax.Array:
+        """The heads' outputs projected back to the model width [B, T, D]."""
         out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)), "attn_out")
         if _overlapped(self.cfg):
             return collective_matmul.matmul_scatter(out_BTNH, self._weight("wo"))
@@ -192,6 +213,13 @@ class Block(nnx.Module):
         x_BTD = x_BTD + self.mlp(self._whole_seq(self.mlp_norm(x_BTD)))
         return constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
 
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
+        """The same layer over a KV cache (Attention.decode): (x, k and v caches)."""
+        out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), start, inv_freq,
+                                                   k_BSKH, v_BSKH)
+        x_BTD = x_BTD + out_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKH, v_BSKH
+
     def _whole_seq(self, h_BTD: jax.Array) -> jax.Array:
         """Inside the pipeline's shard_map: the normed input gathered over the sequence once for
         all the projections that read it. There the compiler otherwise gathered it per
@@ -224,22 +252,49 @@ class Transformer(nnx.Module):
         """Token ids -> float32 logits[B, T, V] (whole: for inspection and parity checks; the
         train step's loss takes `hidden` and `head` and never holds them all at once)."""
         x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
-        return constrain(vocab.logits(x_BTD, self.head()), ("act_batch_io", None, "act_vocab"))
+        return self._logits(x_BTD)
+
+    def decode(self, tokens_BT, cache: dict, start) -> tuple[jax.Array, dict]:
+        """(float32 logits [B, T, V], the updated cache) of tokens [B, T] at positions and cache
+        slots start..start+T-1 of each row's one sequence, attending to the cache's earlier
+        slots (`init_cache`): the prompt in one call, then one token per call. The same modules
+        and weights as the training forward; no segments, no remat, never under a mesh, and
+        attention in the XLA reference math whatever model.attention says."""
+        x_BTD = self._embed(tokens_BT)
+        graphdef, stacked = nnx.split(self.layers)
+        inv_freq = rope_frequencies(self.cfg)
+
+        def body(x_BTD, layer):
+            state, k_BSKH, v_BSKH = layer
+            x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, state).decode(
+                x_BTD, start, inv_freq, k_BSKH, v_BSKH)
+            return x_BTD, (k_BSKH, v_BSKH)
+
+        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (stacked, cache["k"], cache["v"]))
+        return self._logits(self.final_norm(x_BTD)), {"k": k, "v": v}
 
     def hidden(self, tokens_BT, positions_BT, segment_ids_BT,
                run_layers: LayerRunner | None = None) -> jax.Array:
         """Token ids -> the final-normed hidden states [B, T, D] that the LM head reads.
         `run_layers` applies the layer stack; the default runs every layer in order, a parallel
         strategy (the pipeline) hands in its own."""
-        if jax.sharding.get_abstract_mesh().empty:
-            x_BTD = self.embed[...].astype(self.cfg.dtype)[tokens_BT]
-        else:  # the table gathered in the compute dtype, its gradient reduce-scattered
-            x_BTD = vocab.sharded_embed(self.embed[...], tokens_BT, self.cfg.dtype)
-        x_BTD = constrain(x_BTD, (*IO_SEQ, "act_embed"))
+        x_BTD = self._embed(tokens_BT)
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, graphdef)
         x_BTD = (run_layers or in_order)(run_group, stacked, x_BTD, positions_BT, segment_ids_BT)
         return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
+
+    def _embed(self, tokens_BT) -> jax.Array:
+        """Token ids -> embeddings [B, T, D] in the compute dtype."""
+        if jax.sharding.get_abstract_mesh().empty:
+            x_BTD = self.embed[...].astype(self.cfg.dtype)[tokens_BT]
+        else:  # the table gathered in the compute dtype, its gradient reduce-scattered
+            x_BTD = vocab.sharded_embed(self.embed[...], tokens_BT, self.cfg.dtype)
+        return constrain(x_BTD, (*IO_SEQ, "act_embed"))
+
+    def _logits(self, x_BTD) -> jax.Array:
+        """float32 logits [B, T, V] of final-normed hidden states."""
+        return constrain(vocab.logits(x_BTD, self.head()), ("act_batch_io", None, "act_vocab"))
 
     def head(self) -> jax.Array:
         """The LM head [D, V] in the compute dtype, gathered like the table (vocab split over
@@ -287,6 +342,13 @@ def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment
 def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model's structure with ShapeDtypeStructs for weights: nothing allocated."""
     return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """An empty KV cache for `Transformer.decode`: k and v [L, B, S, K, H] of `length` slots, in
+    the compute dtype (keys stored rotated)."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_size)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 
 def count_params(state: nnx.State) -> int:

@@ -1,0 +1,289 @@
+"""Generation with the KV cache (jaxtron/generate.py, Transformer.decode, tools/generate.py).
+
+On tiny random transformers models saved as Hugging Face directories: greedy continuation equals
+transformers' `generate(do_sample=False)` token for token; the cached decode's logits equal the full
+forward's at every step (measured max |diff| in float32: llama3_gqa 1.1e-5, qwen2_bias_tied 1.4e-5,
+against logits up to ~7; tolerance 1e-4); the sampler keeps and weighs the tokens that top-k,
+top-p and temperature say; the command line prints the same ids and turns bad input into one line
+and exit status 2.
+"""
+
+import dataclasses
+import importlib.util
+import itertools
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from jaxtron import generate as gen
+from jaxtron import hf
+from jaxtron.model import abstract_model, init_cache
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "generate.py"
+VOCAB = 256
+TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 64, "attn_implementation": "eager"}
+# original_max_position_embeddings 32 and head_dim 16: the llama3 scaling changes the angles of
+# positions past 32, which every continuation below reaches.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 10000.0}
+CASES = {
+    "llama3_gqa": (LlamaConfig, LlamaForCausalLM, {
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+        "tie_word_embeddings": False, "rope_parameters": LLAMA3_ROPE}),
+    "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+}
+TOL = 1e-4  # cached against full logits; float32 summation order gives ~1e-5
+PROMPT, NEW = 12, 40  # one length each, so that the tests share one compiled program per model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(HF model with random weights, its saved directory, our config and params read back)."""
+    config_cls, model_cls, overrides = CASES[request.param]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**TINY, **overrides, eos_token_id=2, bos_token_id=1)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # norms and biases too: a dropped one shows
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+                    else 0.2 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    cfg, params = hf.from_pretrained(path)
+    assert cfg.qkv_bias == (request.param == "qwen2_bias_tied")
+    return model, path, cfg, params
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, length).tolist()
+
+
+def _hf_greedy(model, prompt: list[int], new: int, eos: int | None) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+                             eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+# ---------------------------------------------------------------- greedy = transformers
+def test_greedy_equals_transformers(case):
+    model, _, cfg, params = case
+    prompt = _prompt(PROMPT)
+    ours = gen.generate(cfg, params, prompt, NEW)
+    assert ours == _hf_greedy(model, prompt, NEW, eos=None)
+
+
+def test_greedy_stops_at_eos_as_transformers_does(case):
+    """End at an id the greedy continuation reaches mid-way: both stop there, the id included."""
+    model, _, cfg, params = case
+    prompt = _prompt(PROMPT, seed=1)
+    free = gen.generate(cfg, params, prompt, NEW)
+    eos = free[10]
+    ours = gen.generate(cfg, params, prompt, NEW, eos_id=eos)
+    assert ours == free[:free.index(eos) + 1]
+    assert ours == _hf_greedy(model, prompt, NEW, eos=eos)
+    assert gen.generate(cfg, params, prompt, NEW, eos_id=[VOCAB + 5, eos]) == ours
+
+
+# ---------------------------------------------------------------- cached decode = full forward
+def test_cached_logits_equal_full_forward_at_every_step(case):
+    """Two rows; a 10-token prefill, a 3-token chunk at slot 10, then one token per call, in a
+    cache longer than the sequence (unwritten slots must stay unseen)."""
+    _, _, cfg, params = case
+    tokens = np.array([_prompt(40, seed=2), _prompt(40, seed=3)], np.int32)
+    full = hf.logits(cfg, params, tokens)
+    graphdef = nnx.graphdef(abstract_model(cfg))
+    decode = jax.jit(lambda p, t, c, s: nnx.merge(graphdef, p).decode(t, c, s))
+    cache = init_cache(cfg, 2, 48)
+    cuts = [0, 10, 13, *range(14, 41)]
+    for start, end in itertools.pairwise(cuts):
+        logits, cache = decode(params, jnp.asarray(tokens[:, start:end]), cache, start)
+        diff = float(np.abs(np.asarray(logits) - full[:, start:end]).max())
+        assert diff < TOL, f"slots {start}..{end - 1}: cached logits off by {diff:.2e}"
+    assert np.abs(full).max() > 3  # logits large enough for the tolerance to mean something
+
+
+# ---------------------------------------------------------------- sampling
+def test_sampling_limits_reduce_to_greedy_and_seeds_repeat(case):
+    _, _, cfg, params = case
+    prompt = _prompt(PROMPT, seed=4)
+    greedy = gen.generate(cfg, params, prompt, NEW)
+    assert gen.generate(cfg, params, prompt, NEW, temperature=1.5, top_k=1, seed=3) == greedy
+    assert gen.generate(cfg, params, prompt, NEW, temperature=1.5, top_p=1e-6, seed=3) == greedy
+    hot = [gen.generate(cfg, params, prompt, NEW, temperature=1.5, seed=s) for s in (7, 7, 8)]
+    assert hot[0] == hot[1] and hot[0] != hot[2] and hot[0] != greedy
+    # Nearly uniform: each draw's rank among the logits before it is ~uniform over 256, unless
+    # the steps share one key (then every step draws the same rank).
+    boiling = gen.generate(cfg, params, prompt, NEW, temperature=1e4, seed=0)
+    logits = hf.logits(cfg, params, np.array([prompt + boiling]))[0, PROMPT - 1:-1]
+    ranks = [int(np.sum(row > row[token])) for row, token in zip(logits, boiling)]
+    assert len(set(ranks)) > NEW // 2, ranks
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, want", [
+    (1.0, 0, 1.0, [0.5, 0.3, 0.15, 0.05]),
+    (1.0, 3, 1.0, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+    (1.0, 0, 0.7, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),  # 0.5 < 0.7 <= 0.5 + 0.3
+    (1.0, 0, 0.85, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+    (1.0, 2, 0.9, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),  # top-k first, then top-p within it
+    (0.5, 0, 1.0, np.array([0.5, 0.3, 0.15, 0.05]) ** 2 / 0.365),
+])
+def test_pick_draws_with_the_probabilities_asked_for(temperature, top_k, top_p, want):
+    """20000 draws over 4 tokens (ids shuffled so that the order is not the id order): each
+    frequency within 0.015 of its probability (about 4 standard deviations)."""
+    ids = np.array([2, 0, 3, 1])  # token ids of probabilities 0.5, 0.3, 0.15, 0.05
+    logits = np.zeros(4, np.float32)
+    logits[ids] = np.log([0.5, 0.3, 0.15, 0.05])
+    knobs = gen.Sampling(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                         jnp.array([-1], jnp.int32))
+    keys = jax.random.split(jax.random.key(0), 20000)
+    drawn = jax.jit(jax.vmap(lambda k: gen.pick(jnp.asarray(logits), k, knobs)))(keys)
+    freq = np.bincount(np.asarray(drawn), minlength=4)[ids] / len(keys)
+    np.testing.assert_allclose(freq, want, atol=0.015)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new_tokens": 0}, "max_new_tokens=0"),
+    ({"temperature": -0.1}, "temperature=-0.1"),
+    ({"top_k": -1}, "top_k=-1"),
+    ({"top_p": 0.0}, r"top_p=0.0: must be in \(0, 1\]"),
+    ({"top_p": 1.5}, "top_p=1.5"),
+    ({"prompt_ids": []}, "non-empty"),
+    ({"prompt_ids": [1, VOCAB]}, rf"\[0, {VOCAB}\)"),
+])
+def test_bad_arguments_are_named(case, kwargs, match):
+    _, _, cfg, params = case
+    args = {"prompt_ids": [1, 2], "max_new_tokens": 4} | kwargs
+    with pytest.raises(gen.ConfigError, match=match):
+        gen.generate(cfg, params, args.pop("prompt_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_generation_stays_within_an_attention_window(case):
+    """model.sliding_window=20: 12 prompt tokens and 9 new ones feed 20 (the last new one is
+    never fed back), where full causal attention equals the window; one more is refused."""
+    _, _, cfg, params = case
+    windowed = dataclasses.replace(cfg, sliding_window=20)
+    prompt = _prompt(PROMPT)
+    assert gen.generate(windowed, params, prompt, 9) == gen.generate(cfg, params, prompt, NEW)[:9]
+    with pytest.raises(gen.ConfigError, match="window of 20.*generate 9 or less"):
+        gen.generate(windowed, params, prompt, 10)
+    with pytest.raises(gen.ConfigError, match="the prompt is 21 tokens, more than"):
+        gen.generate(windowed, params, _prompt(21), 1)
+
+
+# ---------------------------------------------------------------- command line
+def _tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_cli_prints_transformers_greedy_ids(case):
+    """--tokens on a saved directory: transformers' ids, which stop at its eos (2) if reached."""
+    model, path, _, _ = case
+    prompt = _prompt(6, seed=5)
+    done = _tool(path, "--tokens", ",".join(map(str, prompt)), "--max-new-tokens", 20)
+    assert done.returncode == 0, done.stderr
+    ids = [int(i) for i in done.stdout.strip().split(",")]
+    assert ids == _hf_greedy(model, prompt, 20, eos=model.generation_config.eos_token_id)
+
+
+def _import_tool(path: Path):
+    """A tool's module, to call its main() here (no new process per call)."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _import_tool(TOOL)
+
+
+def _word_tokenizer(path: Path) -> None:
+    """A tokenizer.json over the tiny vocabulary: ids 3.. are the words w3.., <s> 1 and </s> 2
+    (the BOS and EOS a Llama tokenizer has), and text is the words with spaces between."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_path, capsys):
+    """--prompt reads the directory's tokenizer.json, puts BOS in front and prints text: the
+    words of transformers' greedy ids, stopping at </s>. The same from the jaxtron checkpoint
+    tools/convert_hf.py imports (its tokenizer is copied beside it): --tokens there gives the ids
+    without stopping (no tokenizer is read, so no end id)."""
+    model, path, cfg, params = case
+    hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
+    shutil.copytree(path, hf_dir)
+    _word_tokenizer(hf_dir)
+    convert = _import_tool(TOOL.parent / "convert_hf.py")
+    assert convert.main(["import", str(hf_dir), str(imported), "--compute-dtype", "float32"]) == 0
+    capsys.readouterr()
+    want = _hf_greedy(model, [1, 17, 42, 99, 5], 12, eos=2)
+    for directory in (hf_dir, imported):
+        assert tool.main([str(directory), "--prompt", "w17 w42  w99 w5", "--max-new-tokens",
+                          "12"]) == 0
+        text = capsys.readouterr().out
+        assert text == " ".join("</s>" if i == 2 else f"w{i}" for i in want) + "\n", directory
+    assert tool.main([str(imported), "--tokens", "1,17,42,99,5", "--max-new-tokens", "12"]) == 0
+    ids = [int(i) for i in capsys.readouterr().out.split(",")]
+    assert ids == gen.generate(cfg, params, [1, 17, 42, 99, 5], 12)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--tokens", "1,2", "--top-p", "1.5"], "top_p=1.5"),
+    (["--tokens", "1,2", "--temperature", "-1"], "temperature=-1.0"),
+    (["--tokens", "1,2", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["--tokens", "1,x"], "argument --tokens: invalid token_ids value"),
+    (["--tokens", "1,2", "--top-k", "two"], "argument --top-k: invalid int value"),
+    (["--prompt", "hello"], "no tokenizer.json or tokenizer.model for --prompt"),
+    (["--tokens", ",".join(["5"] * 63)], (
+        r"\(63 tokens\) and --max-new-tokens 64 pass the 64 positions the model takes "
+        r"\(max_position_embeddings in config.json\); use --max-new-tokens 1 or less")),
+    (["--tokens", ",".join(["5"] * 64)], "the prompt is 64 tokens, more than the model takes"),
+    (["--tokens", "1,2", "--prompt", "hi"], "not allowed with argument"),
+    (["--tokens", "1,999"], r"prompt ids must be in \[0, 256\)"),
+])
+def test_cli_bad_input_is_one_line_and_status_2(case, tool, capsys, args, match):
+    """max_position_embeddings is 64 in these configs; --max-new-tokens defaults to 64."""
+    _, path, _, _ = case
+    try:
+        status = tool.main([str(path), *args])
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("generate: "), err
+    assert re.search(match, err), err
+
+
+def test_cli_takes_prompt_and_continuation_up_to_the_models_positions(case, tool, capsys):
+    _, path, cfg, params = case
+    prompt = _prompt(60, seed=6)
+    assert tool.main([str(path), "--tokens", ",".join(map(str, prompt)),
+                      "--max-new-tokens", "4"]) == 0  # 60 + 4 = max_position_embeddings
+    ids = [int(i) for i in capsys.readouterr().out.split(",")]
+    assert ids == gen.generate(cfg, params, prompt, 4, eos_id=2)
+
+
+def test_cli_missing_directory(tool, tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert tool.main([str(missing), "--tokens", "1"]) == 2
+    assert capsys.readouterr().err == f"generate: {missing}: no such file or directory\n"
