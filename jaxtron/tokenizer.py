@@ -105,6 +105,14 @@ class Tokenizer:
             return self._sp.encode(text)
         return self._hf.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids of `text` as the model's own tokenizer makes a prompt: a tokenizer.json adds
+        what its post-processor adds (Llama 3's <|begin_of_text|>, nothing for Qwen2), as
+        transformers does; a SentencePiece model puts its bos piece first."""
+        if self._sp is not None:
+            return [self._sp.bos_id(), *self._sp.encode(text)]
+        return self._hf.encode(text, add_special_tokens=True).ids
+
     def encode_batch(self, texts: Sequence[str], threads: int = 0) -> list[list[int]]:
         """`encode` of each text, on `threads` threads (0: every core). A tokenizer.json encodes on
         its library's own thread pool, sized by RAYON_NUM_THREADS (every core if unset)."""

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -130,6 +131,25 @@ def test_read_params_puts_layers_in_the_order_the_trainer_restores_them(pipeline
     restored = state_lib.in_layer_order(restored, meta, plan, tx, shardings, print)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(restored["params"])):
         np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_generate_reads_a_pipeline_run_in_model_order(pipeline_run):
+    """tools/generate.py on a training run (stacked layers in pipeline order): the ids equal
+    jaxtron.generate on the params read back in model order (reading the layers in storage
+    order would change them)."""
+    from jaxtron import generate
+
+    cfg, params = weights.read_params(pipeline_run)
+    want = generate.generate(cfg.model, params, [1, 40, 41, 42], 6)
+    order = weights.read_meta(weights.locate(pipeline_run)[1])["layer_order"]
+    stored = jax.tree_util.tree_map_with_path(
+        lambda p, x: x[np.asarray(order)] if p[0].key == "layers" else x, params)
+    assert generate.generate(cfg.model, stored, [1, 40, 41, 42], 6) != want
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), str(pipeline_run),
+                           "--tokens", "1,40,41,42", "--max-new-tokens", "6"], check=False,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [int(i) for i in proc.stdout.strip().split(",")] == want
 
 
 def test_a_pipeline_run_exports_to_transformers_and_fine_tunes_back_on_another_mesh(

@@ -215,17 +215,20 @@ def tool():
 
 def _word_tokenizer(path: Path) -> None:
     """A tokenizer.json over the tiny vocabulary: ids 3.. are the words w3.., <s> 1 and </s> 2
-    (the BOS and EOS a Llama tokenizer has), and text is the words with spaces between."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    (the BOS and EOS a Llama tokenizer has, BOS put before a prompt by the post-processor as
+    Llama's tokenizer.json does), and text is the words with spaces between."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
     tok.save(str(path / "tokenizer.json"))
 
 
 def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_path, capsys):
-    """--prompt reads the directory's tokenizer.json, puts BOS in front and prints text: the
+    """--prompt reads the directory's tokenizer.json, which puts BOS in front; prints text: the
     words of transformers' greedy ids, stopping at </s>. The same from the jaxtron checkpoint
     tools/convert_hf.py imports (its tokenizer is copied beside it): --tokens there gives the ids
     without stopping (no tokenizer is read, so no end id)."""

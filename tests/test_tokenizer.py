@@ -307,3 +307,16 @@ def test_prepare_refuses_a_tokenizer_json_without_eos_in_one_line(tmp_path):
     assert done.stderr.startswith(f"prepare_data.py: error: --tokenizer {no_eos}: no "
                                   "end-of-document token")
     assert not (tmp_path / "ds").exists() or not any((tmp_path / "ds").iterdir())
+
+
+def test_prompts_get_the_special_tokens_transformers_adds(llama3, qwen2):
+    """Generation prompts: Llama 3's tokenizer.json prepends <|begin_of_text|> through its
+    post-processor, Qwen2's prepends nothing, as transformers' tokenizers do."""
+    from transformers import PreTrainedTokenizerFast
+
+    text = "def f(x):\n    return x"
+    for path in (llama3, qwen2):
+        ref = PreTrainedTokenizerFast(tokenizer_file=str(path)).encode(text)
+        assert from_path(path).encode_prompt(text) == ref
+    assert from_path(llama3).encode_prompt(text)[0] == ids_of(llama3, LLAMA3[0])[0]
+    assert from_path(qwen2).encode_prompt(text) == from_path(qwen2).encode(text)

@@ -6,9 +6,9 @@
 
 PATH is a Hugging Face directory (config.json and *.safetensors) or a jaxtron run, checkpoints or
 checkpoint directory. --prompt text is encoded by the model's tokenizer (a tokenizer.json or
-tokenizer.model in PATH; else, for a run, its data.tokenizer or the default corpus's), with BOS in
-front as Hugging Face Llama tokenizers add it, and the continuation is printed as text. --tokens
-takes comma-separated ids, needs no tokenizer, and prints the new ids the same way. Generation
+tokenizer.model in PATH; else, for a run, its data.tokenizer or the default corpus's) with the
+special tokens it adds to a prompt (Llama's BOS, none for Qwen2), and the continuation is printed
+as text. --tokens takes comma-separated ids, needs no tokenizer, and prints the new ids the same way. Generation
 stops after --max-new-tokens or at an end-of-sequence id: a Hugging Face directory's (its
 generation_config.json, else config.json), or the tokenizer's when --prompt reads one. Greedy
 output equals transformers' generate(do_sample=False). Bad input: one line on stderr, exit 2.
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     check(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before loading
     model = load(args.path)
     tok = model.open_tokenizer() if args.prompt is not None else None
-    prompt = [tok.bos_id(), *tok.encode(args.prompt)] if tok else args.tokens
+    prompt = tok.encode_prompt(args.prompt) if tok else args.tokens
     prompt_array(model.cfg, prompt)  # ids the model has, before their count
     _check_length(model, len(prompt), args.max_new_tokens)
     eos = model.eos_ids or ([tok.eos_id()] if tok else None)
