@@ -6,12 +6,12 @@
 
 PATH is a Hugging Face directory (config.json and *.safetensors) or a jaxtron run, checkpoints or
 checkpoint directory. --prompt text is encoded by the model's tokenizer (a tokenizer.json or
-tokenizer.model in PATH; else, for a run, its data.tokenizer or the default corpus's) with the
-special tokens it adds to a prompt (Llama's BOS, none for Qwen2), and the continuation is printed
-as text. --tokens takes comma-separated ids, needs no tokenizer, and prints the new ids the same way. Generation
-stops after --max-new-tokens or at an end-of-sequence id: a Hugging Face directory's (its
-generation_config.json, else config.json), or the tokenizer's when --prompt reads one. Greedy
-output equals transformers' generate(do_sample=False). Bad input: one line on stderr, exit 2.
+tokenizer.model in PATH; else the run's own: data.tokenizer, its datasets' or the default
+corpus's) with the special tokens it adds to a prompt (Llama's BOS, none for Qwen2), and the
+continuation is printed as text. --tokens takes comma-separated ids, needs no tokenizer, and
+prints the new ids the same way. Generation stops after --max-new-tokens or at an
+end-of-sequence id: a Hugging Face directory's (its generation_config.json, else config.json), or
+the tokenizer's when --prompt reads one. Greedy output equals transformers' generate(do_sample=False). Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxtron import hf, tokenizer, weights
+from jaxtron import hf, prepared, tokenizer, weights
 from jaxtron.cli import EXIT_USAGE, one_line_errors
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.generate import check, generate, prompt_array
@@ -126,7 +126,7 @@ def _load_checkpoint(path: Path) -> Loaded:
     def open_tokenizer() -> tokenizer.Tokenizer:
         if _has_tokenizer(path):
             return tokenizer.from_path(path)
-        return tokenizer.load_tokenizer(cfg.data, cfg.model.vocab_size)
+        return prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # the run's own
 
     return Loaded(cfg.model, params, cfg.train.seq_len, "train.seq_len it was trained with",
                   open_tokenizer, [])
