@@ -11,7 +11,8 @@ corpus's) with the special tokens it adds to a prompt (Llama's BOS, none for Qwe
 continuation is printed as text. --tokens takes comma-separated ids, needs no tokenizer, and
 prints the new ids the same way. Generation stops after --max-new-tokens or at an
 end-of-sequence id: a Hugging Face directory's (its generation_config.json, else config.json), or
-the tokenizer's when --prompt reads one. Greedy output equals transformers' generate(do_sample=False). Bad input: one line on stderr, exit 2.
+the tokenizer's when --prompt reads one. Greedy output equals transformers'
+generate(do_sample=False). Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
