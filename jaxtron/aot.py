@@ -148,6 +148,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
         "hosts": num_devices // gpus_per_host,
         "gpus_per_host": gpus_per_host,
         "mesh": plan.mesh_sizes,
+        "hosts_layout": parallel.describe_hosts(plan.mesh_sizes, gpus_per_host),
         "memory": {"argument_bytes": stats.argument_size_in_bytes,
                    "output_bytes": stats.output_size_in_bytes,
                    "temp_bytes": stats.temp_size_in_bytes,
@@ -158,11 +159,19 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
         "plan_terms": estimate,
         "flops": {"model_per_device": round(model_flops),
                   "compiled_per_device": hlo.dot_flops(module)},
-        "collectives": hlo.collectives(module, plan.mesh_sizes, gpus_per_host),
+        "collectives": hlo.collectives(module, plan.mesh_sizes,
+                                       _hosts(cfg, target, num_devices, gpus_per_host)),
         "kernels": hlo.kernels(module),
         "compile_seconds": round(seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", "").split(),
     }
+
+
+def _hosts(cfg: Config, target: str, num_devices: int, gpus_per_host: int) -> list[int]:
+    """The host of each of the program's devices, in the order of the mesh it was compiled on
+    (collectives name devices by their place in that order)."""
+    mesh = parallel.make_mesh(cfg.mesh, target_devices(target, num_devices, gpus_per_host))
+    return [d.process_index for d in mesh.devices.flat]
 
 
 def _gib(n: float) -> str:
@@ -183,6 +192,7 @@ def format_report(report: dict) -> list[str]:
     lines = [(f"compiled for {report['devices']} x {report['device_kind']} ({report['hosts']} "
               f"hosts x {report['gpus_per_host']}), mesh {shape}, in "
               f"{report['compile_seconds']:.1f} s")]
+    lines += report["hosts_layout"]
     over = mem["peak_bytes"] - mem["usable_bytes"]
     verdict = "fits" if report["fits"] else f"DOES NOT FIT, {_gib(over)} over"
     lines.append(f"memory per device: peak {_gib(mem['peak_bytes'])} of {_gib(mem['usable_bytes'])} "

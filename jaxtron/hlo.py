@@ -21,6 +21,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -307,10 +308,10 @@ def overlapped(module: Module) -> set[str]:
     return hidden
 
 
-def collectives(module: Module, mesh_shape: dict[str, int], gpus_per_host: int = 0) -> list[dict]:
+def collectives(module: Module, mesh_shape: dict[str, int], hosts: Sequence[int] = ()) -> list:
     """Every collective grouped by (op, axes, async): instructions, executions and bytes per step,
-    executions overlapped with a matmul, and whether any of its groups spans hosts of
-    `gpus_per_host` devices (0: one host)."""
+    executions overlapped with a matmul, and whether any of its groups spans hosts (`hosts[i]`:
+    the host of the program's device i, in the mesh's device order; empty: one host)."""
     num_devices = math.prod(mesh_shape.values())
     hidden = overlapped(module)
     rows: dict[tuple, dict] = {}
@@ -327,9 +328,8 @@ def collectives(module: Module, mesh_shape: dict[str, int], gpus_per_host: int =
             row = rows.setdefault((op, axes, is_async), {
                 "op": op, "axes": list(axes) if axes is not None else None, "async": is_async,
                 "crosses_hosts": False, **dict.fromkeys(_COUNTS, 0)})
-            if gpus_per_host and groups:
-                row["crosses_hosts"] |= any(len({i // gpus_per_host for i in g}) > 1
-                                            for g in groups)
+            if len(hosts) and groups:
+                row["crosses_hosts"] |= any(len({hosts[i] for i in g}) > 1 for g in groups)
             size = runs * collective_bytes(op, inst, width)
             shown = inst.name in hidden or comp in hidden
             for key, value in zip(_COUNTS, (1, runs, size, runs * shown, size * shown)):

@@ -106,15 +106,68 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    """A Mesh over all devices with axes MESH_AXES, automatic (compiler-propagated) sharding."""
+def host_split(sizes: dict[str, int], per_host: int) -> dict[str, tuple[int, int]]:
+    """Each axis's (devices within a host, hosts across) when devices are laid out host-major
+    with MESH_AXES outermost to innermost: tensor fills a host's devices first, then fsdp, stage,
+    data, as a hybrid mesh (mesh_utils.create_hybrid_device_mesh) places them."""
+    room, split = per_host, {}
+    for axis in reversed(MESH_AXES):
+        within = math.gcd(sizes[axis], room)
+        split[axis] = (within, sizes[axis] // within)
+        room //= within
+    return split
+
+
+def crossing_axes(sizes: dict[str, int], per_host: int) -> list[str]:
+    """The mesh axes whose device groups span more than one host (their collectives leave
+    NVLink for the inter-node network)."""
+    split = host_split(sizes, per_host)
+    return [axis for axis in MESH_AXES if split[axis][1] > 1]
+
+
+def describe_hosts(sizes: dict[str, int], per_host: int) -> list[str]:
+    """Log lines: which axes cross hosts, and a warning with the HSDP layout when fsdp or tensor
+    does (their all-gathers and reduce-scatters run every layer, at network speed)."""
+    num_devices = math.prod(sizes.values())
+    if num_devices <= per_host:
+        return []
+    split = host_split(sizes, per_host)
+    crossing = [f"{a} ({split[a][1]} hosts)" for a in crossing_axes(sizes, per_host)]
+    lines = [f"mesh across {num_devices // per_host} hosts of {per_host} devices: "
+             f"{', '.join(crossing) or 'no axis'} crosses hosts"]
+    for axis in ("tensor", "fsdp"):
+        within, across = split[axis]
+        if across > 1:
+            hint = (f"mesh.data={sizes['data'] * across} mesh.fsdp={within}" if axis == "fsdp"
+                    else f"mesh.tensor<={per_host} (tensor parallelism within a node)")
+            lines.append(f"warning: mesh.{axis}={sizes[axis]} spans {across} hosts, so its "
+                         f"collectives leave NVLink every layer; keep it within a node, e.g. "
+                         f"{hint} (HSDP: shard within a node, replicate across nodes)")
+    return lines
+
+
+def _host_major(devices: list) -> list:
+    """Devices ordered by host (process), then by id within it."""
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def devices_per_host(devices: list) -> int:
+    """How many of `devices` the first one's host (process) holds."""
+    return sum(d.process_index == devices[0].process_index for d in devices)
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None, per_host: int | None = None) -> Mesh:
+    """A Mesh over all devices with axes MESH_AXES, automatic (compiler-propagated) sharding.
+    With several hosts, devices are laid out host-major, so the inner axes (tensor, fsdp) stay
+    within a host when they fit and data and stage cross hosts (host_split says how)."""
     devices = jax.devices() if devices is None else devices
     sizes = mesh_shape(cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    if len(devices) == len(jax.devices()):
+    per_host = per_host or devices_per_host(devices)
+    if per_host >= len(devices) and len(devices) == len(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+    return Mesh(np.asarray(_host_major(devices)).reshape(shape), MESH_AXES, axis_types=auto)
 
 
 def _is_spec(x: Any) -> bool:

@@ -60,7 +60,8 @@ def test_executions_follow_loop_trip_counts():
 
 
 def test_collectives_bytes_axes_and_async():
-    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(MODULE), MESH, gpus_per_host=4)}
+    hosts = [i // 4 for i in range(8)]  # two hosts of four
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(MODULE), MESH, hosts)}
     gather = rows["all-gather"]
     # six executions of a gather whose result is bf16[32,16]: 1 KiB each, groups along fsdp
     assert (gather["count"], gather["bytes"], gather["axes"], gather["async"]) == (6, 6 * 1024,

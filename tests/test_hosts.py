@@ -1,0 +1,97 @@
+"""Meshes over several hosts: tensor and fsdp stay within a host when they fit, data and stage
+cross hosts, and a layout whose fsdp or tensor groups span hosts is named with the HSDP layout
+that keeps them on NVLink. Checked on the layout arithmetic, on 8 CPU devices presented as
+2 hosts x 4, and on the program compiled for 2 H100 hosts x 8."""
+
+import jax
+import pytest
+from test_aot import TINY
+
+from jaxtron import aot, hlo, parallel
+from jaxtron import config as config_lib
+
+
+def _sizes(**axes) -> dict[str, int]:
+    return {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1} | axes
+
+
+@pytest.mark.parametrize("axes,per_host,crossing", [
+    ({"fsdp": 4, "data": 2}, 4, ["data"]),
+    ({"fsdp": 8}, 4, ["fsdp"]),
+    ({"tensor": 2, "fsdp": 4}, 4, ["fsdp"]),  # tensor fills half a host, fsdp the rest and more
+    ({"tensor": 4, "fsdp": 2}, 4, ["fsdp"]),
+    ({"tensor": 8, "fsdp": 2, "stage": 8}, 8, ["stage", "fsdp"]),
+    ({"tensor": 8, "fsdp": 4}, 32, []),  # all on one 32-device host
+    ({"tensor": 8, "fsdp": 4, "data": 4}, 32, ["data"]),
+    ({"tensor": 8, "stage": 8, "data": 2}, 8, ["data", "stage"]),
+])
+def test_axes_that_cross_hosts(axes, per_host, crossing):
+    assert parallel.crossing_axes(_sizes(**axes), per_host) == crossing
+
+
+def test_fsdp_across_hosts_warns_with_the_hsdp_layout():
+    lines = parallel.describe_hosts(_sizes(fsdp=16), 8)
+    assert lines[0] == "mesh across 2 hosts of 8 devices: fsdp (2 hosts) crosses hosts"
+    assert "warning: mesh.fsdp=16 spans 2 hosts" in lines[1]
+    assert "mesh.data=2 mesh.fsdp=8" in lines[1]
+    assert parallel.describe_hosts(_sizes(data=2, fsdp=8), 8) == [
+        "mesh across 2 hosts of 8 devices: data (2 hosts) crosses hosts"]
+    tensor = parallel.describe_hosts(_sizes(tensor=16), 8)
+    assert "warning: mesh.tensor=16 spans 2 hosts" in tensor[1]
+    assert parallel.describe_hosts(_sizes(fsdp=8), 8) == []  # one host: nothing to say
+
+
+def _hosts_of_groups(mesh, axis: str, per_host: int) -> list[set[int]]:
+    """For every group of devices along `axis`, the hosts its devices are on."""
+    devices = mesh.devices
+    moved = devices.transpose([i for i, a in enumerate(mesh.axis_names) if a != axis]
+                              + [mesh.axis_names.index(axis)])
+    return [{d.id // per_host for d in group} for group in moved.reshape(-1, moved.shape[-1])]
+
+
+def test_eight_cpu_devices_as_two_hosts_of_four():
+    """mesh.fsdp=4 mesh.data=2: every fsdp group within one host, every data group across both;
+    mesh.fsdp=8: the fsdp group spans both hosts, and the log says so with the fix."""
+    devices = jax.devices()
+    hsdp = parallel.make_mesh(config_lib.MeshConfig(data=2, fsdp=4), devices, per_host=4)
+    assert all(len(hosts) == 1 for hosts in _hosts_of_groups(hsdp, "fsdp", 4))
+    assert all(hosts == {0, 1} for hosts in _hosts_of_groups(hsdp, "data", 4))
+    flat = parallel.make_mesh(config_lib.MeshConfig(fsdp=8), devices, per_host=4)
+    assert _hosts_of_groups(flat, "fsdp", 4) == [{0, 1}]
+    assert "mesh.data=2 mesh.fsdp=4" in parallel.describe_hosts(dict(flat.shape), 4)[1]
+
+
+class _Device:
+    def __init__(self, id: int, process_index: int):
+        self.id, self.process_index = id, process_index
+
+
+def test_devices_are_ordered_host_major():
+    """Devices listed in any order go host by host, so a host's devices are neighbours."""
+    shuffled = [_Device(i, p) for i, p in [(5, 1), (0, 0), (7, 1), (2, 0), (4, 1), (1, 0),
+                                           (6, 1), (3, 0)]]
+    assert [d.id for d in parallel._host_major(shuffled)] == list(range(8))
+    assert parallel.devices_per_host(shuffled) == 4
+
+
+def _compile(*overrides) -> dict:
+    cfg = config_lib.load([TINY], ["train.batch_size=16", "train.seq_len=256", *overrides])
+    compiled, plan, seconds = aot.compile_step_for(cfg, "h100", 16, 8)
+    return aot.report(cfg, plan, compiled.memory_analysis(), hlo.parse(compiled.as_text()),
+                      "h100", seconds, gpus_per_host=8)
+
+
+def test_h100_program_keeps_hsdp_gathers_on_one_host():
+    """The compiled program for 2 hosts x 8 H100: with mesh.data=2 mesh.fsdp=8 every weight
+    gather and gradient scatter stays within a host and only the all-reduce over data crosses;
+    with mesh.fsdp=16 the per-layer gathers cross hosts, and the report warns."""
+    hsdp = _compile("mesh.data=2", "mesh.fsdp=8")
+    over_fsdp = [r for r in hsdp["collectives"] if r["axes"] == ["fsdp"]]
+    assert over_fsdp and not any(r["crosses_hosts"] for r in over_fsdp)
+    assert all(r["crosses_hosts"] for r in hsdp["collectives"] if "data" in r["axes"])
+    assert not any(line.startswith("warning") for line in hsdp["hosts_layout"])
+    flat = _compile("mesh.fsdp=16")
+    gathers = [r for r in flat["collectives"] if r["op"] == "all-gather" and r["axes"] == ["fsdp"]]
+    assert gathers and all(r["crosses_hosts"] for r in gathers)
+    assert any("mesh.data=2 mesh.fsdp=8" in line for line in flat["hosts_layout"])
+    assert any("mesh.data=2 mesh.fsdp=8" in line for line in aot.format_report(flat))
