@@ -7,7 +7,7 @@ import jax
 import pytest
 from test_aot import TINY
 
-from jaxtron import aot, hlo, parallel
+from jaxtron import aot, distributed, hlo, parallel
 from jaxtron import config as config_lib
 
 
@@ -95,3 +95,14 @@ def test_h100_program_keeps_hsdp_gathers_on_one_host():
     assert gathers and all(r["crosses_hosts"] for r in gathers)
     assert any("mesh.data=2 mesh.fsdp=8" in line for line in flat["hosts_layout"])
     assert any("mesh.data=2 mesh.fsdp=8" in line for line in aot.format_report(flat))
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, 1),
+    ({"SLURM_NTASKS": "128", "SLURM_TASKS_PER_NODE": "8(x16)"}, 8),  # srun, one task per GPU
+    ({"SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "1(x16)"}, 1),  # one task per node
+    ({"SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1(x16)"}, 1),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 8),
+])
+def test_processes_per_host_from_the_cluster_manager(environ, expected):
+    assert distributed.processes_per_host(environ) == expected
