@@ -1,0 +1,121 @@
+"""Rank the layouts of a model on a GPU cluster before renting it: memory per GPU and step time.
+
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 128 --gpus-per-node 8
+    python tools/plan.py --config configs/llama3_8b.yaml --gpus 16 --json plan.json --verify 3
+    python tools/plan.py --config configs/llama3_70b.yaml --gpus 128 train.batch_size=512 \\
+        train.seq_len=4096 --remat full,save_attn_out
+
+Every mesh (data x fsdp x tensor x stage), pipeline schedule, microbatch count and remat policy the
+config's checks accept is estimated (jaxtron/planner.py says how, with its constants and their
+sources): the dry run's per-GPU memory, and a step time from compute, the pipeline bubble and the
+communication each axis implies over NVLink or the network. The best few are printed with the
+reason each loses to the one above; `--json FILE` writes the whole ranked list. `--verify N`
+compiles the best N for the real GPU topology (as `launch.py --compile-for` does, a few minutes
+for a large model) and prints each estimate beside the compiled peak. Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxtron import aot, planner
+from jaxtron import config as config_lib
+from jaxtron.cli import EXIT_USAGE, one_line_errors
+from jaxtron.config import ConfigError
+from jaxtron.model import REMAT_POLICIES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"plan: {message} (see python tools/plan.py --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[], help="YAML preset (repeatable)")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", default="h100", choices=sorted(planner.ACHIEVABLE_TFLOPS))
+    parser.add_argument("--remat", default="",
+                        help="comma-separated remat policies to try (default: the config's, full)")
+    parser.add_argument("--top", type=int, default=5, help="layouts to print")
+    parser.add_argument("--json", type=Path, help="write the ranked list here")
+    parser.add_argument("--verify", type=int, default=0, metavar="N",
+                        help="compile the best N layouts for the GPUs and compare peaks")
+    parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return parser.parse_args(argv)
+
+
+def _remats(args: argparse.Namespace, cfg) -> list[str]:
+    names = [r for r in args.remat.split(",") if r] or list(dict.fromkeys([cfg.model.remat,
+                                                                          "full"]))
+    unknown = [r for r in names if r not in REMAT_POLICIES]
+    if unknown:
+        raise ConfigError(f"--remat {unknown[0]} is not one of {', '.join(REMAT_POLICIES)}")
+    return names
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.gpus < 1 or args.gpus_per_node < 1 or args.top < 1 or args.verify < 0:
+        raise ConfigError("--gpus, --gpus-per-node and --top must be at least 1, --verify at "
+                          "least 0")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of "
+                          f"--gpus-per-node {args.gpus_per_node}")
+
+
+def print_ranking(ranked: list[planner.Layout], top: int, capacity: int) -> None:
+    """The best `top`, each with why it loses to the one above."""
+    fits = sum(x.fits for x in ranked)
+    print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))}:")
+    for i, layout in enumerate(ranked[:top]):
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in layout.parts.items() if v >= 0.005)
+        print(f"{i + 1}. {layout.name()}: {layout.step_seconds:.2f} s per step, "
+              f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts})")
+        if i:
+            print(f"   below #{i}: {planner.why_slower(layout, ranked[i - 1], capacity)}")
+
+
+def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespace) -> None:
+    """Compile the best `count` that fit and print estimate against compiled peak."""
+    for layout in [x for x in ranked if x.fits][:count]:
+        candidate = planner.configure(cfg, layout.mesh, layout.schedule, layout.repeats,
+                                      layout.microbatches, layout.remat)
+        compiled, _, seconds = aot.compile_step_for(candidate, args.gpu, args.gpus,
+                                                    args.gpus_per_node)
+        stats = compiled.memory_analysis()
+        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+        print(f"verify {layout.name()}: estimate {layout.peak_bytes / 2**30:.1f} GiB, compiled "
+              f"{peak / 2**30:.1f} GiB ({layout.peak_bytes / peak - 1:+.1%}), compiled in "
+              f"{seconds:.0f} s", flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    _check(args)
+    cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
+    capacity = aot.capacity_bytes(args.gpu)
+    ranked = planner.evaluate(cfg, args.gpus, args.gpus_per_node, args.gpu, capacity,
+                              _remats(args, cfg))
+    if not ranked:
+        raise ConfigError(f"no layout of this model divides {args.gpus} GPUs; check "
+                          "train.batch_size and the model's heads and layers")
+    print_ranking(ranked, args.top, capacity)
+    if args.json:
+        args.json.write_text(json.dumps([x.as_json() for x in ranked], indent=1))
+        print(f"wrote {len(ranked)} layouts to {args.json}")
+    if args.verify:
+        verify(cfg, ranked, args.verify, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return one_line_errors(lambda: run(args), prefix="plan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
