@@ -7,8 +7,13 @@
     python launch.py model.collective_matmul=true xla.flags=[--xla_dump_to=/tmp/hlo]  # overlap, flags
     python launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0   # and id 1
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
+    python launch.py --strict ...                    # a set-up problem stops the run (exit 2)
 
-Exit status: 0 done; 2 bad input (one line says what to change); 3 stopped on a non-finite loss
+Before training, the set-up checks of tools/doctor.py run (jaxtron/doctor.py): each problem is one
+`warning: ...` line naming the fix; with --strict, one `error: ...` line each and exit status 2.
+
+Exit status: 0 done; 2 bad input (one line says what to change), or with --strict a set-up
+problem; 3 stopped on a non-finite loss
 (train.on_nonfinite=stop); 4 a due checkpoint could not be saved (the line says why; the previous
 checkpoint is intact); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun resumes).
 Several processes: when one dies, JAX aborts the others (SIGABRT) within about 30 s
@@ -55,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="several processes: how many (with --coordinator and --process-id)")
     parser.add_argument("--process-id", type=int, metavar="I",
                         help="several processes: this one's index, 0..N-1")
+    parser.add_argument("--strict", action="store_true",
+                        help="set-up problems found before training (tools/doctor.py's checks) "
+                             "are errors: exit status 2")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -99,13 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PREEMPTED
 
 
-def run(args: argparse.Namespace) -> None:
-    """Load the config, set XLA's flags, then plan (--dry-run) or join the processes and train."""
+def run(args: argparse.Namespace) -> int | None:
+    """Load the config, set XLA's flags, then plan (--dry-run) or join the processes, check the
+    set-up and train."""
     from jaxtron import distributed, xla_flags
     from jaxtron.config import ConfigError, load
     from jaxtron.train import train
 
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    if args.strict and (args.dry_run or args.compile_for):
+        raise ConfigError("--strict applies to training runs; to check a set-up without training, "
+                          "run python tools/doctor.py --strict")
     if args.compile_for:
         compile_for(cfg, args)
         return
@@ -124,7 +136,23 @@ def run(args: argparse.Namespace) -> None:
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if status := preflight(cfg, args):
+        return status
     train(cfg)
+    return None
+
+
+def preflight(cfg, args: argparse.Namespace) -> int:
+    """tools/doctor.py's checks (a collective with several processes); process 0 prints the
+    problems. The exit status: 2 under --strict when there is any, else 0."""
+    import os
+
+    import jax
+
+    from jaxtron import doctor
+
+    problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator)
+    return doctor.report(problems, args.strict, show=jax.process_index() == 0)
 
 
 def compile_for(cfg, args: argparse.Namespace) -> None:

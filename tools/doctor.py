@@ -1,0 +1,86 @@
+"""Check a machine or cluster's set-up for a run before renting hours on it (jaxtron/doctor.py).
+
+    python tools/doctor.py                                          # the tiny default config
+    python tools/doctor.py --config configs/llama3_8b.yaml mesh.fsdp=8 run.dir=/shared/runs/8b
+    python tools/doctor.py --config configs/llama3_70b.yaml --devices 128   # the mesh for 128
+    srun --ntasks-per-node=8 python tools/doctor.py --config ... --strict    # every host at once
+    python tools/doctor.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0  # and 1
+
+Checks the environment (CUDA_LAUNCH_BLOCKING, jax's GPU allocator variables, proxies that would
+carry the coordinator's traffic), jax/jaxlib/CUDA plugin versions, the devices against the mesh,
+fsdp or tensor groups spanning hosts, and run.dir (shared between hosts, room for a checkpoint).
+Several processes join as launch.py's do, and process 0 prints every process's problems.
+
+Output: one line per problem, `doctor: warning: ...` naming the fix, or `doctor: no problems
+found`; exit status 0. With --strict: `doctor: error: ...` lines on stderr and exit status 2.
+Bad input (config, flags): one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from jaxtron import doctor
+from jaxtron.cli import EXIT_USAGE, one_line_errors
+from jaxtron.config import load
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"doctor: {message} (see python tools/doctor.py --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[],
+                        help="YAML preset (repeatable; later files override earlier ones)")
+    parser.add_argument("--strict", action="store_true",
+                        help="problems are errors: exit status 2 when there is any")
+    parser.add_argument("--devices", type=int, default=0,
+                        help="plan the mesh for this many devices (default: the ones found)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="several processes: process 0's address and a free port there")
+    parser.add_argument("--num-processes", type=int, metavar="N",
+                        help="several processes: how many (with --coordinator and --process-id)")
+    parser.add_argument("--process-id", type=int, metavar="I",
+                        help="several processes: this one's index, 0..N-1")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+def diagnose(args: argparse.Namespace) -> int:
+    """Run every check (joining the other processes first, if any); print; the exit status."""
+    cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    broken = doctor.check_jaxlib(doctor.installed_versions())
+    if broken:  # jax will not import, and every other check needs it
+        return finish(broken, args.strict, show=True)
+    from jaxtron import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
+    problems = doctor.check_all(cfg, os.environ, devices=args.devices, coordinator=args.coordinator)
+    return finish(problems, args.strict, show=jax.process_index() == 0)
+
+
+def finish(problems: list[str], strict: bool, show: bool) -> int:
+    """Print the problems (or that there are none); the exit status."""
+    status = doctor.report(problems, strict, "doctor: ", show)
+    if show and not problems:
+        print("doctor: no problems found")
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return one_line_errors(lambda: diagnose(args), prefix="doctor: error")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
