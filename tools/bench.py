@@ -4,8 +4,8 @@
     python tools/bench.py --config configs/gpu_base.yaml --steps 20 model.remat=save_dots
 
 The step is the real one (`train.compile_step`, the config's mesh and flags) on random tokens
-(full-length documents), so the data pipeline is out of the measurement. Prints one JSON line per
-run and appends it to --out when given. MFU counts model FLOPs only (jaxtron/metrics.py), so it
+(full-length documents), so the data pipeline is out of the measurement. Prints a table (or, with
+--json, one JSON line) and appends the JSON line to --out when given. MFU counts model FLOPs only (jaxtron/metrics.py), so it
 compares fairly across remat policies; on devices with no known peak it is null.
 """
 
@@ -24,6 +24,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     parser.add_argument("--out", help="append the JSON result to this file")
+    parser.add_argument("--json", action="store_true", help="print one JSON line, not a table")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -97,8 +98,36 @@ def main(argv: list[str] | None = None) -> int:
     return one_line_errors(lambda: report(args))
 
 
+ROWS = (  # (label, key, format) of the table
+    ("device", "device", "{}"), ("devices", "devices", "{}"), ("mesh", "mesh", "{}"),
+    ("parameters", "params", "{:,}"), ("batch x seq_len", None, None),
+    ("microbatches", "microbatches", "{}"), ("remat", "remat", "{}"),
+    ("pipeline bubble", "bubble", "{:.1%}"), ("step time (median)", "step_time_s", "{:.3f} s"),
+    ("step time (fastest)", "step_time_min_s", "{:.3f} s"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"), ("TFLOP/s per device", "tflops_per_device", "{:.1f}"),
+    ("MFU", "mfu", "{:.1%}"), ("compile", "compile_s", "{:.1f} s"), ("loss", "loss", "{:.4f}"),
+    ("arguments per device", "argument_gib", "{:.2f} GiB"),
+    ("temporaries per device", "temp_gib", "{:.2f} GiB"),
+    ("peak in use (device)", "peak_gib", "{:.2f} GiB"),
+)
+
+
+def table(result: dict) -> str:
+    """The result as aligned `label  value` lines (n/a where a value is unknown)."""
+    lines = []
+    for label, key, fmt in ROWS:
+        if key is None:
+            value = f"{result['batch']} x {result['seq_len']}"
+        elif key == "mesh":
+            value = " ".join(f"{axis}={size}" for axis, size in result["mesh"].items())
+        else:
+            value = "n/a" if result.get(key) is None else fmt.format(result[key])
+        lines.append(f"{label:<24} {value}")
+    return "\n".join(lines)
+
+
 def report(args: argparse.Namespace) -> None:
-    """Measure, print the result as one JSON line, and append it to --out."""
+    """Measure, print the result as a table (or one JSON line), and append it to --out."""
     from jaxtron import xla_flags
     from jaxtron.config import load
 
@@ -106,10 +135,11 @@ def report(args: argparse.Namespace) -> None:
     xla_flags.apply(cfg.xla)  # before anything starts a backend
     result = {**bench(cfg, args.steps, args.warmup), "overrides": args.overrides}
     line = json.dumps(result)
-    print(line, flush=True)
+    print(line if args.json else table(result), flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write(line + "\n")
+
 
 if __name__ == "__main__":
     sys.exit(main())
