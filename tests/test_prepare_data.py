@@ -293,17 +293,29 @@ def test_bad_input_reported_and_counted(tmp_path, tokenizer, bad_inputs):
 def test_strict_stops_on_bad_input(tmp_path, tokenizer, bad_inputs):
     d, expected = bad_inputs
     done = run_tool(d, "--out", tmp_path / "all", "--tokenizer", tokenizer, "--strict", check=False)
-    assert done.returncode == 1 and "bad input (--strict): " + str(d) in done.stderr
-    assert not (tmp_path / "all" / "manifest.json").exists()
+    assert done.returncode == 2 and "bad input (--strict): " + str(d) in done.stderr
+    assert not (tmp_path / "all").exists()  # a first run that failed leaves no tokenizer or parts
     done = run_tool(d / "docs.jsonl", "--out", tmp_path / "one", "--tokenizer", tokenizer,
                     "--strict", check=False)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == \
         f"prepare_data.py: error: bad input (--strict): {d / 'docs.jsonl'}:2: not JSON"
     run_tool(d / "docs.jsonl", "--out", tmp_path / "one", "--tokenizer", tokenizer)
     done = run_tool(d / "docs.jsonl", "--out", tmp_path / "one", "--tokenizer", tokenizer,
                     "--strict", check=False)  # finished without --strict: still refused
-    assert done.returncode == 1 and f"{d / 'docs.jsonl'}:2: not JSON" in done.stderr
+    assert done.returncode == 2 and f"{d / 'docs.jsonl'}:2: not JSON" in done.stderr
+    assert (tmp_path / "one" / "manifest.json").is_file()  # what an earlier run made is kept
+
+
+def test_no_good_document_is_an_error_not_an_empty_dataset(tmp_path, tokenizer):
+    """Every line bad: one line naming the reasons, exit 2, and no dataset directory left."""
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"txt": "wrong field"}\nnot json\n')
+    done = run_tool(src, "--out", tmp_path / "ds", "--tokenizer", tokenizer, check=False)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("prepare_data.py: error: no documents to train on: ") and "bad" in last
+    assert not (tmp_path / "ds").exists()
 
 
 @pytest.mark.parametrize("args, message", [

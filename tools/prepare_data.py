@@ -8,7 +8,7 @@ alone; units are tokenized in worker processes, each into its own shards, a new 
 --part-tokens tokens of a split. Safe to interrupt: shards get their names when complete, a unit's
 completion record (.parts/NNNNN.json) is written atomically after all its shards, and a rerun
 redoes only units without one, then rewrites manifest.json from the records. Bad input is reported
-by file and line (0-based row for Parquet), skipped and counted; --strict exits 1 on it.
+by file and line (0-based row for Parquet), skipped and counted; --strict exits 2 on it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
@@ -336,8 +337,20 @@ def summary(manifest: dict, records: list[dict], new_tokens: int, seconds: float
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """The whole tool: inputs -> tokenizer -> units -> shards per unit -> manifest."""
+    """The whole tool; an output directory this run created is removed again when it fails, so a
+    failed first run leaves nothing that looks like a dataset (a resumed one keeps its parts)."""
     out = absolute(Path(args.out).expanduser())
+    fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
+    try:
+        return _prepare(args, out)
+    except BaseException:
+        if fresh and out.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _prepare(args: argparse.Namespace, out: Path) -> int:
+    """Inputs -> tokenizer -> units -> shards per unit -> manifest."""
     sources = find_sources(args.inputs, out)
     tok = obtain_tokenizer(args, sources, out)
     run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "tokenizer_sha256": tok.sha256,
@@ -362,6 +375,9 @@ def prepare(args: argparse.Namespace) -> int:
         records.update(run_units(todo, settings, args.workers, bar))
     seconds, ordered = time.monotonic() - started, [records[unit.index] for unit in units]
     manifest = build_manifest(ordered, tok, run)
+    if not manifest["splits"]["train"]["documents"]:
+        raise ConfigError(f"no documents to train on: {summary(manifest, ordered, 0, 0)}"
+                          .replace("\n", "; ") + "; fix the inputs (or --text-field) and rerun")
     write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     new_tokens = sum(f["tokens"] for unit in todo for f in records[unit.index]["files"])
     print(summary(manifest, ordered, new_tokens, seconds), file=sys.stderr)
@@ -396,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--part-tokens", type=int, default=50_000_000,
                    help="tokens per shard; files are grouped into units of about this many "
                    "(%(default)s)")
-    p.add_argument("--strict", action="store_true", help="exit 1 on the first bad input")
+    p.add_argument("--strict", action="store_true", help="exit 2 on the first bad input")
     args = p.parse_args(argv)
     for name in ("workers", "part_tokens", "sample_bytes"):
         if getattr(args, name) < 1:
@@ -409,14 +425,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; exit status 0, 1 (bad input under --strict), 2 (usage) or 130 (interrupted)."""
+    """Run the tool; exit status 0, 2 (bad input: usage, or a bad document under --strict) or
+    130 (interrupted)."""
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a batch system's stop: as Ctrl-C
     try:
         return one_line_errors(lambda: prepare(args), prefix="prepare_data.py: error")
     except StrictStop as e:
         print(f"prepare_data.py: error: bad input (--strict): {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print("prepare_data.py: interrupted; rerun the same command to finish", file=sys.stderr)
         return 130
