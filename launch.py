@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int | None:
         return
     if args.devices:
         raise ConfigError("--devices only applies to --dry-run and --compile-for")
+    _check_run_dir(cfg.run.dir)
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -184,6 +185,26 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     if args.report:
         with outputs[args.report].open("w") as f:
             json.dump(report, f, indent=1)
+
+
+def _check_run_dir(path: str) -> None:
+    """run.dir is a directory this process can create and write in (before anything compiles)."""
+    import os
+
+    from jaxtron.config import ConfigError
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"run.dir={path} is a file; set run.dir to a directory (a new one, or "
+                          "a run to resume)")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run.dir={path} cannot be written ({e.strerror}); choose a directory "
+                          "you can write") from None
 
 
 def _writable(path: str) -> Path:

@@ -3,6 +3,7 @@ traceback; other expected failures end the same way with their own status."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable
 
@@ -18,6 +19,9 @@ def one_line_errors(run: Callable[[], int | None], prefix: str = "error",
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
     try:
         return run() or 0
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 0
     except tuple(handled) as e:
         print(f"{prefix}: {e}", file=sys.stderr)
         return next(code for kind, code in handled.items() if isinstance(e, kind))

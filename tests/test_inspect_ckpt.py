@@ -82,3 +82,10 @@ def test_not_a_checkpoint_exits_2_with_one_line(run_dir, tmp_path, name):
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and str(path) in result.stderr
+
+
+def test_a_closed_pipe_ends_quietly(run_dir):
+    """`inspect_ckpt.py RUN | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.run(f"{sys.executable} {TOOL} {run_dir} | head -1", shell=True,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.stdout.count("\n") == 1 and proc.stderr == "", proc.stderr

@@ -193,3 +193,14 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
                         "model.vocab_size=512", f"run.dir={run_dir}2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vocab" in err[0]
+
+
+@pytest.mark.parametrize("kind", ["file", "under_a_file"])
+def test_a_run_dir_that_cannot_be_one_is_one_line(tmp_path, capsys, kind):
+    """run.dir naming a file, or a path under one: one line and status 2, before compiling."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    path = tmp_path / "notes.txt" if kind == "file" else tmp_path / "notes.txt" / "run"
+    rc = _main([*SMALL_RUN, f"run.dir={path}"])
+    message = "is a file; set run.dir" if kind == "file" else "cannot be written (Not a directory)"
+    _assert_one_line_status_2(rc, capsys.readouterr().err, f"run.dir={path} {message}")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
