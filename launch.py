@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="set-up problems found before training (tools/doctor.py's checks) "
                              "are errors: exit status 2")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before, between or after options
 
 
 def _gib(n: int) -> str:

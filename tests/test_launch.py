@@ -204,3 +204,13 @@ def test_a_run_dir_that_cannot_be_one_is_one_line(tmp_path, capsys, kind):
     message = "is a file; set run.dir" if kind == "file" else "cannot be written (Not a directory)"
     _assert_one_line_status_2(rc, capsys.readouterr().err, f"run.dir={path} {message}")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_overrides_may_come_after_options(capsys):
+    """`launch.py train.steps=5 --dry-run mesh.fsdp=1`: both overrides apply."""
+    args = launch.parse_args(["train.steps=5", "--dry-run", "mesh.fsdp=1", "--devices", "1",
+                              "train.seq_len=64"])
+    assert args.dry_run and args.devices == 1
+    assert args.overrides == ["train.steps=5", "mesh.fsdp=1", "train.seq_len=64"]
+    assert _main(["train.steps=5", "--dry-run", "mesh.fsdp=1", "--devices", "1"]) == 0
+    assert "steps: 5" in capsys.readouterr().out
