@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 
 from jaxtron import data as data_lib
 from jaxtron import weights
-from jaxtron.config import CheckpointConfig, ConfigError
+from jaxtron.config import CheckpointConfig, ConfigError, ModelConfig
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
 
@@ -77,13 +77,21 @@ class Checkpoints:
         return _restore(self.manager, step, _target(abstract_state, shardings))
 
     def restore_latest(self, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
-                       warn: Callable[[str], None]) -> tuple[int, dict, dict] | None:
+                       warn: Callable[[str], None],
+                       model: ModelConfig) -> tuple[int, dict, dict] | None:
         """The newest checkpoint that reads back whole, with `batches` moved to where it was.
         Newer damaged checkpoints are skipped with a warning naming them, and moved aside to
         run.dir/damaged_checkpoints/ so that this run can save those steps again. None when there
         are no checkpoints; an error when there are some but none is readable (then nothing is
         moved: a config that no longer matches them reads as damaged too)."""
         steps, damaged = self.steps(), []
+        if steps:
+            changed = weights.model_changes(
+                weights.read_meta(Path(self.manager.directory) / str(steps[0])), model)
+            if changed:
+                raise ConfigError(
+                    f"{self.manager.directory.parent} holds checkpoints of another model "
+                    f"({', '.join(changed)}); set run.dir to a new directory, or those back")
         for step in steps:
             try:
                 state, meta = self.restore(step, abstract_state, shardings)
@@ -153,7 +161,7 @@ def restore_input(directory: Path, batches: grain.DatasetIterator,
 
 
 def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
-                 weights_only: bool) -> tuple[dict, dict]:
+                 weights_only: bool, model: ModelConfig) -> tuple[dict, dict]:
     """Start from another run's checkpoint: `path` is a checkpoint (`.../checkpoints/<step>`),
     or a run, import or checkpoints directory (its newest complete checkpoint). With
     `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
@@ -163,6 +171,10 @@ def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.
     except ConfigError:
         raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
                           ", nor a run or import directory holding a complete one") from None
+    changed = weights.model_changes(weights.read_meta(directory), model)
+    if changed:
+        raise ConfigError(f"checkpoint.restore={path} holds another model ({', '.join(changed)})"
+                          "; set those to the checkpoint's values")
     if weights.read_meta(directory).get("layout") == weights.LAYERED:
         if not weights_only:
             raise ConfigError(f"checkpoint.restore={path} holds imported weights only (no optimizer"

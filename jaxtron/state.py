@@ -97,7 +97,7 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
     """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
     checkpoint.restore, else fresh weights."""
     shardings = parallel.named(plan.specs, mesh)
-    restored = ckpt.restore_latest(plan.abstract, shardings, batches, info)
+    restored = ckpt.restore_latest(plan.abstract, shardings, batches, info, cfg.model)
     if restored is not None:
         step, state, meta = restored
         state = in_layer_order(state, meta, plan, tx, shardings, info)
@@ -107,7 +107,7 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
     if not cfg.checkpoint.restore:
         return init_state(cfg, plan, tx, mesh), 0, 0
     state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, batches,
-                               cfg.checkpoint.weights_only)
+                               cfg.checkpoint.weights_only, cfg.model)
     if cfg.checkpoint.weights_only:
         params = in_layer_order(state, meta, plan, tx, shardings, info)["params"]
         state = fresh_state_around(params, tx, shardings)

@@ -70,6 +70,26 @@ def read_meta(step_dir: Path) -> dict:
         raise ConfigError(f"{step_dir}: unreadable meta item ({e})") from None
 
 
+SHAPED = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
+          "mlp_dim", "tie_embeddings", "qkv_bias", "param_dtype")  # what the saved arrays fix
+
+
+def model_changes(meta: dict, model: config_lib.ModelConfig) -> list[str]:
+    """The model fields that give this config other arrays than the checkpoint's, as
+    `model.key=saved -> now` (empty when its weights fit; compute settings may change)."""
+    import yaml
+
+    try:
+        saved = config_lib.ModelConfig(**{k: v for k, v in
+                                          yaml.safe_load(meta["config"])["model"].items()
+                                          if k in config_lib.ModelConfig.__dataclass_fields__})
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []  # an older or foreign meta: the restore itself decides
+    name = lambda key: "head_dim" if key == "head_size" else key
+    return [f"model.{name(k)}={getattr(saved, k)} -> {getattr(model, k)}" for k in SHAPED
+            if getattr(saved, k) != getattr(model, k)]
+
+
 def config_of(meta: dict) -> config_lib.Config:
     """The run config a checkpoint was saved with (its meta's YAML, read through the schema)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:

@@ -127,7 +127,7 @@ def test_read_params_puts_layers_in_the_order_the_trainer_restores_them(pipeline
     mesh = parallel.make_mesh(one.mesh, jax.devices()[:1])
     shardings = parallel.named(plan.specs, mesh)
     restored, meta = checkpoint.restore_from(str(pipeline_run), plan.abstract, shardings, None,
-                                             weights_only=True)
+                                             weights_only=True, model=one.model)
     restored = state_lib.in_layer_order(restored, meta, plan, tx, shardings, print)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(restored["params"])):
         np.testing.assert_array_equal(got, np.asarray(want))
@@ -184,7 +184,8 @@ def test_an_import_restores_only_as_weights(tmp_path):
     _save("llama2", tmp_path / "hf")
     assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
     with pytest.raises(ConfigError, match="holds imported weights only .*add checkpoint.weights_only=true$"):
-        checkpoint.restore_from(str(tmp_path / "imp"), {}, {}, None, weights_only=False)
+        checkpoint.restore_from(str(tmp_path / "imp"), {}, {}, None, weights_only=False,
+                                model=hf.read_config(tmp_path / "hf"))
 
 
 def _one_line(capsys, status: int, *args) -> str:

@@ -214,3 +214,21 @@ def test_overrides_may_come_after_options(capsys):
     assert args.overrides == ["train.steps=5", "mesh.fsdp=1", "train.seq_len=64"]
     assert _main(["train.steps=5", "--dry-run", "mesh.fsdp=1", "--devices", "1"]) == 0
     assert "steps: 5" in capsys.readouterr().out
+
+
+def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path):
+    """Resuming a run with other model sizes, or starting from a checkpoint of another model:
+    one line naming the fields that differ, status 2; the checkpoints stay where they are."""
+    run_dir = tmp_path / "run"
+    assert _launch(*SMALL_RUN, f"run.dir={run_dir}").returncode == 0
+    proc = _launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
+    _assert_one_line_status_2(proc.returncode, proc.stderr,
+                              f"{run_dir} holds checkpoints of another model "
+                              "(model.num_layers=4 -> 2); set run.dir to a new directory")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1"]
+    assert not (run_dir / "damaged_checkpoints").exists()
+    proc = _launch(*SMALL_RUN, f"checkpoint.restore={run_dir}", "checkpoint.weights_only=true",
+                   "model.vocab_size=9000", f"run.dir={tmp_path / 'other'}")
+    _assert_one_line_status_2(proc.returncode, proc.stderr,
+                              f"checkpoint.restore={run_dir} holds another model "
+                              "(model.vocab_size=8192 -> 9000)")
