@@ -64,3 +64,10 @@ def test_yaml_base_cycle_is_reported(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(config.ConfigError, match="cycle"):
         config.load([tmp_path / "a.yaml"])
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_checkpoints_during_its_run(preset):
+    """A job killed by anything but a signal loses at most `checkpoint.every` steps."""
+    cfg = config.load([CONFIGS / preset])
+    assert 0 < cfg.checkpoint.every < cfg.train.steps
