@@ -155,6 +155,11 @@ class RunConfig:
     dir: str = "runs/default"
     tensorboard: bool = True
     progress: str = "auto"  # auto (bar on a terminal) | bar | lines
+    # [first, last]: a JAX profiler trace of these steps into run.dir/profile/ (TensorBoard, Perfetto)
+    profile_steps: list[int] = field(default_factory=list)
+    profile_all_processes: bool = False  # every process traces into profile/process_<i>; else only 0
+    # JAX's persistent compilation cache: a restart loads compiled programs from DIR; "" = off
+    compile_cache: str = ""
 
 
 @dataclass(frozen=True)
@@ -267,6 +272,10 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("checkpoint.weights_only=true needs checkpoint.restore=PATH")
     if cfg.run.progress not in ("auto", "bar", "lines"):
         raise ConfigError(f"run.progress={cfg.run.progress} is not one of auto, bar, lines")
+    traced = cfg.run.profile_steps
+    if traced and (len(traced) != 2 or not 0 <= traced[0] <= traced[1] <= t.steps):
+        raise ConfigError(f"run.profile_steps={list(traced)} must be [first, last] with 0 <= first "
+                          f"<= last <= train.steps={t.steps}, e.g. [10, 12]; [] for no trace")
     positive = {
         "model.vocab_size": m.vocab_size, "model.num_layers": m.num_layers,
         "model.d_model": m.d_model, "model.num_heads": m.num_heads,

@@ -117,6 +117,11 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.add_scalar(name, value, step)
 
+    def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+        """Extra TensorBoard scalars `prefix/<key>` (the goodput account of run.dir's attempts)."""
+        for key, value in values.items():
+            self.scalar(f"{prefix}/{key}", value, step)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -169,7 +174,8 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost) -> dict
 
 
 class Stopwatch:
-    """Accumulates wall time of named phases (data wait, compile)."""
+    """Accumulates wall time of named phases (compile, data wait, checkpoint, eval); the goodput
+    account (jaxtron/goodput.py) is built from these totals."""
 
     def __init__(self):
         self.totals: dict[str, float] = {}
@@ -177,7 +183,11 @@ class Stopwatch:
 
     @contextlib.contextmanager
     def time(self, name: str):
+        """Time the enclosed block as `name`; also when it raises (a preemption or an error
+        mid-phase still counts in the account)."""
         start = time.perf_counter()
-        yield
-        self.last = time.perf_counter() - start
-        self.totals[name] = self.totals.get(name, 0.0) + self.last
+        try:
+            yield
+        finally:
+            self.last = time.perf_counter() - start
+            self.totals[name] = self.totals.get(name, 0.0) + self.last

@@ -1,11 +1,14 @@
 """The training loop: feed, step, checkpoint, evaluate, log; preemption and non-finite steps.
 
 `train(cfg)` reads top to bottom: mesh and plan (every check, before anything is allocated), run
-directory and writers, input, state (restored or born sharded), the step compiled once, the loop.
+directory and writers, input, state (restored or born sharded), the step compiled once, the loop;
+at exit, the attempt's goodput account (jaxtron/goodput.py). Around it: a profiler trace of
+run.profile_steps, and JAX's persistent compilation cache in run.compile_cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -15,13 +18,14 @@ from typing import Callable
 
 import jax
 from jax.experimental import multihost_utils
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
+from jaxtron import goodput, parallel, pipeline
 from jaxtron import metrics as metrics_lib
-from jaxtron import parallel, pipeline
 from jaxtron.checkpoint import Checkpoints
 from jaxtron.config import Config
 from jaxtron.model import check_remat
@@ -30,8 +34,14 @@ from jaxtron.state import initial_state, make_plan
 from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
 
 
-def train(cfg: Config, devices: list | None = None) -> list[dict]:
-    """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows."""
+def train(cfg: Config, devices: list | None = None, started: float | None = None) -> list[dict]:
+    """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows.
+    `started` (a time.time()) opens this attempt's goodput account: by default when its process
+    started, or when the run's previous attempt ended if later (an earlier call in this process)."""
+    run_dir = Path(cfg.run.dir)
+    if started is None:
+        started = max(goodput.process_start(), goodput.previous_end(run_dir))
+    use_compile_cache(cfg.run.compile_cache)  # before anything compiles
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
     cfg = attention_lib.configure(cfg, devices[0].platform)
@@ -41,7 +51,6 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     mesh = parallel.make_mesh(cfg.mesh, devices)
 
     # Run directory and writers.
-    run_dir = Path(cfg.run.dir)
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,6 +79,9 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
     # State: restored from the latest checkpoint, else born sharded; the step compiled once.
     run = RunContext(mesh, Checkpoints(cfg.checkpoint, run_dir), log, batches, eval_batches,
                      metrics_lib.StepCost.of(cfg, devices))
+    run.account = goodput.Attempt(run.watch, started)
+    run.profile = Profile(cfg.run, run_dir, log, run.watch)
+    outcome = "done"
     try:
         with jax.set_mesh(mesh), Preemption() as run.preemption:
             state, start, tokens_seen = initial_state(cfg, plan, tx, mesh, ckpt=run.ckpt,
@@ -77,15 +89,116 @@ def train(cfg: Config, devices: list | None = None) -> list[dict]:
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
                 return []
-            with run.watch.time("compile"):
+            with run.watch.time("compile"), _compile_cache_events() as events:
                 lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
                 run.step_fn = lowered.compile()
-            log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s")
+            cache = ""  # whether run.compile_cache had it, if it is on
+            if events:
+                cache = " (and stored in " if "misses" in events else " (loaded from "
+                cache += "run.compile_cache)"
+            log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s{cache}")
             run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
             return _loop(cfg, run, state, start, tokens_seen)
+    except BaseException as e:
+        outcome = "preempted" if isinstance(e, Preempted) else f"failed: {type(e).__name__}"
+        raise
     finally:
-        run.ckpt.close()  # the last async save is on disk before we return, also on error
+        _finish(run, run_dir, outcome)
         log.close()
+
+
+def use_compile_cache(directory: str) -> None:
+    """Turn on JAX's persistent compilation cache in `directory` ("" leaves JAX's own settings):
+    a restart loads each compiled program instead of compiling it again. JAX keys an entry on the
+    program's HLO (its shardings, so the mesh), compile options, devices, jaxlib and XLA_FLAGS:
+    a changed mesh or XLA flag compiles anew (tests/test_run_tools.py checks both)."""
+    if not directory:
+        return
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        compilation_cache.reset_cache()  # one opened earlier in this process, on another directory
+    # Every program, however quick to compile: a restart then compiles nothing (the init, eval and
+    # step programs are a handful of entries, the step's the only large one).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@contextlib.contextmanager
+def _compile_cache_events():
+    """A list that gathers the persistent compilation cache's "hits" (a program loaded) and
+    "misses" (compiled and stored) while open, from JAX's monitoring events."""
+    events = []
+
+    def listen(event: str, **kwargs) -> None:
+        if event.startswith("/jax/compilation_cache/cache_"):
+            events.append(event.rsplit("_", 1)[1])
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+
+
+def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
+    """End the attempt: close an open trace, wait for the last checkpoint write, then account for
+    the attempt in run_dir/goodput.json and report all attempts on stdout and TensorBoard."""
+    run.account.end_loop()
+    run.profile.stop()
+    with run.watch.time("checkpoint"):
+        run.ckpt.close()  # the last async save is on disk before we return, also on error
+    record = run.account.record(outcome)
+    if not run.log.is_main:
+        return
+    summary = goodput.summarize(goodput.append(run_dir, record, run.log.info))
+    run.log.info(goodput.format_summary(summary))
+    run.log.scalars("goodput", summary, record["last_step"] or 0)
+
+
+class Profile:
+    """A JAX profiler trace (TensorBoard's and Perfetto's formats) of the steps run.profile_steps
+    names, into run.dir/profile/ (process 0) or profile/process_<i>/ (run.profile_all_processes)."""
+
+    def __init__(self, cfg: config_lib.RunConfig, run_dir: Path, log: metrics_lib.MetricsWriter,
+                 watch: metrics_lib.Stopwatch):
+        self.first, self.last = cfg.profile_steps or (0, -1)
+        self.dir = run_dir / "profile"
+        if cfg.profile_all_processes:
+            self.dir = self.dir / f"process_{jax.process_index()}"
+        self.enabled = bool(cfg.profile_steps) and (cfg.profile_all_processes or
+                                                    jax.process_index() == 0)
+        self.log, self.watch = log, watch
+        self.traced: list[int] = []  # [first, latest] step of the open trace
+
+    def before(self, step: int, state: dict) -> None:
+        """Open the trace before the first traced step fetches its batch; the steps before it
+        finish first, so that their work stays out."""
+        if self.enabled and not self.traced and self.first <= step <= self.last:
+            jax.block_until_ready(state)
+            with self.watch.time("profile"):
+                jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            self.traced = [step, step]
+
+    def after(self, step: int, outputs) -> None:
+        """Close the trace after the last traced step, once its device work is done."""
+        if self.traced:
+            self.traced[1] = step
+            if step == self.last:
+                jax.block_until_ready(outputs)
+                self.stop()
+
+    def stop(self) -> None:
+        """Write the open trace, if any (also when the loop ends early)."""
+        if not self.traced:
+            return
+        with self.watch.time("profile"):
+            jax.profiler.stop_trace()
+        first, last = self.traced
+        self.traced = []
+        self.log.info(f"profile: steps {first}..{last} traced into {self.dir}/plugins/profile/"
+                      f"<time>/; view with `tensorboard --logdir {self.dir}` (pip install "
+                      "tensorboard tensorboard-plugin-profile), or open its perfetto_trace.json.gz "
+                      "in https://ui.perfetto.dev")
 
 
 class NonFiniteError(RuntimeError):
@@ -136,6 +249,8 @@ class RunContext:
     cost: metrics_lib.StepCost
     watch: metrics_lib.Stopwatch = field(default_factory=metrics_lib.Stopwatch)
     preemption: Preemption | None = None
+    account: goodput.Attempt | None = None
+    profile: Profile | None = None
     step_fn: Callable | None = None
     eval_fn: Callable | None = None
 
@@ -158,10 +273,14 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
     """Steps start+1 .. train.steps: feed, step, checkpoint, evaluate, log."""
     steps, watch, batches, preemption = cfg.train.steps, run.watch, run.batches, run.preemption
     history, last_time, last_step, previous = [], time.perf_counter(), start, None
+    run.account.start_loop(start)
     for step in range(start + 1, steps + 1):
+        run.profile.before(step, state)
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
             batch = global_batch(next(batches), run.mesh)
         state, pending = run.step_fn(state, batch)
+        run.account.last_step = step
+        run.profile.after(step, (state, pending))
         tokens_seen += run.cost.tokens
         if previous is not None:
             _check_finite(cfg, run, *previous)
@@ -173,6 +292,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                     "tokens_seen": tokens_seen, "time": time.time(),
                     "config": config_lib.to_yaml(cfg),
                     "layer_order": pipeline.config_order(cfg, run.mesh.shape["stage"]).tolist()}
+            run.account.saved(step)  # the step has finished: a resume from here redoes what follows
             with watch.time("checkpoint"):  # only the save's own blocking part
                 run.ckpt.save(step, state, batches, meta)
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "

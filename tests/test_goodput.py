@@ -1,0 +1,116 @@
+"""Goodput: the parts of a run's wall time add up to it, across a preemption and a resume.
+
+One attempt, timed around the call: its parts (start-up, compile, data, steps, checkpoint, eval)
+leave less than 2% of the measured wall time to `other`, and the account's wall time is the
+measured one within 2%. A run stopped by SIGTERM (exit 75) whose last save is then lost resumes
+from the checkpoint before it: run.dir/goodput.json holds both attempts, the first one's steps
+after that checkpoint count as redone (its time from the step it recorded at the save), and the
+second attempt's stdout and TensorBoard report the whole run.
+"""
+
+import json
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tensorboardX.proto import event_pb2
+from test_preemption import _run_until, _saved_steps
+
+from jaxtron import config, goodput
+from jaxtron.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.mlp_dim=128", "train.seq_len=32", "train.batch_size=8", "train.log_every=1",
+         "optim.warmup_steps=1", "run.progress=lines"]
+TOLERANCE = 0.02
+
+
+def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] over every event file in run_dir/tensorboard, oldest file first
+    (TFRecord framing: length u64, its crc u32, the Event, its crc u32)."""
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (size,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
+            at += 12 + size + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_parts_add_up_to_the_wall_time(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    cfg = config.load(["configs/tiny.yaml"], [*SMALL, "train.steps=6", "train.eval_every=3",
+                                              "checkpoint.every=2", f"run.dir={run_dir}"])
+    started = time.time()
+    train(cfg, started=started)
+    wall = time.time() - started
+
+    (record,) = json.loads((run_dir / goodput.FILE).read_text())
+    seconds = record["seconds"]
+    named = sum(v for part, v in seconds.items() if part != "other")
+    assert abs(named - wall) < TOLERANCE * wall, (seconds, wall)
+    assert abs(seconds["other"]) < TOLERANCE * wall
+    assert abs(record["wall_s"] - wall) < TOLERANCE * wall
+    for part in ("startup", "compile", "step", "checkpoint", "eval"):
+        assert seconds[part] > 0, part
+    assert record["outcome"] == "done" and (record["resumed_from"], record["last_step"]) == (0, 6)
+    assert sorted(record["step_s_at"], key=int) == ["2", "4", "6"]
+    assert record["step_s_at"]["6"] <= seconds["step"]
+
+    summary = goodput.summarize([record])
+    assert summary["goodput"] == pytest.approx(seconds["step"] / record["wall_s"])
+    assert summary["redone_s"] == 0 and summary["attempts"] == 1
+    out = capsys.readouterr().out
+    assert f"goodput {100 * summary['goodput']:.1f}%" in out and "in 1 attempt " in out
+    board = _tensorboard(run_dir)
+    for key in ("goodput", "wall_s", "step_s", "compile_s", "startup_s", "eval_s", "other_s"):
+        assert board[f"goodput/{key}"] == [(6, pytest.approx(summary[key], rel=1e-6))], key
+
+
+def _launch(run_dir: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=8",
+            "train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
+
+
+def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
+    run_dir = tmp_path / "run"
+    assert _run_until(_launch(run_dir), run_dir, 4, signal.SIGTERM) == 75
+    stopped = max(_saved_steps(run_dir))  # the step SIGTERM stopped at, saved
+    assert stopped >= 4 and 3 in _saved_steps(run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / str(stopped))  # its save is lost: resume from 3
+    proc = subprocess.run(_launch(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    first, second = json.loads((run_dir / goodput.FILE).read_text())
+    assert (first["outcome"], first["resumed_from"], first["last_step"]) == ("preempted", 0,
+                                                                              stopped)
+    assert (second["outcome"], second["resumed_from"], second["last_step"]) == ("done", 3, 8)
+    assert second["started"] >= first["started"] + first["wall_s"]
+    for record in (first, second):
+        assert abs(record["seconds"]["other"]) < TOLERANCE * record["wall_s"], record
+
+    summary = goodput.summarize([first, second])
+    redone = first["seconds"]["step"] - first["step_s_at"]["3"]  # steps 4..stopped, trained twice
+    assert summary["redone_steps"] == stopped - 3 and summary["attempts"] == 2
+    assert summary["redone_s"] == pytest.approx(redone) and redone > 0
+    assert summary["step_s"] == pytest.approx(first["step_s_at"]["3"] + second["seconds"]["step"])
+    assert summary["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
+    assert summary["goodput"] == pytest.approx(summary["step_s"] / summary["wall_s"])
+    parts = sum(summary[f"{part}_s"] for part in goodput.PARTS)
+    assert parts == pytest.approx(summary["wall_s"])
+
+    assert "in 2 attempts" in proc.stdout and f"{stopped - 3} steps)" in proc.stdout
+    board = _tensorboard(run_dir)
+    assert board["goodput/attempts"] == [(stopped, 1.0), (8, 2.0)]
+    assert board["goodput/redone_steps"] == [(stopped, 0.0), (8, float(stopped - 3))]
+    assert board["goodput/goodput"][-1] == (8, pytest.approx(summary["goodput"], rel=1e-6))
