@@ -50,6 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-for", metavar="GPU",
                         help="compile the train step for a cluster of this GPU (h100, h200) "
                              "without one, and report its memory, FLOPs, collectives, kernels")
+    parser.add_argument("--gpu", choices=("h100", "h200"),
+                        help="with --dry-run: compare the memory estimate with this GPU's")
     parser.add_argument("--gpus-per-host", type=int, default=8,
                         help="with --compile-for: GPUs per host (default 8)")
     parser.add_argument("--report", metavar="FILE.json", help="with --compile-for: the report as JSON")
@@ -71,26 +73,74 @@ def _gib(n: int) -> str:
     return f"{n:,} bytes ({n / 2**30:.2f} GiB)"
 
 
-def dry_run(cfg, num_devices: int) -> None:
-    """Print the resolved config, mesh, parameter count and per-device memory; allocate nothing."""
+def dry_run(cfg, num_devices: int, gpu: str | None) -> None:
+    """Check everything that can be checked without compiling (layout, data, tokenizer) and print
+    the mesh, parameter count, every term of the per-device memory, the total against the
+    device's memory with a verdict, then the resolved config; allocate nothing."""
     from jaxtron import config as config_lib
     from jaxtron import memory, pipeline
     from jaxtron.optim import make_optimizer
     from jaxtron.state import make_plan
 
     plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
-    print(config_lib.to_yaml(cfg), end="")
+    data_check = _check_data(cfg)
     print("mesh: " + ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
           + f" ({num_devices} devices)")
     print(f"parameters: {plan.num_params:,}")
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
-    terms = memory.estimate(cfg, plan)
-    print(f"memory per device, estimated: {_gib(sum(terms.values()))}")
-    for name, size in terms.items():
-        print(f"  {name}: {_gib(size)}")
     if plan.pipe:
         print(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
+    print(data_check)
+    terms = memory.estimate(cfg, plan)
+    total = sum(terms.values())
+    print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")
+    for name, size in terms.items():
+        print(f"  {name}: {_gib(size)}")
+    print(_verdict(total, gpu, cfg.model.remat))
+    print("resolved config:")
+    print(config_lib.to_yaml(cfg), end="")
+
+
+def _check_data(cfg) -> str:
+    """The data checks a run makes before compiling (sources, mixture, tokenizer against the
+    vocabulary); one line saying what was checked."""
+    from jaxtron import prepared
+    from jaxtron.config import ConfigError
+    from jaxtron.tokenizer import load_tokenizer
+
+    prepared.check_dataset(cfg.data, cfg.model.vocab_size)
+    if cfg.data.source == "arrayrecord":
+        return f"data: {len(cfg.data.mixture)} prepared datasets checked"
+    if not cfg.data.tokenizer:
+        return "data: the standard library's sources, tokenizer trained at model.vocab_size"
+    tok = load_tokenizer(cfg.data, cfg.model.vocab_size)
+    if tok.get_piece_size() > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's {tok.get_piece_size()} tokens; raise it")
+    return f"data: the standard library's sources, {tok.file} of {tok.get_piece_size()} tokens"
+
+
+def _verdict(total: int, gpu: str | None, remat: str) -> str:
+    """The estimate against what jax may allocate on --gpu's devices, or on the local one."""
+    import jax
+
+    from jaxtron import aot
+
+    if gpu:
+        usable, where = int(aot.capacity_bytes(gpu) * aot.usable_fraction()), f"one {gpu.upper()}"
+    else:
+        usable = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+        where = f"this {jax.devices()[0].device_kind}"
+    if not usable:
+        return (f"verdict: no device memory limit known here ({jax.devices()[0].platform}); "
+                "add --gpu h100 (or h200) to compare")
+    if total <= usable:
+        return (f"verdict: fits: {total / 2**30:.1f} of {usable / 2**30:.1f} GiB usable on "
+                f"{where} ({1 - total / usable:.0%} spare)")
+    remat_hint = "" if remat == "full" else " or set model.remat=full"
+    return (f"verdict: DOES NOT FIT: {total / 2**30:.1f} GiB per device, {usable / 2**30:.1f} "
+            f"GiB usable on {where}; shard more (mesh.fsdp, mesh.tensor, mesh.stage){remat_hint}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +179,7 @@ def run(args: argparse.Namespace) -> int | None:
     if args.dry_run:  # a plan needs no other process: it never joins them
         import jax
 
-        dry_run(cfg, args.devices or jax.device_count())
+        dry_run(cfg, args.devices or jax.device_count(), args.gpu)
         return
     if args.devices:
         raise ConfigError("--devices only applies to --dry-run and --compile-for")
@@ -188,7 +238,8 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
 
 
 def _check_run_dir(path: str) -> None:
-    """run.dir is a directory this process can create and write in (before anything compiles)."""
+    """run.dir is, or can become, a directory this process can write in (checked before
+    anything compiles, creating nothing)."""
     import os
 
     from jaxtron.config import ConfigError
@@ -197,9 +248,13 @@ def _check_run_dir(path: str) -> None:
     if target.exists() and not target.is_dir():
         raise ConfigError(f"run.dir={path} is a file; set run.dir to a directory (a new one, or "
                           "a run to resume)")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
     try:
-        target.mkdir(parents=True, exist_ok=True)
-        probe = target / f".write-test-{os.getpid()}"
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        probe = existing / f".jaxtron-write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
     except OSError as e:

@@ -53,7 +53,7 @@ def test_dry_run_plans_llama3_70b_without_allocating(capsys):
     assert f"optimizer bytes per device: {2 * expected + 8:,} bytes" in out
     # The estimated peak, every term printed, summing to the total (jaxtron/memory.py).
     total = int(out.split("memory per device, estimated: ")[1].split(" bytes")[0].replace(",", ""))
-    terms = out.split("memory per device, estimated: ")[1].splitlines()[1:]
+    terms = out.split("memory per device, estimated: ")[1].split("verdict:")[0].splitlines()[1:]
     sizes = [int(line.split(": ")[1].split(" bytes")[0].replace(",", ""))
              for line in terms if line.startswith("  ")]
     assert sum(sizes) == total and len(sizes) >= 9
@@ -232,3 +232,27 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path):
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               f"checkpoint.restore={run_dir} holds another model "
                               "(model.vocab_size=8192 -> 9000)")
+
+
+@pytest.mark.parametrize("overrides,verdict", [
+    (["mesh.data=64", "mesh.fsdp=1"], "verdict: DOES NOT FIT: 1075.0 GiB per device, 59.4 GiB "
+                                      "usable on one H100"),
+    (["mesh.tensor=8", "model.num_layers=40"], "verdict: fits: "),
+])
+def test_dry_run_gives_a_verdict_against_the_gpu(capsys, overrides, verdict):
+    rc = launch.main(["--config", "configs/llama3_70b.yaml", "--dry-run", "--devices", "64",
+                      "--gpu", "h100", *overrides])
+    out = capsys.readouterr().out
+    assert rc == 0 and verdict in out, out
+    assert out.index("verdict:") < out.index("resolved config:")  # the summary comes first
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.source=web"], "data.source=web is not one of stdlib, arrayrecord"),
+    (["data.source=arrayrecord", "data.mixture=[{path: /nowhere, weight: 1}]"], "/nowhere"),
+    (["data.source=arrayrecord", "data.mixture=[{path: /nowhere, weight: 0}]"], "weight=0"),
+])
+def test_dry_run_checks_the_data(capsys, overrides, message):
+    """The dry run stops on the data mistakes the real run would stop on."""
+    rc = _main(["--dry-run", *overrides])
+    _assert_one_line_status_2(rc, capsys.readouterr().err, message)
