@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import goodput, parallel, pipeline
+from jaxtron import distributed, goodput, parallel, pipeline
 from jaxtron import metrics as metrics_lib
 from jaxtron.checkpoint import Checkpoints
 from jaxtron.config import Config
@@ -59,6 +59,10 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                                     cfg.run.tensorboard, is_main)
     log.info(config_lib.to_yaml(cfg).rstrip())
     log.info(f"mesh: {plan.mesh_sizes} over {len(devices)} {devices[0].device_kind} devices")
+    per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
+    for line in parallel.describe_hosts(plan.mesh_sizes, per_host):
+        if not line.startswith("warning"):  # the preflight checks (jaxtron/doctor.py) warn
+            log.info(line)
     log.info(f"parameters: {plan.num_params:,}")
     if cfg.model.attention != "xla" and cfg.model.attention_check:
         attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
