@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="YAML preset (repeatable; later files override earlier ones)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and print the plan (parameters, memory) without compiling")
-    parser.add_argument("--devices", type=int, default=0,
+    parser.add_argument("--devices", type=int, default=None,
                         help="with --dry-run or --compile-for: this many devices instead of the "
                              "local ones")
     parser.add_argument("--compile-for", metavar="GPU",
@@ -165,6 +165,8 @@ def run(args: argparse.Namespace) -> int | None:
     from jaxtron.train import train
 
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    if args.devices is not None and args.devices < 1:
+        raise ConfigError(f"--devices {args.devices} must be at least 1")
     if args.strict and (args.dry_run or args.compile_for):
         raise ConfigError("--strict applies to training runs; to check a set-up without training, "
                           "run python tools/doctor.py --strict")
@@ -181,7 +183,7 @@ def run(args: argparse.Namespace) -> int | None:
 
         dry_run(cfg, args.devices or jax.device_count(), args.gpu)
         return
-    if args.devices:
+    if args.devices is not None:
         raise ConfigError("--devices only applies to --dry-run and --compile-for")
     _check_run_dir(cfg.run.dir)
     # Join the other processes (if any) before anything touches a jax device: train() checks
@@ -216,7 +218,7 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
 
     if args.dry_run:
         raise ConfigError("--compile-for and --dry-run are two different reports; give one")
-    if args.devices < 1:
+    if args.devices is None:
         raise ConfigError("--compile-for needs --devices N, the GPUs of the cluster to compile for")
     from jaxtron import aot
 

@@ -258,11 +258,43 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     return cfg
 
 
+def _ranges(cfg: Config) -> tuple:
+    """(key, value, holds, range in words) of every bounded numeric field."""
+    m, t, o, c, p = cfg.model, cfg.train, cfg.optim, cfg.checkpoint, cfg.pipeline
+    at_least = lambda low: (lambda v: v >= low, f">= {low}")
+    above_0 = (lambda v: v > 0, "> 0")
+    unit = (lambda v: 0 <= v < 1, "in [0, 1)")
+    return (
+        ("model.head_dim", m.head_dim, *at_least(0)), ("model.rope_theta", m.rope_theta, *above_0),
+        ("model.rope_scaling_factor", m.rope_scaling_factor, *at_least(0)),
+        ("model.rope_low_freq_factor", m.rope_low_freq_factor, *above_0),
+        ("model.rope_high_freq_factor", m.rope_high_freq_factor, *above_0),
+        ("model.rope_original_max_len", m.rope_original_max_len, *above_0),
+        ("model.norm_eps", m.norm_eps, *above_0), ("model.init_std", m.init_std, *above_0),
+        ("train.eval_every", t.eval_every, *at_least(0)),
+        ("train.eval_batches", t.eval_batches, *at_least(1)),
+        ("train.max_nonfinite_skips", t.max_nonfinite_skips, *at_least(0)),
+        ("optim.lr", o.lr, *at_least(0)), ("optim.warmup_steps", o.warmup_steps, *at_least(0)),
+        ("optim.decay_steps", o.decay_steps, *at_least(0)),
+        ("optim.min_lr_ratio", o.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("optim.b1", o.b1, *unit), ("optim.b2", o.b2, *unit), ("optim.eps", o.eps, *above_0),
+        ("optim.weight_decay", o.weight_decay, *at_least(0)),
+        ("optim.clip_norm", o.clip_norm, *at_least(0)),
+        ("checkpoint.every", c.every, *at_least(0)), ("checkpoint.keep", c.keep, *at_least(1)),
+        ("checkpoint.keep_every", c.keep_every, *at_least(0)),
+        ("pipeline.repeats", p.repeats, *at_least(1)), ("pipeline.passes", p.passes, *at_least(1)),
+        ("data.workers", cfg.data.workers, *at_least(0)),
+    )
+
+
 def check_values(cfg: Config) -> None:
     """Checks of the schema's own values: dtypes, ranges and divisibility inside the model. Names
     that other modules define (remat policies, attention kernels) are checked by their owners
     (model.check), so the schema imports nothing of the code that uses it."""
     m, t = cfg.model, cfg.train
+    for key, value, holds, words in _ranges(cfg):
+        if not holds(value):
+            raise ConfigError(f"{key}={value} is out of range: it must be {words}")
     for key, value in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)):
         if value not in DTYPES:
             raise ConfigError(f"{key}={value} is not one of {', '.join(DTYPES)}")
