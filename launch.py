@@ -39,7 +39,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(description="Train a Llama-family model with JAX SPMD.")
+    parser = _Parser(
+        description="Train a Llama-family model with JAX SPMD. Without --config: the tiny preset "
+                    "(configs/tiny.yaml) on the Python standard library's sources.",
+        epilog="overrides: section.key=value, anywhere on the line; sections: model, mesh, "
+               "pipeline, xla, data, train, optim, checkpoint, run (jaxtron/config.py lists every "
+               "key). `base:` in a preset names another preset, relative to the preset's file. "
+               "Exit status: 0 done, 2 bad input (one line says what to change), 3 stopped on a "
+               "non-finite loss, 4 a due checkpoint could not be saved, 75 preempted after a "
+               "checkpoint (rerun to resume).")
     parser.add_argument("--config", action="append", default=[],
                         help="YAML preset (repeatable; later files override earlier ones)")
     parser.add_argument("--dry-run", action="store_true",

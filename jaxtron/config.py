@@ -209,6 +209,10 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a preset, merging it over the file its `base:` names (relative to it)."""
+    if path.is_dir():
+        presets = ", ".join(sorted(p.name for p in path.glob("*.yaml"))[:8])
+        raise ConfigError(f"--config {path} is a directory; give one preset file"
+                          + (f" from it ({presets})" if presets else ""))
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     if path.resolve() in seen:
@@ -216,7 +220,10 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     base = tree.pop("base", None)

@@ -71,3 +71,16 @@ def test_every_preset_checkpoints_during_its_run(preset):
     """A job killed by anything but a signal loses at most `checkpoint.every` steps."""
     cfg = config.load([CONFIGS / preset])
     assert 0 < cfg.checkpoint.every < cfg.train.steps
+
+
+def test_yaml_errors_name_the_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: [3\ntrain:\n  steps: 5\n")
+    with pytest.raises(config.ConfigError, match=rf"^{bad}:3:6: not valid YAML \(expected ','"):
+        config.load([bad])
+
+
+def test_a_directory_as_config_lists_its_presets():
+    with pytest.raises(config.ConfigError, match=r"is a directory; give one preset file from it "
+                                                 r"\(gpt2_124m.yaml, .*tiny.yaml\)"):
+        config.load([CONFIGS])
