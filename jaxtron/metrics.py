@@ -68,21 +68,34 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        use_bar = progress == "bar" or (progress == "auto" and sys.stdout.isatty())
+        self.total_steps = total_steps
+        self.use_bar = is_main and (progress == "bar" or (progress == "auto"
+                                                          and sys.stdout.isatty()))
         self.bar = None
-        if is_main and use_bar:
+
+    def begin(self, start: int) -> None:
+        """The loop starts after step `start`: the bar (if any) counts from there, so its rate and
+        time left are this attempt's, not the resumed steps'."""
+        if self.use_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=self.total_steps, initial=start, unit="step",
+                            dynamic_ncols=True)
+
+    def tick(self, step: int) -> None:
+        """Step `step` was dispatched: move the bar (no device sync)."""
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
 
     def info(self, message: str) -> None:
-        """A plain line on stdout (above the progress bar if there is one)."""
+        """A plain line on stdout, with the time (above the progress bar if there is one)."""
         if not self.is_main:
             return
+        line = f"{time.strftime('%H:%M:%S')} {message}"
         if self.bar is not None:
-            self.bar.write(message)
+            self.bar.write(line)
         else:
-            print(message, flush=True)
+            print(line, flush=True)
 
     def write(self, row: dict) -> None:
         """Record one logged step; `row` has exactly KEYS."""
@@ -96,7 +109,9 @@ class MetricsWriter:
                     self.tb.add_scalar(f"train/{key}", value, row["step"])
         if self.bar is not None:
             self.bar.update(row["step"] - self.bar.n)
-            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_sec']:.0f}")
+            self.bar.set_postfix_str(
+                f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
+                f"{row['step_time'] * 1e3:.0f} ms/step | {row['tokens_per_sec']:,.0f} tok/s")
         else:
             self.info(format_row(row))
 

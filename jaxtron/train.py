@@ -57,8 +57,9 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
-    log.info(config_lib.to_yaml(cfg).rstrip())
-    log.info(f"mesh: {plan.mesh_sizes} over {len(devices)} {devices[0].device_kind} devices")
+    log.info(f"run: {run_dir} (its resolved config in config.yaml)")
+    shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
+    log.info(f"mesh: {shape} over {len(devices)} {devices[0].device_kind} devices")
     per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
     for line in parallel.describe_hosts(plan.mesh_sizes, per_host):
         if not line.startswith("warning"):  # the preflight checks (jaxtron/doctor.py) warn
@@ -278,6 +279,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
     steps, watch, batches, preemption = cfg.train.steps, run.watch, run.batches, run.preemption
     history, last_time, last_step, previous = [], time.perf_counter(), start, None
     run.account.start_loop(start)
+    run.log.begin(start)
     for step in range(start + 1, steps + 1):
         run.profile.before(step, state)
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
@@ -290,6 +292,15 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
             _check_finite(cfg, run, *previous)
         previous = (step, pending)
         stop = preemption.requested(step)
+        run.log.tick(step)
+        if step % cfg.train.log_every == 0 or step == steps:
+            fetched = jax.device_get(pending)  # host sync point
+            now = time.perf_counter()
+            row = metrics_lib.make_row(step, fetched, (now - last_time) / (step - last_step),
+                                       run.cost)
+            history.append(row)
+            run.log.write(row)
+            last_time, last_step = now, step
         if run.ckpt.due(step, steps) or stop:
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
@@ -301,23 +312,15 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                 run.ckpt.save(step, state, batches, meta)
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
                          "(the write goes on in the background)")
-        if step % cfg.train.log_every == 0 or step == steps:
-            fetched = jax.device_get(pending)  # host sync point
-            now = time.perf_counter()
-            row = metrics_lib.make_row(step, fetched, (now - last_time) / (step - last_step),
-                                       run.cost)
-            history.append(row)
-            run.log.write(row)
-            last_time, last_step = now, step
+            last_time += watch.last  # blocking on a save is not training step time
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps):
             with watch.time("eval"):
                 loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh)
                 run.log.write_eval(step, loss)
             last_time += watch.last  # evaluation time is not training step time
-        if stop:
-            why = f"signal {preemption.signal}" if preemption.signal else "preemption notice"
-            run.log.info(f"{why}: saved step {step}; rerun to resume")
-            raise Preempted(f"preempted at step {step}")
+        if stop:  # launch.py says it, in one line
+            why = f"signal {preemption.signal}" if preemption.signal else "a preemption notice"
+            raise Preempted(f"preempted by {why} at step {step}")
     for phase in ("data", "checkpoint", "eval"):
         run.log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
     final = f"final loss {history[-1]['loss']:.4f}, " if history else ""

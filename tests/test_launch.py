@@ -1,6 +1,7 @@
 """The real entry point: a 3-step run on `tiny`, the dry run, and every bad input -> one line, exit 2."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +264,25 @@ def test_dry_run_checks_the_data(capsys, overrides, message):
     """The dry run stops on the data mistakes the real run would stop on."""
     rc = _main(["--dry-run", *overrides])
     _assert_one_line_status_2(rc, capsys.readouterr().err, message)
+
+
+def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
+    """A resumed run's bar starts at its first step (rate and time left are this attempt's),
+    moves every step, and shows loss, lr, grad norm, step time and throughput; lines carry the
+    time."""
+    from jaxtron.metrics import KEYS, MetricsWriter
+
+    log = MetricsWriter(tmp_path, 1000, "bar", tensorboard=False)
+    log.begin(600)
+    assert (log.bar.n, log.bar.total) == (600, 1000) and log.bar.format_dict["rate"] is None
+    log.tick(601)
+    log.tick(602)
+    assert log.bar.n == 602
+    row = dict(zip(KEYS, (610, 2.5, 3e-4, 0.75, 12345.0, 1.8, None, None)))
+    log.write(row)
+    assert log.bar.n == 610
+    assert log.bar.postfix == ("loss 2.5000 | lr 3.00e-04 | grad_norm 0.750 | 1800 ms/step | "
+                               "12,345 tok/s")
+    log.info("checkpoint 610")
+    log.close()
+    assert re.search(r"^\d\d:\d\d:\d\d checkpoint 610$", capsys.readouterr().out, re.MULTILINE)
