@@ -39,6 +39,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from jaxtron import distributed
+
     parser = _Parser(
         description="Train a Llama-family model with JAX SPMD. Without --config: the tiny preset "
                     "(configs/tiny.yaml) on the Python standard library's sources.",
@@ -64,12 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="with --compile-for: GPUs per host (default 8)")
     parser.add_argument("--report", metavar="FILE.json", help="with --compile-for: the report as JSON")
     parser.add_argument("--hlo", metavar="FILE", help="with --compile-for: the optimized HLO text")
-    parser.add_argument("--coordinator", metavar="HOST:PORT",
-                        help="several processes: process 0's address and a free port there")
-    parser.add_argument("--num-processes", type=int, metavar="N",
-                        help="several processes: how many (with --coordinator and --process-id)")
-    parser.add_argument("--process-id", type=int, metavar="I",
-                        help="several processes: this one's index, 0..N-1")
+    distributed.add_flags(parser)
     parser.add_argument("--strict", action="store_true",
                         help="set-up problems found before training (tools/doctor.py's checks) "
                              "are errors: exit status 2")

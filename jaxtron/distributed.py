@@ -70,6 +70,16 @@ def processes_per_host(environ=os.environ) -> int:
     return max(int(local), 1) if str(local).isdigit() else 1
 
 
+def add_flags(parser) -> None:
+    """The flags that join several processes without a cluster manager (launch.py, tools)."""
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="several processes: process 0's address and a free port there")
+    parser.add_argument("--num-processes", type=int, metavar="N",
+                        help="several processes: how many (with --coordinator and --process-id)")
+    parser.add_argument("--process-id", type=int, metavar="I",
+                        help="several processes: this one's index, 0..N-1")
+
+
 def check_flags(coordinator: str | None, num_processes: int | None,
                 process_id: int | None) -> None:
     """The three launch flags come together, with a host:port and a process id in range."""

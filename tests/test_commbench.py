@@ -1,7 +1,6 @@
 """tools/commbench.py: nccl-tests' bus-bandwidth factors, each collective's result on 8 CPU devices
 (so the benchmark times the real op), the command line's table, JSON and PNG, and bad input."""
 
-import importlib.util
 import json
 import math
 import re
@@ -13,6 +12,7 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
+from tool_module import import_tool
 
 from jaxtron.config import MeshConfig
 from jaxtron.parallel import MESH_AXES, make_mesh
@@ -21,15 +21,9 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "commbench.py"
 ROW = re.compile(r"^(\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+([\d.]+ [KMG]?i?B)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
 
 
-def _import_tool(path: Path):
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-cb = _import_tool(TOOL)
+cb = import_tool(TOOL)
 
 
 # nccl-tests doc/PERFORMANCE.md: allreduce 2(n-1)/n, allgather and reducescatter (n-1)/n, sendrecv 1

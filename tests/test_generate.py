@@ -9,7 +9,6 @@ and exit status 2.
 """
 
 import dataclasses
-import importlib.util
 import itertools
 import re
 import shutil
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from tool_module import import_tool
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from jaxtron import generate as gen
@@ -199,18 +199,11 @@ def test_cli_prints_transformers_greedy_ids(case):
     assert ids == _hf_greedy(model, prompt, 20, eos=model.generation_config.eos_token_id)
 
 
-def _import_tool(path: Path):
-    """A tool's module, to call its main() here (no new process per call)."""
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # a dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def tool():
-    return _import_tool(TOOL)
+    return import_tool(TOOL)
 
 
 def _word_tokenizer(path: Path) -> None:
@@ -236,7 +229,7 @@ def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_pat
     hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
     shutil.copytree(path, hf_dir)
     _word_tokenizer(hf_dir)
-    convert = _import_tool(TOOL.parent / "convert_hf.py")
+    convert = import_tool(TOOL.parent / "convert_hf.py")
     assert convert.main(["import", str(hf_dir), str(imported), "--compute-dtype", "float32"]) == 0
     capsys.readouterr()
     want = _hf_greedy(model, [1, 17, 42, 99, 5], 12, eos=2)

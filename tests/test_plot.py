@@ -2,7 +2,6 @@
 3-4 logged twice, the second time after a restart): the series it plots are the logged values, one
 per step (the last), at tokens = step x batch x seq; the PNGs are written; bad input exits 2."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from tool_module import import_tool
 
 import launch
 from jaxtron import metrics
@@ -18,15 +18,9 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "plot.py"
 STEMS = ("loss", "lr", "throughput", "mfu", "grad_norm")
 
 
-def _import_tool(path: Path):
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_tool", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-plot = _import_tool(TOOL)
+plot = import_tool(TOOL)
 
 
 def _rows(path: Path) -> list[dict]:

@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtron import doctor
+from jaxtron import distributed, doctor
 from jaxtron.cli import EXIT_USAGE, one_line_errors
 from jaxtron.config import load
 
@@ -44,12 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="problems are errors: exit status 2 when there is any")
     parser.add_argument("--devices", type=int, default=0,
                         help="plan the mesh for this many devices (default: the ones found)")
-    parser.add_argument("--coordinator", metavar="HOST:PORT",
-                        help="several processes: process 0's address and a free port there")
-    parser.add_argument("--num-processes", type=int, metavar="N",
-                        help="several processes: how many (with --coordinator and --process-id)")
-    parser.add_argument("--process-id", type=int, metavar="I",
-                        help="several processes: this one's index, 0..N-1")
+    distributed.add_flags(parser)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -60,7 +55,6 @@ def diagnose(args: argparse.Namespace) -> int:
     broken = doctor.check_jaxlib(doctor.installed_versions())
     if broken:  # jax will not import, and every other check needs it
         return finish(broken, args.strict, show=True)
-    from jaxtron import distributed
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
