@@ -163,8 +163,12 @@ def load_corpus(data: DataConfig, tok: Encoder) -> TokenCorpus:
 
 def unigram_entropy(corpus: TokenCorpus, eos_id: int) -> float:
     """Entropy (nats) of the targets' unigram distribution: the loss of a model blind to context."""
-    counts = np.bincount(corpus.tokens).astype(np.float64)
-    counts = np.pad(counts, (0, max(0, eos_id + 1 - len(counts))))
-    counts[eos_id] += len(corpus)  # every document ends with an eos target
+    return entropy_of(np.bincount(corpus.tokens), len(corpus), eos_id)
+
+
+def entropy_of(counts: np.ndarray, documents: int, eos_id: int) -> float:
+    """unigram_entropy from token counts (index = id) of `documents` documents."""
+    counts = np.pad(np.asarray(counts, np.float64), (0, max(0, eos_id + 1 - len(counts))))
+    counts[eos_id] += documents  # every document ends with an eos target
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())

@@ -17,7 +17,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxtron.config import SOURCES, ConfigError, DataConfig
-from jaxtron.corpus import is_held_out
+from jaxtron.corpus import entropy_of, is_held_out
 from jaxtron.tokenizer import SP_FILE, Tokenizer, from_path, load_tokenizer
 
 MANIFEST_FORMAT = "jaxtron.tokens.v1"
@@ -144,9 +144,10 @@ def mixture_summary(data: DataConfig) -> str:
     parts = []
     for entry in data.mixture:
         s = read_manifest(entry.path)["splits"]
+        entropy = s["train"].get("unigram_entropy")
         parts.append(f"{entry.path} (weight {entry.weight:g}): {s['train']['documents']:,} "
                      f"documents, {s['train']['tokens']:,} tokens, {s['val']['documents']:,} "
-                     "held out")
+                     "held out" + (f", unigram entropy {entropy:.3f} nats" if entropy else ""))
     return "data: " + "; ".join(parts)
 
 
@@ -195,6 +196,13 @@ def build_manifest(records: list[dict], tok: Tokenizer, run: dict) -> dict:
         for name, split in splits.items():
             for key in split:
                 split[key] += record["splits"][name][key]
+    if records and all("unigram" in record for record in records):
+        counts = np.zeros(tok.get_piece_size(), np.int64)
+        for record in records:
+            ids, n = record["unigram"]
+            np.add.at(counts, np.asarray(ids, np.int64), np.asarray(n, np.int64))
+        splits["train"]["unigram_entropy"] = round(
+            entropy_of(counts, splits["train"]["documents"], tok.eos_id()), 6)
     files = [f for record in records for f in record["files"]]
     examples = [entry for record in records for entry in record["bad_examples"]]
     tokenizer = {"file": tok.file, "sha256": run["tokenizer_sha256"],

@@ -116,6 +116,18 @@ def test_tokens_equal_direct_tokenization(tmp_path, tokenizer, corpus):
     assert manifest["dtype"] == "uint16" and manifest["bad_input"] == {"count": 0, "examples": []}
     assert manifest["tokenizer"]["vocab_size"] == 1000
     assert (out / "tokenizer.model").read_bytes() == tokenizer.read_bytes()
+    # The unigram entropy of the train targets (tokens and one eos per document), as the log
+    # prints it for the default corpus: a context-free model's loss.
+    counts = np.bincount([t for doc in train for t in doc], minlength=1000).astype(float)
+    counts[sp.eos_id()] += len(train)
+    p = counts[counts > 0] / counts.sum()
+    assert manifest["splits"]["train"]["unigram_entropy"] == pytest.approx(
+        -(p * np.log(p)).sum(), abs=1e-6)
+    from jaxtron.config import DataConfig, DatasetEntry
+    from jaxtron.prepared import mixture_summary
+
+    summary = mixture_summary(DataConfig(source="arrayrecord", mixture=[DatasetEntry(str(out))]))
+    assert f"unigram entropy {manifest['splits']['train']['unigram_entropy']:.3f} nats" in summary
 
 
 def test_plan_units_groups_small_files_and_keeps_a_large_one_alone():

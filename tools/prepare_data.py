@@ -142,6 +142,7 @@ class UnitJob:
                       for source, size in zip(unit.sources, unit.sizes)]
         self.bad_reasons: Counter = Counter()
         self.bad_examples: list[dict] = []
+        self.unigram = np.zeros(0, np.int64)  # the train split's token counts, by id
 
     def run(self) -> dict:
         """Read, encode and write every document of every file; the completion record."""
@@ -163,8 +164,10 @@ class UnitJob:
                     batch, chars, nbytes = [], 0, 0
         self.encode(batch, nbytes)
         splits = {name: shards.finish() for name, shards in self.splits.items()}
+        ids = np.flatnonzero(self.unigram)
         return {"files": self.files, "bad_reasons": dict(self.bad_reasons),
-                "bad_examples": self.bad_examples, "splits": splits}
+                "bad_examples": self.bad_examples, "splits": splits,
+                "unigram": [ids.tolist(), self.unigram[ids].tolist()]}
 
     def bad(self, k: int, where: dict, reason: str) -> None:
         """Count and report one bad document of file k; under --strict, stop."""
@@ -181,15 +184,24 @@ class UnitJob:
         """Tokenize a batch of documents and write each to its split."""
         ids = self.worker.tok.encode_batch([text for *_, text in batch], self.worker.threads)
         documents = tokens = 0
+        train: list[list[int]] = []
         for (k, index, where, _), doc in zip(batch, ids):
             if not doc:  # possible with a tokenizer that normalizes whitespace away
                 self.bad(k, where, "empty document")
                 continue
             val = is_val(self.unit.sources[k].rel, index, self.settings.val_fraction)
             self.splits["val" if val else "train"].write(np.asarray(doc, self.dtype))
+            if not val:
+                train.append(doc)
             self.files[k]["documents"] += 1
             self.files[k]["tokens"] += len(doc)
             documents, tokens = documents + 1, tokens + len(doc)
+        if train:
+            counts = np.bincount(np.concatenate([np.asarray(d, np.int64) for d in train]))
+            grown = np.zeros(max(len(counts), len(self.unigram)), np.int64)
+            grown[:len(self.unigram)] = self.unigram
+            grown[:len(counts)] += counts
+            self.unigram = grown
         self.worker.messages.put(("progress", documents, tokens, nbytes))
 
 
