@@ -23,6 +23,7 @@ Several processes: when one dies, JAX aborts the others (SIGABRT) within about 3
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -155,10 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     from jaxtron.train import NonFiniteError, Preempted
 
     statuses = {NonFiniteError: EXIT_NONFINITE, CheckpointSaveError: EXIT_SAVE_FAILED}
+    # Before the training loop takes SIGTERM/SIGINT over (a checkpoint, then 75), a signal stops
+    # start-up with 75 too: nothing was trained, so a batch system's requeue loses nothing.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return one_line_errors(lambda: run(args), statuses=statuses)
     except Preempted as e:
         print(f"{e}: checkpoint saved, run the same command to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+        print("stopped by a signal before training started (nothing to save); run the same "
+              "command to start", file=sys.stderr)
         return EXIT_PREEMPTED
 
 

@@ -91,7 +91,8 @@ class Checkpoints:
             if changed:
                 raise ConfigError(
                     f"{self.manager.directory.parent} holds checkpoints of another model "
-                    f"({', '.join(changed)}); set run.dir to a new directory, or those back")
+                    f"({', '.join(changed)}); set run.dir to a new directory, or set those "
+                    "fields back")
         for step in steps:
             try:
                 state, meta = self.restore(step, abstract_state, shardings)
@@ -134,6 +135,37 @@ class Checkpoints:
         self.manager.close()
 
 
+def check_start(run_dir: Path, model: ModelConfig, restore: str) -> None:
+    """Before anything is written: run.dir's newest checkpoint, or else checkpoint.restore, holds
+    this model's arrays (one line naming the fields that differ), and checkpoint.restore names a
+    checkpoint. A refused command leaves run.dir as it was."""
+    steps = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
+        else []
+    if steps:
+        changed = weights.model_changes(weights.read_meta(steps[-1]), model)
+        if changed:
+            raise ConfigError(f"{run_dir} holds checkpoints of another model "
+                              f"({', '.join(changed)}); set run.dir to a new directory, or set "
+                              "those fields back")
+        return
+    if restore:
+        _restore_dir(restore, model)
+
+
+def _restore_dir(path: str, model: ModelConfig) -> Path:
+    """The checkpoint checkpoint.restore names, once it holds this model's arrays."""
+    try:
+        _, directory = weights.locate(path)
+    except ConfigError:
+        raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
+                          ", nor a run or import directory holding a complete one") from None
+    changed = weights.model_changes(weights.read_meta(directory), model)
+    if changed:
+        raise ConfigError(f"checkpoint.restore={path} holds another model ({', '.join(changed)})"
+                          "; set those to the checkpoint's values")
+    return directory
+
+
 def _target(abstract_state: Any, shardings: Any) -> Any:
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
@@ -166,15 +198,7 @@ def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.
     or a run, import or checkpoints directory (its newest complete checkpoint). With
     `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
     the start); an imported model (tools/convert_hf.py import) holds nothing else."""
-    try:
-        _, directory = weights.locate(path)
-    except ConfigError:
-        raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
-                          ", nor a run or import directory holding a complete one") from None
-    changed = weights.model_changes(weights.read_meta(directory), model)
-    if changed:
-        raise ConfigError(f"checkpoint.restore={path} holds another model ({', '.join(changed)})"
-                          "; set those to the checkpoint's values")
+    directory = _restore_dir(path, model)
     if weights.read_meta(directory).get("layout") == weights.LAYERED:
         if not weights_only:
             raise ConfigError(f"checkpoint.restore={path} holds imported weights only (no optimizer"

@@ -26,7 +26,7 @@ from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import distributed, goodput, parallel, pipeline
 from jaxtron import metrics as metrics_lib
-from jaxtron.checkpoint import Checkpoints
+from jaxtron.checkpoint import Checkpoints, check_start
 from jaxtron.config import Config
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
@@ -39,6 +39,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     `started` (a time.time()) opens this attempt's goodput account: by default when its process
     started, or when the run's previous attempt ended if later (an earlier call in this process)."""
     run_dir = Path(cfg.run.dir)
+    check_start(run_dir, cfg.model, cfg.checkpoint.restore)  # a refused start writes nothing
     if started is None:
         started = max(goodput.process_start(), goodput.previous_end(run_dir))
     use_compile_cache(cfg.run.compile_cache)  # before anything compiles

@@ -27,3 +27,13 @@ def test_table_by_default_and_json_on_request(tmp_path, capsys):
     assert bench.main([*SMALL, "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["mesh"] == {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1} and row["devices"] == 8
+
+
+def test_bad_counts_are_refused_before_compiling(capsys):
+    for args in (["--steps", "0"], ["--warmup", "-1"]):
+        try:
+            bench.main(args)
+        except SystemExit as e:
+            assert e.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "must be at least 1 and --warmup" in err[-1], err

@@ -232,14 +232,18 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path):
     proc = _launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               f"{run_dir} holds checkpoints of another model "
-                              "(model.num_layers=4 -> 2); set run.dir to a new directory")
+                              "(model.num_layers=4 -> 2); set run.dir to a new directory, or set "
+                              "those fields back")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1"]
     assert not (run_dir / "damaged_checkpoints").exists()
+    assert "num_layers: 4" in (run_dir / "config.yaml").read_text()  # the refused run wrote nothing
+    assert len(json.loads((run_dir / "goodput.json").read_text())) == 1
     proc = _launch(*SMALL_RUN, f"checkpoint.restore={run_dir}", "checkpoint.weights_only=true",
                    "model.vocab_size=9000", f"run.dir={tmp_path / 'other'}")
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               f"checkpoint.restore={run_dir} holds another model "
                               "(model.vocab_size=8192 -> 9000)")
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.parametrize("overrides,verdict", [
@@ -286,3 +290,15 @@ def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
     log.info("checkpoint 610")
     log.close()
     assert re.search(r"^\d\d:\d\d:\d\d checkpoint 610$", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_a_signal_during_start_up_is_status_75(monkeypatch, capsys):
+    """SIGINT/SIGTERM before the loop takes them over (a checkpoint, then 75) also ends in 75
+    and one line, so a batch system requeues the job instead of counting a crash."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "run", interrupted)
+    assert _main(["train.steps=1"]) == launch.EXIT_PREEMPTED
+    assert capsys.readouterr().err == ("stopped by a signal before training started (nothing to "
+                                       "save); run the same command to start\n")

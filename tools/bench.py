@@ -21,12 +21,17 @@ import time
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset(s)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps after compiling (default 2)")
     parser.add_argument("--out", help="append the JSON result to this file")
     parser.add_argument("--json", action="store_true", help="print one JSON line, not a table")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps {args.steps} must be at least 1 and --warmup {args.warmup} at "
+                     "least 0")
+    return args
 
 
 def random_batch(cfg, mesh):

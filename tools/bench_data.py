@@ -35,7 +35,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
     parser.add_argument("--workers", default="0,2", help="comma-separated data.workers values")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.batches < 1 or args.warmup < 0:
+        parser.error(f"--batches {args.batches} must be at least 1 and --warmup {args.warmup} "
+                     "at least 0")
+    return args
 
 
 def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int) -> dict:
