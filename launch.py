@@ -33,16 +33,11 @@ EXIT_SAVE_FAILED = 4  # a checkpoint that was due was not written; the run stopp
 EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: the current step was checkpointed; rerun to resume
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message} (see python launch.py --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxtron import distributed
+    from jaxtron import cli, distributed
 
-    parser = _Parser(
+    parser = cli.Parser(
+        command="launch.py",
         description="Train a Llama-family model with JAX SPMD. Without --config: the tiny preset "
                     "(configs/tiny.yaml) on the Python standard library's sources.",
         epilog="overrides: section.key=value, anywhere on the line; sections: model, mesh, "
@@ -234,7 +229,7 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
         raise ConfigError("--compile-for and --dry-run are two different reports; give one")
     if args.devices is None:
         raise ConfigError("--compile-for needs --devices N, the GPUs of the cluster to compile for")
-    from jaxtron import aot
+    from jaxtron import aot, cli
 
     aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
     # Compile-only GPU devices come from the CUDA plugin, but jax must start no CUDA runtime here;
@@ -244,7 +239,7 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     jax.config.update("jax_platforms", "cpu")  # read when the first backend starts: not yet
     if cfg.xla.preset == "auto":
         cfg = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, preset="gpu"))
-    outputs = {path: _writable(path) for path in (args.report, args.hlo) if path}
+    outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}
     print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
     report = aot.compile_for(cfg, args.compile_for, args.devices, args.gpus_per_host, args.hlo)
     print("\n".join(aot.format_report(report)))
@@ -276,21 +271,6 @@ def _check_run_dir(path: str) -> None:
     except OSError as e:
         raise ConfigError(f"run.dir={path} cannot be written ({e.strerror}); choose a directory "
                           "you can write") from None
-
-
-def _writable(path: str) -> Path:
-    """`path` as a file this run can write (checked before a long compile, not after)."""
-    from jaxtron.config import ConfigError
-
-    target = Path(path)
-    existed = target.exists()
-    try:
-        target.touch()
-    except OSError as e:
-        raise ConfigError(f"cannot write {path}: {e.strerror}") from None
-    if not existed:
-        target.unlink()  # no empty report left behind if the compile fails
-    return target
 
 
 if __name__ == "__main__":

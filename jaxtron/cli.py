@@ -3,9 +3,11 @@ traceback; other expected failures end the same way with their own status."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
+from pathlib import Path
 
 from jaxtron.config import ConfigError
 
@@ -25,3 +27,35 @@ def one_line_errors(run: Callable[[], int | None], prefix: str = "error",
     except tuple(handled) as e:
         print(f"{prefix}: {e}", file=sys.stderr)
         return next(code for kind, code in handled.items() if isinstance(e, kind))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line naming the command's --help, and exit status 2."""
+
+    def __init__(self, *args, command: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.command = command
+
+    def error(self, message: str):
+        print(f"error: {message} (see python {self.command} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def writable_file(path: str | Path, what: str = "") -> Path:
+    """`path` as a file the command can write, checked before the work that produces it (a long
+    compile, a benchmark), not after; a ConfigError naming `what` (e.g. '--out') otherwise. An
+    existing file is left as it is; a probe file is removed again."""
+    target = Path(path)
+    name = f"{what} {path}" if what else str(path)
+    if target.is_dir():
+        raise ConfigError(f"{name} is a directory; name a file")
+    if not target.parent.is_dir():
+        raise ConfigError(f"{name}: directory {target.parent} does not exist; create it first")
+    existed = target.exists()
+    try:
+        target.touch()
+    except OSError as e:
+        raise ConfigError(f"cannot write {name}: {e.strerror}") from None
+    if not existed:
+        target.unlink()  # nothing empty left behind if the work fails
+    return target

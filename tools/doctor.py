@@ -23,21 +23,15 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtron import distributed, doctor
-from jaxtron.cli import EXIT_USAGE, one_line_errors
+from jaxtron import cli, distributed, doctor
+from jaxtron.cli import one_line_errors
 from jaxtron.config import load
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"doctor: {message} (see python tools/doctor.py --help)", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/doctor.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[],
                         help="YAML preset (repeatable; later files override earlier ones)")
     parser.add_argument("--strict", action="store_true",

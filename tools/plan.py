@@ -21,21 +21,15 @@ import json
 import sys
 from pathlib import Path
 
-from jaxtron import aot, planner
+from jaxtron import aot, cli, planner
 from jaxtron import config as config_lib
-from jaxtron.cli import EXIT_USAGE, one_line_errors
+from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 from jaxtron.model import REMAT_POLICIES
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"plan: {message} (see python tools/plan.py --help)", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/plan.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset (repeatable)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     parser.add_argument("--gpus-per-node", type=int, default=8)
