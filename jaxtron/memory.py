@@ -15,6 +15,8 @@ device per microbatch, T the sequence, t = mesh.tensor):
                         [M/S, b, T/t, D], and the moving state
   pipeline_weight_grads the float32 gradients of the stage weights: the running sum and this
                         iteration's
+  pipeline_gathered_weights the stage's weights whole over fsdp in the compute dtype, gathered
+                        once per pass and kept through its iterations, forward and backward
   layer_backward        attention's working set (cuDNN: the [b, 1, T, S] mask; XLA: float32
                         scores, their gradient, bf16 probabilities: 11-15 bytes per score), two
                         layers' gathered weights, sequence parallelism's full-sequence [b, T, D]
@@ -162,10 +164,14 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
     stage's weights in the 70B preset's buffer assignment, gpipe and circular)."""
     pipe = pipeline.from_config(cfg, plan.mesh_sizes["stage"])
     if pipe is None:
-        return {"pipeline_buffers": 0, "pipeline_weight_grads": 0}
+        return {"pipeline_buffers": 0, "pipeline_weight_grads": 0, "pipeline_gathered_weights": 0}
     layers = parallel.bytes_per_device(plan.abstract["params"]["layers"],
                                        plan.specs["params"]["layers"], plan.mesh_sizes)
     spread = -(-pipe.microbatches // pipe.stages)  # the inputs, spread K per stage
+    fsdp = plan.mesh_sizes["fsdp"]
+    compute = jnp.dtype(cfg.model.dtype).itemsize / jnp.dtype(cfg.model.param_dtype).itemsize
     # With passes (accumulation around the pipeline) the pass's sum is grad_accumulation's.
     return {"pipeline_buffers": (pipe.microbatches + 2 + spread) * slab,
-            "pipeline_weight_grads": 2 * layers if plan.accumulation == 1 else 0}
+            "pipeline_weight_grads": 2 * layers if plan.accumulation == 1 else 0,
+            # the stage's weights gathered over fsdp once per pass, in the compute dtype
+            "pipeline_gathered_weights": int(layers * fsdp * compute) if fsdp > 1 else 0}

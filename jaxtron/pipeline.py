@@ -47,6 +47,7 @@ class Pipeline:
     stages: int  # S
     repeats: int  # R: layer groups per stage (1 for gpipe)
     microbatches: int  # M: per pass through the pipeline
+    dtype: str = "float32"  # the layers' compute dtype: stage weights are gathered in it
 
     @property
     def iterations(self) -> int:
@@ -71,7 +72,8 @@ def from_config(cfg: Config, stages: int) -> Pipeline | None:
     if stages == 1:
         return None
     repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
-    return Pipeline(stages, repeats, cfg.train.microbatches // cfg.pipeline.passes)
+    return Pipeline(stages, repeats, cfg.train.microbatches // cfg.pipeline.passes,
+                    cfg.model.dtype)
 
 
 def check(cfg: Config, stages: int) -> None:
@@ -186,9 +188,52 @@ def _replicated(w: jax.Array, replicas: int, spec: P) -> jax.Array:
     """Staged [S, L', R, ...] -> [S, replicas, L', R, ...] copies, the copy dimension over `data`,
     the weight's own dimensions split as `spec` says (else the compiler may gather them)."""
     w = jnp.broadcast_to(w[:, None], (w.shape[0], replicas, *w.shape[1:]))
+    return _constrained(w, spec)
+
+
+def _constrained(w: jax.Array, spec: P) -> jax.Array:
+    """[S, replicas, L', R, ...] split over stage, data, and the weight's own `spec`."""
     if jax.sharding.get_abstract_mesh().empty:
         return w
     return jax.lax.with_sharding_constraint(w, P("stage", "data", None, None, *spec[1:]))
+
+
+def _without_fsdp(spec: P) -> P:
+    """`spec` with the fsdp axis dropped: the weight whole over fsdp, still split over tensor."""
+    drop = lambda axes: (tuple(a for a in axes if a != "fsdp") or None
+                         if isinstance(axes, tuple) else None if axes == "fsdp" else axes)
+    return P(*map(drop, spec))
+
+
+def _gathered(w: jax.Array, spec: P, dtype: Any) -> jax.Array:
+    """The stage weights whole over fsdp, in the dtype the layers compute with (a layer's norm
+    scale, 1-D, keeps its own): gathered once per pass, outside the iteration scan, so the
+    iterations do not gather them again (M+S-1 all-gathers forward and as many in the backward's
+    recompute). No gradient flows here: `_use_gathered` routes it to the sharded weight."""
+    if w.ndim > 5:  # [S, replicas, L', R, ...] of a matrix (or a bias [N, H])
+        w = w.astype(dtype)
+    return jax.lax.stop_gradient(_constrained(w, _without_fsdp(spec)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _use_gathered(spec: P, dtype: Any, sharded: jax.Array, gathered: jax.Array) -> jax.Array:
+    """`gathered` in the forward; in the backward the cotangent goes to `sharded`, split over
+    fsdp again (a reduce-scatter each iteration), so the scan sums the weight gradient in the
+    sharded weight's dtype (`dtype`) and size, never a whole stage's gradient per device."""
+    del spec, dtype, sharded
+    return gathered
+
+
+def _use_gathered_fwd(spec, dtype, sharded, gathered):
+    del spec, dtype, sharded
+    return gathered, None
+
+
+def _use_gathered_bwd(spec, dtype, _, g):
+    return _constrained(g, spec).astype(dtype), None
+
+
+_use_gathered.defvjp(_use_gathered_fwd, _use_gathered_bwd)
 
 
 LayerFn = Callable[..., jax.Array]  # (stacked, x, positions, segment_ids, select=) -> x
@@ -237,11 +282,18 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     # the iterations on the replica's devices, then over `data` once, by the broadcast's transpose.
     replicas = _data_replicas()
     leaves, tree = jax.tree.flatten(staged)
-    staged = jax.tree.unflatten(tree, [_replicated(w, replicas, spec)
-                                       for w, spec in zip(leaves, _layer_specs(stacked))])
+    specs = _layer_specs(stacked)
+    sharded = [_replicated(w, replicas, spec) for w, spec in zip(leaves, specs)]
+    whole = [_gathered(w, spec, pipe.dtype) for w, spec in zip(sharded, specs)]
     per_stage = _on_every_stage(stage_fn, replicas)
-    stages_fn = lambda w, repeat, x, micro: per_stage(w, repeat, x, micro, positions_MbT,
-                                                      segments_MbT)
+
+    def stages_fn(weights, repeat, x, micro):
+        sharded, whole = weights
+        used = [_use_gathered(spec, w.dtype, w, g) for spec, w, g in zip(specs, sharded, whole)]
+        return per_stage(jax.tree.unflatten(tree, used), repeat, x, micro, positions_MbT,
+                         segments_MbT)
+
+    staged = (sharded, whole)
     carry = (state_SbTD, buffer_SMbTD)
     carry, _ = jax.lax.scan(
         lambda c, t: (_iteration(stages_fn, staged, inputs_SKbTD, c, t, pipe), None),

@@ -17,9 +17,10 @@ estimates one step's time as
   - tensor: sequence parallelism's all-gather and reduce-scatter of each layer's activations,
     4 per layer per pass (forward, backward, and the recomputed forward with remat); exposed,
     unless model.collective_matmul hides all but 1/tensor of it behind the matmuls.
-  - fsdp: each layer's weights all-gathered for the forward and backward and their gradients
-    reduce-scattered, once per weight use (every microbatch, or every pipeline iteration); XLA's
-    scheduler overlaps them with compute, so only what exceeds the compute is exposed.
+  - fsdp: without a pipeline, each layer's weights all-gathered for the forward and backward and
+    their gradients reduce-scattered, every microbatch; with one, the stage's weights gathered
+    once per pass and their gradients reduce-scattered every iteration. XLA's scheduler overlaps
+    them with compute, so only what exceeds the compute is exposed.
   - data: the gradients' all-reduce, once per step, exposed.
   - stage: each microbatch's activations between neighbouring stages, forward and backward.
 - latency: LATENCY_S per collective message and per pipeline iteration, which penalises many
@@ -169,8 +170,12 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
         1 - TENSOR_OVERLAP)
     layer_params = metrics.matmul_params(dataclasses.replace(m, vocab_size=0)) / m.num_layers
     f = mesh["fsdp"]
-    uses = iterations if stages > 1 else t.microbatches
-    fsdp_bytes = 3 * uses * layers * layer_params / tp * act * (f - 1) / f
+    # Without a pipeline each microbatch gathers a layer's weights twice (forward, recompute or
+    # backward) and reduce-scatters its gradient; a pipeline gathers a stage's weights once per
+    # pass and reduce-scatters their gradient every iteration.
+    runs = iterations if stages > 1 else t.microbatches  # layer runs per sequence group
+    fsdp_uses = 1 + iterations if stages > 1 else 3 * t.microbatches
+    fsdp_bytes = fsdp_uses * layers * layer_params / tp * act * (f - 1) / f
     fsdp_time = _seconds(fsdp_bytes, "fsdp" in crossing)
     parts["fsdp"] = fsdp_time * (1 - FSDP_OVERLAP) + max(0.0, fsdp_time * FSDP_OVERLAP - compute)
     d = mesh["data"]
@@ -178,7 +183,7 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
     stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
-    messages = (4 * passes * layers * uses * (tp > 1) + 3 * layers * uses * (f > 1)
+    messages = (4 * passes * layers * runs * (tp > 1) + layers * fsdp_uses * (f > 1)
                 + iterations * (stages > 1) * 2 + (d > 1))
     parts["latency"] = LATENCY_S * messages
     return parts
@@ -216,5 +221,12 @@ def why_slower(worse: Layout, better: Layout, capacity: int) -> str:
                 f"{capacity * USABLE_FRACTION / 2**30:.1f} GiB jax may use")
     deltas = {k: worse.parts[k] - better.parts.get(k, 0.0) for k in worse.parts}
     term = max(deltas, key=deltas.get)
-    return (f"{worse.step_seconds - better.step_seconds:+.2f} s per step, mostly {term} "
-            f"({worse.parts[term]:.2f} s against {better.parts[term]:.2f} s)")
+    return (f"+{duration(worse.step_seconds - better.step_seconds)} per step, mostly {term} "
+            f"({duration(worse.parts[term])} against {duration(better.parts[term])})")
+
+
+def duration(seconds: float) -> str:
+    """Three significant digits in s, ms or us: a small model's step is not "0.00 s"."""
+    scale, unit = next(((scale, unit) for scale, unit in ((1.0, "s"), (1e-3, "ms"))
+                        if abs(seconds) >= scale), (1e-6, "us"))
+    return f"{seconds / scale:.3g} {unit}"

@@ -210,6 +210,24 @@ def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) >= 2 * iterations * per_group
 
 
+def test_pipeline_gathers_fsdp_sharded_stage_weights_once_per_pass(tmp_path):
+    """Llama-3-70B as TP8 / PP2 / FSDP8 on 128 H100s, 16 microbatches: the stage's weights are
+    all-gathered over fsdp once per pass (before: in every one of the 17 iterations, forward and
+    recompute, 2722 gathers and 282 GiB per GPU per step), and only their gradients leave every
+    iteration, reduce-scattered. The dry run counts the gathered copy."""
+    report = _launch(tmp_path, "llama3_70b.yaml", 128, "train.batch_size=512",
+                     "train.seq_len=4096", "mesh.tensor=8", "mesh.stage=2", "mesh.fsdp=8",
+                     "mesh.data=1", "train.microbatches=16", "model.remat=full")
+    gathered = report["plan_terms"]["pipeline_gathered_weights"]  # bf16, the stage's, whole
+    assert gathered > 0
+    rows = {r["op"]: r for r in report["collectives"] if r["axes"] == ["fsdp"]}
+    assert rows["all-gather"]["bytes"] <= 1.1 * gathered, (rows["all-gather"], gathered)
+    assert rows["all-gather"]["count"] < 17
+    # the gradients: each iteration's, bf16, of the stage's 40 layers
+    assert rows["reduce-scatter"]["bytes"] == pytest.approx(17 * gathered, rel=0.1)
+    assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
+
+
 def test_fused_attention_and_chunked_loss_on_one_node(tmp_path):
     """llama3_8b at seq 8192 on 8 H100s (fsdp=8): cuDNN fused attention forward and backward, no
     float32 array of attention-score size [b, N, T, T] or of [tokens, vocab], and temporaries 3x

@@ -78,11 +78,12 @@ def test_ranking_puts_fitting_layouts_first_fastest_first():
 
 def test_cli_ranks_writes_json_and_verifies_against_the_compiled_peak(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    rc = plan_tool.main(["--config", str(TINY), "--gpus", "16", "--top", "3", "--json", str(out),
-                         "--verify", "1", *SMALL])
+    rc = plan_tool.main(["--config", str(ROOT / "configs" / "llama3_1b.yaml"), "--gpus", "16",
+                         "--top", "3", "--json", str(out), "--verify", "1",
+                         "train.batch_size=32", "train.seq_len=2048"])
     text = capsys.readouterr().out
     assert rc == 0, text
-    assert re.search(r"^1\. TP\d .* s per step, [\d.]+ GiB per GPU", text, re.MULTILINE)
+    assert re.search(r"^1\. TP\d .*: [\d.]+ m?s per step, [\d.]+ GiB per GPU", text, re.MULTILINE)
     assert "   below #1: " in text and "   below #2: " in text
     rows = json.loads(out.read_text())
     assert {"mesh", "schedule", "microbatches", "remat", "step_seconds", "peak_bytes",
@@ -98,6 +99,8 @@ def test_cli_ranks_writes_json_and_verifies_against_the_compiled_peak(tmp_path, 
     (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
     (["--gpus", "8", "--remat", "fastest"], "--remat fastest is not one of"),
     (["--gpus", "8", "train.lr=1"], "unknown config key 'train.lr'"),
+    (["--gpus", "8", "--json", "/nonexistent/plan.json"],
+     "--json /nonexistent/plan.json: directory /nonexistent does not exist"),
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, args, message):
     try:
@@ -106,3 +109,9 @@ def test_bad_input_is_one_line_and_status_2(capsys, args, message):
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_durations_keep_three_digits_at_any_scale():
+    """A small model's step is 381 us, not "0.00 s"; a large one's 22.2 s."""
+    assert [planner.duration(x) for x in (22.24, 0.0433, 0.000381, 0.0)] == [
+        "22.2 s", "43.3 ms", "381 us", "0 us"]

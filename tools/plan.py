@@ -65,10 +65,12 @@ def _check(args: argparse.Namespace) -> None:
 def print_ranking(ranked: list[planner.Layout], top: int, capacity: int) -> None:
     """The best `top`, each with why it loses to the one above."""
     fits = sum(x.fits for x in ranked)
-    print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))}:")
+    print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))} "
+          "(TP tensor, PP stages, R circular repeats, FSDP, DP data, M microbatches per pass):")
     for i, layout in enumerate(ranked[:top]):
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in layout.parts.items() if v >= 0.005)
-        print(f"{i + 1}. {layout.name()}: {layout.step_seconds:.2f} s per step, "
+        parts = ", ".join(f"{k} {planner.duration(v)}" for k, v in layout.parts.items()
+                          if v >= 0.001 * layout.step_seconds)
+        print(f"{i + 1}. {layout.name()}: {planner.duration(layout.step_seconds)} per step, "
               f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts})")
         if i:
             print(f"   below #{i}: {planner.why_slower(layout, ranked[i - 1], capacity)}")
@@ -91,6 +93,8 @@ def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespa
 
 def run(args: argparse.Namespace) -> None:
     _check(args)
+    if args.json:
+        cli.writable_file(args.json, "--json")
     cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
     capacity = aot.capacity_bytes(args.gpu)
     ranked = planner.evaluate(cfg, args.gpus, args.gpus_per_node, args.gpu, capacity,
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return one_line_errors(lambda: run(args), prefix="plan")
+    return one_line_errors(lambda: run(args), prefix="error")
 
 
 if __name__ == "__main__":
