@@ -335,12 +335,53 @@ def test_no_good_document_is_an_error_not_an_empty_dataset(tmp_path, tokenizer):
     (["{corpus}", "--tokenizer", "missing.model"], "--tokenizer missing.model: no such file"),
     (["{corpus}"], "one of the arguments --tokenizer --train-tokenizer is required"),
     (["{corpus}", "--tokenizer", "{tok}", "--val-fraction", "2"], "between 0 and 1"),
+    (["{corpus}", "--train-tokenizer", "0"], "--train-tokenizer must be at least 1"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, tokenizer, corpus, args, message):
     args = [a.format(tok=tokenizer, corpus=corpus[0][0]) for a in args]
     done = run_tool(*args, "--out", tmp_path / "ds", check=False)
     assert done.returncode == 2 and message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("out, message", [
+    ("afile", "--out {t}/afile is a file; name a directory"),
+    ("afile/ds", "--out {t}/afile/ds: {t}/afile is a file, not a directory"),
+    ("/sys/jaxtron/ds", "cannot write --out /sys/jaxtron/ds: /sys: "),  # even root may not
+])
+def test_out_is_checked_before_the_tokenizer_is_trained(tmp_path, out, message):
+    (tmp_path / "afile").write_text("keep")
+    (tmp_path / "doc.txt").write_text("some text\n" * 100)
+    done = subprocess.run([sys.executable, str(TOOL), "doc.txt", "--out", out,
+                           "--train-tokenizer", "300"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr.count("\n")) == (2, 1), done.stderr
+    assert done.stderr.startswith(f"prepare_data.py: error: {message.format(t=tmp_path)}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "doc.txt"]
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+@pytest.mark.parametrize("doc, vocab, advice", [
+    ("hello world\n", 100, "too few pieces for the sample's characters and the 256 byte pieces; "
+     "use --train-tokenizer 268 or more"),
+    ("hello world\n", 5000, "the sample is too small for that many pieces; use "
+     "--train-tokenizer 286 or less, or more text (the inputs, --sample-bytes)"),
+])
+def test_a_vocabulary_sentencepiece_refuses_names_the_fix(tmp_path, doc, vocab, advice):
+    (tmp_path / "doc.txt").write_text(doc)
+    done = run_tool(tmp_path / "doc.txt", "--out", tmp_path / "ds", "--train-tokenizer", vocab,
+                    check=False)
+    assert done.returncode == 2 and not (tmp_path / "ds").exists()
+    assert done.stderr.splitlines()[-1].endswith(f"error: --train-tokenizer {vocab}: {advice}")
+
+
+def test_no_progress_bar_when_stderr_is_a_log_and_counts_read_as_english(tmp_path, tokenizer):
+    (tmp_path / "doc.txt").write_text("one document")
+    done = run_tool(tmp_path / "doc.txt", "--out", tmp_path / "ds", "--tokenizer", tokenizer)
+    assert "\r" not in done.stderr and "tokenizing" not in done.stderr, done.stderr
+    assert done.stderr.startswith("1 file in 1 unit -> train 1 document, "), done.stderr
+    assert ", 1 shard; val 0 documents, 0 tokens, 0 shards\n" in done.stderr
 
 
 @pytest.mark.slow

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -29,20 +29,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dataset_dir import (PARTS, check_run, load_records, read_json, remove_unlisted,
+                         writable_dir, write_if_changed)
 from text_inputs import (Source, absolute, bad_entry, describe, file_size, find_sources,
                          read_documents, sample_lines)
 from tqdm import tqdm
 
+from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 from jaxtron.corpus import write_atomic
-from jaxtron.prepared import (MANIFEST_FORMAT, SHARD_NAME, SPLITS, VAL_RULE, SplitShards,
+from jaxtron.prepared import (MANIFEST_FORMAT, SPLITS, VAL_RULE, SplitShards,
                               build_manifest, is_val)
 from jaxtron.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
 
-PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
-RUN_KEYS = ("format", "val_rule", "tokenizer_sha256", "dtype", "val_fraction", "text_field",
-            "part_tokens")
 BYTES_PER_TOKEN = 4  # sizes units before tokenizing; BPE on English or code gives ~3-5
 MAX_REPORTED = 20  # bad-input lines printed and kept as examples, per input file
 ENCODE_BATCH_CHARS = 4 << 20  # documents are encoded in batches of about this much text
@@ -205,20 +205,6 @@ class UnitJob:
         self.worker.messages.put(("progress", documents, tokens, nbytes))
 
 
-def read_json(path: Path) -> dict | None:
-    """A JSON file's content, or None if it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_if_changed(path: Path, payload: bytes) -> None:
-    """Write atomically unless the file holds exactly `payload` (so a rerun changes nothing)."""
-    if not (path.is_file() and path.read_bytes() == payload):
-        write_atomic(path, payload)
-
-
 def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path) -> Tokenizer:
     """The --tokenizer (either kind), or a SentencePiece model trained on a sample (reused from an
     earlier run)."""
@@ -234,14 +220,26 @@ def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path)
     lines = sample_lines(sources, args.text_field, args.sample_bytes)
     if not lines:
         raise ConfigError("--train-tokenizer: the inputs hold no text to train on")
-    print(f"training a {args.train_tokenizer}-piece tokenizer on {len(lines):,} lines",
+    print(f"training a {args.train_tokenizer}-piece tokenizer on {counted(len(lines), 'line')}",
           file=sys.stderr)
     try:
         model = train_tokenizer(lines, args.train_tokenizer)
     except ConfigError as e:
         reason = str(e).split(": ", 1)[-1]
-        raise ConfigError(f"--train-tokenizer {args.train_tokenizer}: {reason}") from None
+        raise ConfigError(f"--train-tokenizer {args.train_tokenizer}: {advice(reason)}") from None
     return Tokenizer({SP_FILE: model}, "--train-tokenizer")
+
+
+def advice(reason: str) -> str:
+    """SentencePiece's reason for refusing a vocabulary size, as the fix on this command line
+    (its own names flags of its trainer, such as --character_coverage, that this tool has not)."""
+    if found := re.search(r"smaller than required_chars\. \d+ vs (\d+)", reason):
+        return (f"too few pieces for the sample's characters and the 256 byte pieces; use "
+                f"--train-tokenizer {found[1]} or more")
+    if found := re.search(r"Vocabulary size too high \(\d+\)\. .* <= (\d+)", reason):
+        return (f"the sample is too small for that many pieces; use --train-tokenizer "
+                f"{found[1]} or less, or more text (the inputs, --sample-bytes)")
+    return reason
 
 
 def write_tokenizer(out: Path, tok: Tokenizer) -> None:
@@ -252,55 +250,6 @@ def write_tokenizer(out: Path, tok: Tokenizer) -> None:
             write_if_changed(out / name, tok.files[name])
         else:
             (out / name).unlink(missing_ok=True)
-
-
-def check_run(out: Path, run: dict) -> None:
-    """Refuse to mix outputs of different settings in one directory; else record the settings."""
-    previous = read_json(out / PARTS / "run.json")
-    if previous and any((out / PARTS).glob("[0-9]*.json")):
-        for key in RUN_KEYS:
-            if previous.get(key) != run[key]:
-                raise ConfigError(f"--out {out} holds data made with {key}={previous.get(key)}, "
-                                  f"not {run[key]}: rerun with the same arguments or a new --out")
-    write_if_changed(out / PARTS / "run.json", json.dumps(run, indent=1).encode())
-
-
-def load_records(out: Path, units: list[Unit]) -> dict[int, dict]:
-    """Earlier runs' completion records whose shards are all present, checked against the plan."""
-    records = {}
-    for path in sorted((out / PARTS).glob("[0-9]*.json")):
-        index, record = int(path.stem), read_json(path)
-        if record is None or not all((out / name).is_file() for split in record["splits"].values()
-                                     for name in split["shards"]):
-            path.unlink()  # shards gone: redo the unit
-            continue
-        check_record(out, record, units[index] if index < len(units) else None)
-        records[index] = record
-    return records
-
-
-def check_record(out: Path, record: dict, unit: Unit | None) -> None:
-    """Refuse a completion record of other files, or other file sizes, than its unit has now."""
-    then = [(f["path"], f["rel"], f["bytes"]) for f in record["files"]]
-    now = [(str(s.path), s.rel, n) for s, n in zip(unit.sources, unit.sizes)] if unit else []
-    for old, new in itertools.zip_longest(then, now):
-        if old != new:
-            raise ConfigError(f"--out {out} holds {_label(old)} where the INPUTs now give "
-                              f"{_label(new)}: rerun with the same INPUTs or a new --out")
-
-
-def _label(file: tuple[str, str, int] | None) -> str:
-    """A planned file as an error message names it."""
-    return f"{file[0]} ({file[2]:,} bytes)" if file else "no file"
-
-
-def remove_unlisted(out: Path, records: dict[int, dict]) -> None:
-    """Delete shards of ours, complete or not, that no completion record lists: leftovers."""
-    listed = {name for r in records.values() for split in r["splits"].values()
-              for name in split["shards"]}
-    for path in out.iterdir():
-        if SHARD_NAME.match(path.name) and path.name not in listed:
-            path.unlink()
 
 
 def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> dict[int, dict]:
@@ -338,21 +287,27 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
 
 def summary(manifest: dict, records: list[dict], new_tokens: int, seconds: float) -> str:
     """The closing lines: totals per split, this run's token rate, bad input by reason."""
-    splits = "; ".join(f"{name} {s['documents']:,} documents, {s['tokens']:,} tokens, "
-                       f"{len(s['shards'])} shards" for name, s in manifest["splits"].items())
-    text = (f"{len(manifest['sources'])} files in {len(records)} units -> {splits}\n"
-            f"this run tokenized {new_tokens:,} tokens in {seconds:.1f} s "
+    splits = "; ".join(f"{name} {counted(s['documents'], 'document')}, "
+                       f"{counted(s['tokens'], 'token')}, {counted(len(s['shards']), 'shard')}"
+                       for name, s in manifest["splits"].items())
+    text = (f"{counted(len(manifest['sources']), 'file')} in {counted(len(records), 'unit')} -> "
+            f"{splits}\nthis run tokenized {counted(new_tokens, 'token')} in {seconds:.1f} s "
             f"({new_tokens / max(seconds, 1e-9):,.0f} tokens/s)")
     reasons = sum((Counter(record["bad_reasons"]) for record in records), Counter())
     counts = ", ".join(f"{reason}: {n}" for reason, n in reasons.most_common())
     return text + (f"\nbad input skipped: {reasons.total()} ({counts})" if reasons else "")
 
 
+def counted(n: int, noun: str) -> str:
+    """3 -> '3 files', 1 -> '1 file'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def prepare(args: argparse.Namespace) -> int:
     """The whole tool; an output directory this run created is removed again when it fails, so a
     failed first run leaves nothing that looks like a dataset (a resumed one keeps its parts)."""
-    out = absolute(Path(args.out).expanduser())
-    fresh = not out.exists() or (out.is_dir() and not any(out.iterdir()))
+    out = writable_dir(absolute(Path(args.out).expanduser()), "--out")
+    fresh = not out.exists() or not any(out.iterdir())
     try:
         return _prepare(args, out)
     except BaseException:
@@ -383,7 +338,7 @@ def _prepare(args: argparse.Namespace, out: Path) -> int:
     total, started = sum(unit.size for unit in units), time.monotonic()
     with tqdm(total=total, initial=total - sum(unit.size for unit in todo), unit="B",
               unit_scale=True, unit_divisor=1024, desc="tokenizing", file=sys.stderr,
-              mininterval=0.5, dynamic_ncols=True) as bar:
+              mininterval=0.5, dynamic_ncols=True, disable=None) as bar:  # no bar in logs
         records.update(run_units(todo, settings, args.workers, bar))
     seconds, ordered = time.monotonic() - started, [records[unit.index] for unit in units]
     manifest = build_manifest(ordered, tok, run)
@@ -396,17 +351,10 @@ def _prepare(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with usage errors as one line and exit status 2."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    p = Parser(prog="prepare_data.py", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(command="tools/prepare_data.py", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
     p.add_argument("--out", required=True, help="dataset directory to write (or resume)")
     tok = p.add_mutually_exclusive_group(required=True)
@@ -426,8 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(%(default)s)")
     p.add_argument("--strict", action="store_true", help="exit 2 on the first bad input")
     args = p.parse_args(argv)
-    for name in ("workers", "part_tokens", "sample_bytes"):
-        if getattr(args, name) < 1:
+    for name in ("workers", "part_tokens", "sample_bytes", "train_tokenizer"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0.0 <= args.val_fraction <= 1.0:
         p.error("--val-fraction must be between 0 and 1")

@@ -1,0 +1,98 @@
+"""The output directory of tools/prepare_data.py: checked before any work, the settings it was
+made with (.parts/run.json), the completion records of its units (.parts/NNNNN.json) checked
+against the plan, and leftover shards removed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jaxtron.config import ConfigError
+from jaxtron.corpus import write_atomic
+from jaxtron.prepared import SHARD_NAME
+
+PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
+RUN_KEYS = ("format", "val_rule", "tokenizer_sha256", "dtype", "val_fraction", "text_field",
+            "part_tokens")
+
+
+def writable_dir(path: Path, what: str) -> Path:
+    """`path` as a directory the tool can make or write into, checked before any work; nothing
+    is created (a ConfigError naming `what` otherwise)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path} is a file; name a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {path}: {existing} is a file, not a directory")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError(f"cannot write {what} {path}: {existing}: {e.strerror}") from None
+    return path
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file's content, or None if it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_if_changed(path: Path, payload: bytes) -> None:
+    """Write atomically unless the file holds exactly `payload` (so a rerun changes nothing)."""
+    if not (path.is_file() and path.read_bytes() == payload):
+        write_atomic(path, payload)
+
+
+def check_run(out: Path, run: dict) -> None:
+    """Refuse to mix outputs of different settings in one directory; else record the settings."""
+    previous = read_json(out / PARTS / "run.json")
+    if previous and any((out / PARTS).glob("[0-9]*.json")):
+        for key in RUN_KEYS:
+            if previous.get(key) != run[key]:
+                raise ConfigError(f"--out {out} holds data made with {key}={previous.get(key)}, "
+                                  f"not {run[key]}: rerun with the same arguments or a new --out")
+    write_if_changed(out / PARTS / "run.json", json.dumps(run, indent=1).encode())
+
+
+def load_records(out: Path, units: list[Any]) -> dict[int, dict]:
+    """Earlier runs' completion records whose shards are all present, checked against the plan."""
+    records = {}
+    for path in sorted((out / PARTS).glob("[0-9]*.json")):
+        index, record = int(path.stem), read_json(path)
+        if record is None or not all((out / name).is_file() for split in record["splits"].values()
+                                     for name in split["shards"]):
+            path.unlink()  # shards gone: redo the unit
+            continue
+        check_record(out, record, units[index] if index < len(units) else None)
+        records[index] = record
+    return records
+
+
+def check_record(out: Path, record: dict, unit: Any) -> None:
+    """Refuse a completion record of other files, or other file sizes, than its unit (a
+    prepare_data.Unit, or None past the plan's end) has now."""
+    then = [(f["path"], f["rel"], f["bytes"]) for f in record["files"]]
+    now = [(str(s.path), s.rel, n) for s, n in zip(unit.sources, unit.sizes)] if unit else []
+    for old, new in itertools.zip_longest(then, now):
+        if old != new:
+            raise ConfigError(f"--out {out} holds {_label(old)} where the INPUTs now give "
+                              f"{_label(new)}: rerun with the same INPUTs or a new --out")
+
+
+def _label(file: tuple[str, str, int] | None) -> str:
+    """A planned file as an error message names it."""
+    return f"{file[0]} ({file[2]:,} bytes)" if file else "no file"
+
+
+def remove_unlisted(out: Path, records: dict[int, dict]) -> None:
+    """Delete shards of ours, complete or not, that no completion record lists: leftovers."""
+    listed = {name for r in records.values() for split in r["splits"].values()
+              for name in split["shards"]}
+    for path in out.iterdir():
+        if SHARD_NAME.match(path.name) and path.name not in listed:
+            path.unlink()
