@@ -128,10 +128,47 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "noise" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n{}\n')
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "metrics.jsonl").write_text("")
+    (tmp_path / "bare").mkdir()  # no config.yaml, no throughput logged
+    (tmp_path / "bare" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     cases = {tmp_path / "missing": "is not a directory", tmp_path / "empty": "has no metrics.jsonl",
              tmp_path / "noise": "metrics.jsonl:2: not a JSON row",
-             tmp_path / "blank": "no rows yet"}
+             tmp_path / "blank": "no rows yet", tmp_path / "bare": "the tokens seen are unknown"}
     for path, message in cases.items():
         assert plot.main([str(path)]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith("plot: ") and message in err
+
+
+def test_a_short_series_is_marked_point_by_point(tmp_path):
+    """One logged step: a line of one point draws nothing, so each point gets a marker (and a
+    long series none)."""
+    row = {"step": 1, "loss": 5.0, "lr": 0.1, "tokens_per_sec": 100.0, "grad_norm": 1.0,
+           "step_time": 1.0, "mfu": 0.5}
+    for name, steps in (("one", [1]), ("long", range(1, 61))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps({**row, "step": s}) + "\n" for s in steps))
+    made, _ = plot.figures([plot.load_run(tmp_path / "one", "one"),
+                            plot.load_run(tmp_path / "long", "long")])
+    for stem in STEMS:
+        marks = {line.get_label().split()[0]: (line.get_marker(), line.get_markersize())
+                 for line in made[stem].axes[0].lines}
+        assert marks["one"] == ("o", 4) and marks["long"][0] == "None", (stem, marks)
+
+
+@pytest.mark.parametrize("out, message", [
+    ("afile", "--out {t}/afile is a file; give a directory"),
+    ("afile/plots", "cannot make --out {t}/afile/plots: Not a directory"),
+    ("/sys/jaxtron-plots", "cannot make --out /sys/jaxtron-plots: "),  # even root may not
+])
+def test_an_unusable_out_is_one_line_and_nothing_is_written(tmp_path, capsys, out, message):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "lr": 0.1}\n')
+    (tmp_path / "run" / "config.yaml").write_text("train: {batch_size: 8, seq_len: 32}\n")
+    (tmp_path / "afile").write_text("keep")
+    out = out if out.startswith("/") else str(tmp_path / out)
+    assert plot.main([str(tmp_path / "run"), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"plot: {message.format(t=tmp_path)}"), err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "config.yaml",
+                                                          "metrics.jsonl", "run"]

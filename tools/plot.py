@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 
@@ -33,6 +34,7 @@ STEP_PLOTS = (
     ("mfu", "mfu", "MFU (% of dense BF16 peak)", "Model FLOPs utilisation", "linear", 100.0),
     ("grad_norm", "grad_norm", "global gradient norm (before clipping)", "Gradient norm", "log", 1.0),
 )
+FEW = 50  # a series of fewer points gets a marker on each: one point alone is no line at all
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ def tokens_per_step(run_dir: Path, rows: list[dict]) -> int:
         if isinstance(train.get("batch_size"), int) and isinstance(train.get("seq_len"), int):
             return train["batch_size"] * train["seq_len"]
     row = rows[0]  # tokens_per_sec = tokens per step / step_time
+    if not all(isinstance(row.get(k), (int, float)) for k in ("tokens_per_sec", "step_time")):
+        raise ConfigError(f"{run_dir}: no config.yaml with train.batch_size and train.seq_len, "
+                          "nor tokens_per_sec and step_time logged: the tokens seen are unknown")
     return round(row["tokens_per_sec"] * row["step_time"])
 
 
@@ -131,6 +136,11 @@ def _plain_log_formatter(minor: bool):
     return PlainLog(labelOnlyBase=False, minor_thresholds=(2, 0.5)) if minor else PlainLog()
 
 
+def markers(points: int) -> dict:
+    """plot() arguments that mark each point of a short series."""
+    return {"marker": "o", "markersize": 4} if points < FEW else {}
+
+
 def _axes(title: str, xlabel: str, ylabel: str, yscale: str):
     import matplotlib.pyplot as plt
 
@@ -155,7 +165,7 @@ def loss_figure(runs: list[Run]):
     for i, run in enumerate(runs):
         colour = f"C{i % 10}"
         ax.plot(run.tokens(run.rows), [r["loss"] for r in run.rows], color=colour,
-                label=f"{run.name} train")
+                label=f"{run.name} train", **markers(len(run.rows)))
         if run.evals:
             ax.plot(run.tokens(run.evals), [r["eval_loss"] for r in run.evals], color=colour,
                     linestyle="--", marker="o", label=f"{run.name} eval")
@@ -174,8 +184,7 @@ def step_figure(runs: list[Run], key: str, ylabel: str, title: str, yscale: str,
         steps, values = run.series(key)
         points = [(s, v * factor) for s, v in zip(steps, values) if v is not None]
         if points:
-            ax.plot(*zip(*points), color=f"C{i % 10}", marker="." if len(points) < 50 else None,
-                    label=run.name)
+            ax.plot(*zip(*points), color=f"C{i % 10}", label=run.name, **markers(len(points)))
             largest = max(largest or 0.0, max(abs(v) for _, v in points))
     if largest is None:
         import matplotlib.pyplot as plt
@@ -213,8 +222,12 @@ def plot(paths: list[Path], out: Path | None) -> None:
     out = out or paths[0] / "plots"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory")
+    try:  # before drawing; only after the runs read, so that a bad run leaves no directory
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make --out {out}: {e.strerror}") from None
+    cli.writable_file(out / "loss.png", "--out")
     made, notes = figures(runs)
-    out.mkdir(parents=True, exist_ok=True)
     for note in notes:
         print(note)
     for stem, fig in made.items():
@@ -226,7 +239,7 @@ def plot(paths: list[Path], out: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/plot.py", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (run.dir)")
     parser.add_argument("--out", type=Path, help="directory for the PNGs (default RUN/plots)")
     args = parser.parse_args(argv)
