@@ -134,3 +134,28 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("commbench: "), err
     assert message in err
+
+
+@pytest.mark.parametrize("flag, name, message", [
+    ("--json", "out", "--json {t}/out is a directory; name a file"),
+    ("--json", "nowhere/cb.json", "--json {t}/nowhere/cb.json: directory {t}/nowhere does not exist"),
+    ("--plot", "cb.txt", "--plot {t}/cb.txt: name a file ending in .png, .pdf or .svg"),
+    ("--plot", "/sys/cb.png", "cannot write --plot /sys/cb.png: "),  # even root may not
+])
+def test_an_unusable_output_is_refused_before_the_backend_starts(tmp_path, capsys, flag, name,
+                                                                 message):
+    (tmp_path / "out").mkdir()
+    path = name if name.startswith("/") else str(tmp_path / name)
+    assert cb.main(["mesh.fsdp=8", "--sizes", "1KiB", flag, path]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"commbench: {message.format(t=tmp_path)}"), err
+    assert err.count("\n") == 1 and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_size_too_small_for_one_op_is_refused_before_any_is_timed(capsys, monkeypatch):
+    timed = []
+    monkeypatch.setattr(cb, "seconds_per_call", lambda *args: timed.append(args) or 1.0)
+    assert cb.main(["mesh.fsdp=8", "--sizes", "1KiB,2", "--iters", "1", "--warmup", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert "1 iteration after 0 warm-up" in out and timed == []
+    assert err.startswith("commbench: --sizes: 2 B is less than one 4-byte element"), err

@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 
@@ -165,6 +166,10 @@ def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
     """One row per (op, axis, size): time, algbw and busbw (nccl-tests' definitions)."""
     import numpy as np
 
+    for axis in axes:  # every size fits every op before the first is timed
+        for op in ops:
+            for size in sizes:
+                local_count(op, size, mesh.shape[axis], np.dtype(dtype).itemsize)
     rows = []
     for axis in axes:
         n, hosts = mesh.shape[axis], hosts_spanned(mesh, axis)
@@ -234,7 +239,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 # ---------------------------------------------------------------- command line
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/commbench.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset(s): its mesh")
     parser.add_argument("--sizes", help="A..B (doubling), a list A,B,C or one size; "
                         "default 1MiB..1GiB on GPUs, 1KiB..256KiB on CPUs")
@@ -272,9 +277,16 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--warmup must be >= 0 and --iters >= 1")
     if args.sizes is not None:
         args.sizes = parse_sizes(args.sizes)
-    for path in (args.json, args.plot):
-        if path is not None and not path.parent.is_dir():
-            raise ConfigError(f"{path}: directory {path.parent} does not exist")
+    if args.json is not None:
+        cli.writable_file(args.json, "--json")
+    if args.plot is not None:
+        cli.writable_file(args.plot, "--plot")
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if args.plot.suffix[1:].lower() not in formats:
+            raise ConfigError(f"--plot {args.plot}: name a file ending in .png, .pdf or .svg "
+                              "(a format matplotlib writes)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -299,7 +311,8 @@ def run(args: argparse.Namespace) -> None:
     shape = " ".join(f"{a}={s}" for a, s in mesh.shape.items())
     title = f"{len(devices)} x {devices[0].device_kind}, mesh {shape}, {args.dtype}"
     if main_process:
-        print(f"commbench: {title}; {args.iters} iterations after {args.warmup} warm-up")
+        print(f"commbench: {title}; {args.iters} iteration{'s' if args.iters != 1 else ''} "
+              f"after {args.warmup} warm-up")
         skipped = [a for a in args.axes if mesh.shape[a] == 1]
         if skipped:
             print(f"skipped (size 1): {', '.join(skipped)}")
