@@ -9,6 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import bench
+import bench_data
+import pytest
 
 SMALL = ["--steps", "1", "--warmup", "0", "train.seq_len=64", "train.batch_size=8",
          "model.num_layers=2", "mesh.fsdp=8"]
@@ -37,3 +39,34 @@ def test_bad_counts_are_refused_before_compiling(capsys):
             assert e.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert "must be at least 1 and --warmup" in err[-1], err
+
+
+
+@pytest.mark.parametrize("name, message", [
+    ("out", "--out {t}/out is a directory; name a file"),
+    ("nowhere/bench.jsonl", "--out {t}/nowhere/bench.jsonl: directory {t}/nowhere does not exist"),
+])
+def test_an_unusable_out_is_refused_before_measuring(tmp_path, capsys, monkeypatch, name, message):
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(bench, "bench", lambda *args: pytest.fail("measured before checking --out"))
+    assert bench.main([*SMALL, "--out", str(tmp_path / name)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"error: {message}".format(
+        t=tmp_path)), err
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("workers", ["x", "-1", "", "0,,2"])
+def test_bench_data_refuses_bad_worker_counts_in_one_line(capsys, workers):
+    with pytest.raises(SystemExit) as exit:
+        bench_data.main(["--workers", workers])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err == (
+        f"error: argument --workers: '{workers}' is not a list of counts of 0 or more, such as "
+        "0,2,4 (see python tools/bench_data.py --help)\n")
+
+
+def test_bench_data_says_one_batch(capsys):
+    assert bench_data.main(["--workers", "0", "--batches", "1", "--warmup", "0",
+                            "train.batch_size=8", "train.seq_len=32"]) == 0
+    assert "0 warm-up + 1 timed batch\n" in capsys.readouterr().out

@@ -17,9 +17,11 @@ import statistics
 import sys
 import time
 
+from jaxtron import cli
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.Parser(command="tools/bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset(s)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=2,
@@ -98,9 +100,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron.cli import one_line_errors
-
-    return one_line_errors(lambda: report(args))
+    return cli.one_line_errors(lambda: report(args))
 
 
 ROWS = (  # (label, key, format) of the table
@@ -136,6 +136,8 @@ def report(args: argparse.Namespace) -> None:
     from jaxtron import xla_flags
     from jaxtron.config import load
 
+    if args.out:
+        cli.writable_file(args.out, "--out")  # before the compile, not after the measurement
     cfg = load(args.config or ["configs/tiny.yaml"], args.overrides)
     xla_flags.apply(cfg.xla)  # before anything starts a backend
     result = {**bench(cfg, args.steps, args.warmup), "overrides": args.overrides}

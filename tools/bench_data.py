@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxtron import cli
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron.cli import one_line_errors
@@ -29,17 +30,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.Parser(command="tools/bench_data.py", description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset (repeatable)")
     parser.add_argument("--batches", type=int, default=200, help="timed batches per setting")
     parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
-    parser.add_argument("--workers", default="0,2", help="comma-separated data.workers values")
+    parser.add_argument("--workers", default=[0, 2], type=worker_counts,
+                        help="comma-separated data.workers values (default 0,2)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_intermixed_args(argv)
     if args.batches < 1 or args.warmup < 0:
         parser.error(f"--batches {args.batches} must be at least 1 and --warmup {args.warmup} "
                      "at least 0")
     return args
+
+
+def worker_counts(text: str) -> list[int]:
+    """'0,2,4' -> [0, 2, 4]; anything else is a usage error naming the form."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = [-1]
+    if min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of counts of 0 or more, such "
+                                         "as 0,2,4")
+    return counts
 
 
 def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int) -> dict:
@@ -73,8 +87,9 @@ def report(args: argparse.Namespace) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     print(f"data.source={cfg.data.source}, global batch {cfg.train.batch_size} x seq_len "
-          f"{cfg.train.seq_len}, {args.warmup} warm-up + {args.batches} timed batches")
-    for workers in (int(w) for w in args.workers.split(",")):
+          f"{cfg.train.seq_len}, {args.warmup} warm-up + {args.batches} timed "
+          f"batch{'es' if args.batches != 1 else ''}")
+    for workers in args.workers:
         r = bench(cfg, workers, args.batches, args.warmup)
         print(f"workers={workers}: {r['tokens_per_s']:,.0f} tokens/s per host "
               f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
