@@ -247,13 +247,18 @@ def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_pat
     (["--tokens", "1,2", "--top-p", "1.5"], "top_p=1.5"),
     (["--tokens", "1,2", "--temperature", "-1"], "temperature=-1.0"),
     (["--tokens", "1,2", "--max-new-tokens", "0"], "max_new_tokens=0"),
-    (["--tokens", "1,x"], "argument --tokens: invalid token_ids value"),
+    (["--tokens", "1,x"], r"argument --tokens: '1,x' is not a list of token ids \(0 or more\)"),
+    (["--tokens", ""], r"argument --tokens: '' is not a list of token ids \(0 or more\), such as 1,2,3 "
+                       r"\(see python tools/generate.py --help\)$"),
+    (["--tokens", " , "], "argument --tokens: ' , ' is not a list of token ids"),
+    (["--tokens=-5"], "argument --tokens: '-5' is not a list of token ids"),
     (["--tokens", "1,2", "--top-k", "two"], "argument --top-k: invalid int value"),
     (["--prompt", "hello"], "no tokenizer.json or tokenizer.model for --prompt"),
     (["--tokens", ",".join(["5"] * 63)], (
         r"\(63 tokens\) and --max-new-tokens 64 pass the 64 positions the model takes "
         r"\(max_position_embeddings in config.json\); use --max-new-tokens 1 or less")),
     (["--tokens", ",".join(["5"] * 64)], "the prompt is 64 tokens, more than the model takes"),
+    (["--tokens", "5"], r"the prompt \(1 token\) and --max-new-tokens 64 pass .* 63 or less$"),
     (["--tokens", "1,2", "--prompt", "hi"], "not allowed with argument"),
     (["--tokens", "1,999"], r"prompt ids must be in \[0, 256\)"),
 ])
@@ -283,3 +288,16 @@ def test_cli_missing_directory(tool, tmp_path, capsys):
     missing = tmp_path / "nowhere"
     assert tool.main([str(missing), "--tokens", "1"]) == 2
     assert capsys.readouterr().err == f"generate: {missing}: no such file or directory\n"
+
+
+def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_path, capsys):
+    """No tokenizer came with the import: --prompt says so (rather than training one on the
+    default corpus for a vocabulary it was never meant for)."""
+    _, path, _, _ = case
+    convert = import_tool(TOOL.parent / "convert_hf.py")
+    assert convert.main(["import", str(path), str(tmp_path / "imp")]) == 0
+    capsys.readouterr()
+    assert tool.main([str(tmp_path / "imp"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (f"generate: {tmp_path / 'imp'}: imported without a "
+                                       "tokenizer, so --prompt cannot be encoded; give --tokens "
+                                       "ids instead\n")

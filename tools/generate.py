@@ -67,8 +67,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def token_ids(text: str) -> list[int]:
-    """'1,2, 3' -> [1, 2, 3] (argparse reports a ValueError as a bad --tokens value)."""
-    return [int(part) for part in text.split(",") if part.strip()]
+    """'1,2, 3' -> [1, 2, 3]; anything else (no id, a word, a negative id) is a usage error."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ids = [-1]
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of token ids (0 or more), such "
+                                         "as 1,2,3")
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +134,10 @@ def _load_checkpoint(path: Path) -> Loaded:
     def open_tokenizer() -> tokenizer.Tokenizer:
         if _has_tokenizer(path):
             return tokenizer.from_path(path)
+        imported = weights.read_meta(weights.locate(path)[1]).get("layout") == weights.LAYERED
+        if imported and not cfg.data.tokenizer:  # else the default corpus's would be trained
+            raise ConfigError(f"{path}: imported without a tokenizer, so --prompt cannot be "
+                              "encoded; give --tokens ids instead")
         return prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # the run's own
 
     return Loaded(cfg.model, params, cfg.train.seq_len, "train.seq_len it was trained with",
@@ -145,14 +156,19 @@ def _eos_list(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
+def _tokens(n: int) -> str:
+    """'1 token', '5 tokens'."""
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 def _check_length(model: Loaded, prompt_len: int, max_new: int) -> None:
     """The prompt and the continuation fit in the positions the model takes."""
     if model.max_len is None or prompt_len + max_new <= model.max_len:
         return
     if prompt_len >= model.max_len:
-        raise ConfigError(f"the prompt is {prompt_len} tokens, more than the model takes "
+        raise ConfigError(f"the prompt is {_tokens(prompt_len)}, more than the model takes "
                           f"({model.max_len}, {model.limit}); shorten it")
-    raise ConfigError(f"the prompt ({prompt_len} tokens) and --max-new-tokens {max_new} pass the "
+    raise ConfigError(f"the prompt ({_tokens(prompt_len)}) and --max-new-tokens {max_new} pass the "
                       f"{model.max_len} positions the model takes ({model.limit}); use "
                       f"--max-new-tokens {model.max_len - prompt_len} or less")
 
