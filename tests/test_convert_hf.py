@@ -296,3 +296,43 @@ def test_a_windowed_mistral_imports_with_its_window_as_the_sequence_bound(tmp_pa
     assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 16
     _assert_same_tensors(tmp_path / "hf", tmp_path / "out")
+
+
+@pytest.mark.parametrize("source, out, message", [
+    ("nowhere", "imp", "{t}/nowhere: no such directory; give a Hugging Face model directory "
+     "(config.json and *.safetensors)"),
+    ("afile", "imp", "{t}/afile: not a directory; give a Hugging Face model directory"),
+    ("empty", "imp", "{t}/empty/config.json not found: a Hugging Face model directory has a "
+     "config.json"),
+    ("hf", "afile", "{t}/afile is a file; name a new output directory"),
+    ("hf", "afile/imp", "cannot make the output directory {t}/afile/imp: Not a directory"),
+])
+def test_unusable_paths_are_named_once_in_one_line(tmp_path, capsys, source, out, message):
+    _save("llama2", tmp_path / "hf")
+    (tmp_path / "afile").write_text("keep")
+    (tmp_path / "empty").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    err = _one_line(capsys, 2, "import", tmp_path / source, tmp_path / out)
+    assert err.startswith(f"convert_hf import: {message.format(t=tmp_path)}"), err
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "afile").read_text() == "keep"
+
+
+@pytest.mark.parametrize("dtype, context, flags, want", [
+    (torch.float32, 64, [], ("float32", 64)),
+    (torch.bfloat16, 64, [], ("bfloat16", 64)),
+    (torch.float32, None, ["--compute-dtype", "bfloat16"], ("bfloat16", 2048)),
+])
+def test_the_preset_computes_in_the_source_dtype_within_its_context(tmp_path, monkeypatch,
+                                                                     dtype, context, flags, want):
+    """model.dtype is the dtype the weights were published in unless --compute-dtype says
+    otherwise; train.seq_len is max_position_embeddings up to 2048 (2048 when it is not given).
+    OUT_DIR may be relative."""
+    _save("llama2", tmp_path / "hf", dtype)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    monkeypatch.chdir(tmp_path)
+    assert _convert("import", "hf", "imp", *flags) == 0
+    preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
+    assert (preset.model.dtype, preset.train.seq_len) == want
+    assert preset.model.param_dtype == "float32"  # master weights, whatever the source

@@ -16,14 +16,13 @@ Host memory stays near one layer plus the largest tensor either way. Bad input: 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
 import yaml
 
-from jaxtron import hf, hf_mapping, prepared, weights
+from jaxtron import cli, hf, hf_mapping, prepared, weights
 from jaxtron import tokenizer as tokenizer_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, ModelConfig
@@ -33,9 +32,23 @@ CONTEXT = 2048  # the preset's train.seq_len, or the model's own context when sh
 
 
 def _fresh_dir(path: Path) -> None:
-    """Refuse to write into a directory that already holds something (nothing is overwritten)."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    """Make the output directory, refusing one that already holds something (nothing is
+    overwritten) or a place that cannot hold one."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file; name a new output directory")
+    if path.is_dir() and any(path.iterdir()):
         raise ConfigError(f"{path} already exists and is not empty; choose a new output directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make the output directory {path}: {e.strerror}") from None
+
+
+def _context(config_json: dict) -> int:
+    """The preset's train.seq_len: the model's max_position_embeddings when it is a positive
+    count below CONTEXT, else CONTEXT (a longer context fine-tunes at CONTEXT first)."""
+    limit = config_json.get("max_position_embeddings")
+    return limit if isinstance(limit, int) and 0 < limit < CONTEXT else CONTEXT
 
 
 def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
@@ -73,18 +86,21 @@ def _import_tokenizer(source: Path, out: Path) -> tuple[str | None, str]:
     return tok.file, f"tokenizer: {_write_tokenizer(tok, out)}"
 
 
-def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
+def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
                  allow_pickle: bool) -> None:
     """HF directory -> OUT_DIR/{checkpoints/0, config.yaml, tokenizer files}."""
+    if not source.is_dir():
+        raise ConfigError(f"{source}: {'not a' if source.exists() else 'no such'} directory; "
+                          "give a Hugging Face model directory (config.json and *.safetensors)")
+    config_json = hf.read_hf_config(source)  # its own message when there is none
     cfg = hf.read_config(source, dtype)
     get = hf.check_tensors(source, cfg, allow_pickle)
-    config_json = hf.read_hf_config(source)
+    stored = get("model.embed_tokens.weight").dtype.name
+    compute_dtype = compute_dtype or (stored if stored in DTYPES else "float32")
     _fresh_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
     try:
         tokenizer_file, tokenizer_note = _import_tokenizer(source, out)
-        preset = _preset(cfg, out, tokenizer_file,
-                         int(config_json.get("max_position_embeddings", CONTEXT)), compute_dtype)
+        preset = _preset(cfg, out, tokenizer_file, _context(config_json), compute_dtype)
         text = (f"# {config_json['model_type']} weights imported from {source.absolute()}\n"
                 f"# by tools/convert_hf.py; fine-tune: python launch.py --config {out}/config.yaml\n"
                 + yaml.safe_dump(preset, sort_keys=False))
@@ -96,7 +112,7 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
         layers = (hf_mapping.nest({path[1:]: value for path, value  # path[0] is "layers"
                                    in hf_mapping.layer_params(get, cfg, i).items()})
                   for i in range(cfg.num_layers))
-        weights.write_layers(out / "checkpoints" / "0",
+        weights.write_layers(out.absolute() / "checkpoints" / "0",  # Orbax takes no relative path
                              hf_mapping.nest(hf_mapping.top_params(get, cfg)), layers, meta)
     except (ValueError, KeyError) as err:
         shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left to be mistaken
@@ -104,8 +120,9 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str,
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    print(f"imported {cfg.num_layers} layers of {source} into {out}/checkpoints/0 "
-          f"({run_cfg.model.param_dtype}); {tokenizer_note}")
+    print(f"imported {cfg.num_layers} layers of {source} ({stored}) into {out}/checkpoints/0 "
+          f"({run_cfg.model.param_dtype}); preset: model.dtype={run_cfg.model.dtype}, "
+          f"train.seq_len={run_cfg.train.seq_len}; {tokenizer_note}")
     print(f"fine-tune: python launch.py --config {out}/config.yaml")
 
 
@@ -115,8 +132,8 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     cfg, meta, get = weights.reader(source)
     _, step_dir = weights.locate(source)
     kind = model_type or meta.get("hf_model_type") or ("qwen2" if cfg.model.qkv_bias else "llama")
-    _fresh_dir(out)
     tok = tokenizer_lib.from_path(tokenizer) if tokenizer else _run_tokenizer(cfg, meta)
+    _fresh_dir(out)
     try:
         hf.write_pretrained(cfg.model, get, out, kind, dtype)
         note = f"tokenizer: {_write_tokenizer(tok, out)}" if tok else "no tokenizer (pass --tokenizer)"
@@ -136,18 +153,20 @@ def _run_tokenizer(cfg, meta: dict) -> tokenizer_lib.Tokenizer | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/convert_hf.py", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="Hugging Face directory -> jaxtron checkpoint and preset")
+    imp = sub.add_parser("import", command="tools/convert_hf.py import",
+                         help="Hugging Face directory -> jaxtron checkpoint and preset")
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("out_dir", type=Path)
     imp.add_argument("--dtype", choices=DTYPES, default="float32",
                      help="stored weights (model.param_dtype); default float32 master weights")
-    imp.add_argument("--compute-dtype", choices=DTYPES, default="bfloat16",
-                     help="the preset's model.dtype")
+    imp.add_argument("--compute-dtype", choices=DTYPES,
+                     help="the preset's model.dtype; default: the source weights' dtype")
     imp.add_argument("--allow-pickle", action="store_true",
                      help="read .bin/.pt weights (they run code when loaded: trusted sources only)")
-    exp = sub.add_parser("export", help="jaxtron checkpoint -> Hugging Face directory")
+    exp = sub.add_parser("export", command="tools/convert_hf.py export",
+                         help="jaxtron checkpoint -> Hugging Face directory")
     exp.add_argument("ckpt_dir", type=Path, help="a checkpoint, or a run or import directory")
     exp.add_argument("hf_dir", type=Path)
     exp.add_argument("--model-type", choices=sorted(hf.ARCHITECTURES),
