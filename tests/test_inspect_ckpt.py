@@ -47,6 +47,7 @@ def test_run_dir_lists_checkpoints_and_shows_the_latest(run_dir):
     result = _inspect(run_dir)
     assert result.returncode == 0, result.stderr
     out, losses = result.stdout, _logged_losses(run_dir)
+    assert out.startswith(f"{run_dir / 'checkpoints'}: 2 complete checkpoints\n")
     listed = re.findall(r"^  step\s+(\d+)\s+loss (\S+)$", out, re.MULTILINE)
     assert [(int(s), float(loss)) for s, loss in listed] == [(1, losses[1]), (2, losses[2])]
     assert _field(out, "step") == "2"
@@ -82,6 +83,14 @@ def test_not_a_checkpoint_exits_2_with_one_line(run_dir, tmp_path, name):
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and str(path) in result.stderr
+
+
+def test_no_path_is_one_usage_line():
+    result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == ("error: the following arguments are required: path (see python "
+                             "tools/inspect_ckpt.py --help)\n"), result.stderr
 
 
 def test_a_closed_pipe_ends_quietly(run_dir):

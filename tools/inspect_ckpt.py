@@ -13,7 +13,6 @@ under older or newer schemas still read.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 from jaxtron.weights import complete_steps, locate, read_meta
@@ -78,7 +78,8 @@ def mesh_summary(sharding: Any) -> str | None:
 def print_listing(checkpoints_dir: Path) -> None:
     """Every complete checkpoint with its loss."""
     steps = complete_steps(checkpoints_dir)
-    print(f"{checkpoints_dir.absolute()}: {len(steps)} complete checkpoint(s)")
+    print(f"{checkpoints_dir.absolute()}: {len(steps)} complete checkpoint"
+          f"{'' if len(steps) == 1 else 's'}")
     for step_dir in steps:
         loss = read_meta(step_dir).get("loss")
         print(f"  step {int(step_dir.name):>8}  loss {loss!r}")
@@ -123,7 +124,7 @@ def print_checkpoint(step_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/inspect_ckpt.py", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a checkpoint (.../checkpoints/<step>), "
                         "a checkpoints directory or a run directory")
     args = parser.parse_args(argv)
