@@ -84,3 +84,47 @@ def test_a_directory_as_config_lists_its_presets():
     with pytest.raises(config.ConfigError, match=r"is a directory; give one preset file from it "
                                                  r"\(gpt2_124m.yaml, .*tiny.yaml\)"):
         config.load([CONFIGS])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=3.5", "train.steps must be an integer, got 3.5"),
+    ("optim.lr=fast", "optim.lr must be a number, got fast"),
+    ("model.tie_embeddings=maybe", "model.tie_embeddings must be true or false, got maybe"),
+    ("run.profile_steps=[1,x]", "run.profile_steps[1] must be an integer, got x"),
+    ("run.dir=[a,b]", "run.dir must be a string, got [a,b]"),
+    ("xla.flags=--xla_dump_to=/tmp/hlo",
+     "xla.flags is a list: write xla.flags=[--xla_dump_to=/tmp/hlo] (items separated by commas)"),
+    ("xla.flags=--a,--b", "xla.flags is a list: write xla.flags=[--a,--b]"),
+    ("=3", "'=3': an override is section.key=value, e.g. train.steps=100"),
+    ("train..steps=3", "'train..steps=3': an override is section.key=value"),
+    ("steps", "'steps': an override is section.key=value"),
+    ("configs/tiny.yaml", "; a preset is loaded with --config configs/tiny.yaml"),
+    ("data.mixture=[{path:/data/web}]",
+     "'data.mixture[0].path:/data/web': YAML needs a space after the colon, e.g. "
+     "{path: /data/web}"),
+])
+def test_a_bad_override_says_what_to_type(override, message):
+    """OmegaConf's own wording ('could not be converted to Integer', 'AnyNode is not a
+    ListConfig') never reaches the user: the line names the key, its type and the spelling."""
+    with pytest.raises(config.ConfigError) as e:
+        config.load([], [override])
+    assert message in str(e.value)
+    assert "Node" not in str(e.value) and "converted" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny.yaml", "configs/tiny"])
+def test_a_preset_name_as_config_suggests_its_path(name, monkeypatch):
+    monkeypatch.chdir(CONFIGS.parent)  # the hint is relative to the working directory
+    with pytest.raises(config.ConfigError, match=rf"^config file not found: {name} \(did you mean "
+                                                 r"--config configs/tiny.yaml\?\)$"):
+        config.load([name])
+    with pytest.raises(config.ConfigError, match=r"^config file not found: nope$"):
+        config.load(["nope"])
+
+
+def test_warmup_longer_than_the_run_is_a_warning():
+    assert config.check_warnings(config.load([CONFIGS / "tiny.yaml"])) == []
+    [warning] = config.check_warnings(config.load([], ["train.steps=10", "optim.warmup_steps=11"]))
+    assert warning.startswith("optim.warmup_steps=11 is more than train.steps=10: the run ends "
+                              "during warm-up")
+    assert config.check_warnings(config.load([], ["train.steps=10", "optim.warmup_steps=10"])) == []
