@@ -35,9 +35,18 @@ def find_sources(patterns: list[str], out: Path) -> list[Source]:
     for pattern in patterns:
         found = [s for s in _expand(pattern, out) if not (s.path in seen or seen.add(s.path))]
         if not found:
-            raise ConfigError(f"INPUT {pattern}: no such file or directory, or no file matches")
+            raise ConfigError(f"INPUT {pattern}: {_why_none(Path(pattern).expanduser(), out)}")
         sources += found
     return sources
+
+
+def _why_none(path: Path, out: Path) -> str:
+    """Why an INPUT names no file."""
+    if absolute(path) == out:
+        return "this is the --out directory; name the raw text to tokenize"
+    if path.is_dir():
+        return "the directory holds no files (names starting with '.' are skipped)"
+    return "no such file or directory, or no file matches"
 
 
 def _expand(pattern: str, out: Path) -> list[Source]:
@@ -79,6 +88,9 @@ def file_size(path: Path) -> int:
 
 def read_documents(path: Path, text_field: str) -> Iterator[Item]:
     """The documents of one file, bad ones with a reason; an unreadable file is one bad item."""
+    if path.exists() and not path.is_file():  # reading a named pipe would wait for a writer
+        yield -1, {}, None, "not a regular file (a pipe or a device)", 0
+        return
     suffix = path.suffix.lower()
     reader = (_parquet_docs if suffix == ".parquet"
               else _jsonl_docs if suffix in (".jsonl", ".json") else _text_docs)
