@@ -116,7 +116,7 @@ def test_cli_default_dir_and_no_mfu_on_cpu(real_run):
     proc = subprocess.run([sys.executable, str(TOOL), str(real_run)], check=False,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "skipped mfu.png" in proc.stdout
+    assert "skipped mfu.png: no run logged mfu (null on devices without a known peak" in proc.stdout
     written = sorted(p.name for p in (real_run / "plots").iterdir())
     assert written == sorted(f"{stem}.png" for stem in STEMS if stem != "mfu")
     _check_png(real_run / "plots" / "loss.png")
@@ -128,11 +128,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "noise" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n{}\n')
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "metrics.jsonl").write_text("")
-    (tmp_path / "bare").mkdir()  # no config.yaml, no throughput logged
-    (tmp_path / "bare" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    for name, config in (("bare", None), ("badyaml", "train: [1, 2\n"), ("listyaml", "- 1\n"),
+                         ("word", "train: {batch_size: 8, seq_len: 32}\n")):
+        (tmp_path / name).mkdir()  # bare: no config.yaml, no throughput logged
+        (tmp_path / name / "metrics.jsonl").write_text(
+            '{"step": 1, "loss": %s}\n' % ('"high"' if name == "word" else "2.0"))
+        if config:
+            (tmp_path / name / "config.yaml").write_text(config)
     cases = {tmp_path / "missing": "is not a directory", tmp_path / "empty": "has no metrics.jsonl",
              tmp_path / "noise": "metrics.jsonl:2: not a JSON row",
-             tmp_path / "blank": "no rows yet", tmp_path / "bare": "the tokens seen are unknown"}
+             tmp_path / "blank": "no rows yet", tmp_path / "bare": "the tokens seen are unknown",
+             tmp_path / "badyaml": "config.yaml: not a YAML mapping of sections",
+             tmp_path / "listyaml": "config.yaml: not a YAML mapping of sections",
+             tmp_path / "word": "metrics.jsonl:1: loss 'high' is not a number"}
     for path, message in cases.items():
         assert plot.main([str(path)]) == 2
         err = capsys.readouterr().err
@@ -172,3 +180,11 @@ def test_an_unusable_out_is_one_line_and_nothing_is_written(tmp_path, capsys, ou
     assert err.count("\n") == 1 and err.startswith(f"plot: {message.format(t=tmp_path)}"), err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "config.yaml",
                                                           "metrics.jsonl", "run"]
+
+
+def test_a_skipped_plot_gives_its_own_reason(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "lr": 0.1, '
+                                            '"tokens_per_sec": 9.0, "step_time": 1.0}\n')
+    _, notes = plot.figures([plot.load_run(tmp_path, "run")])
+    assert notes == ["skipped mfu.png: no run logged mfu (null on devices without a known peak, "
+                     "e.g. CPUs)", "skipped grad_norm.png: no run logged grad_norm"]

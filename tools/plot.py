@@ -34,6 +34,7 @@ STEP_PLOTS = (
     ("mfu", "mfu", "MFU (% of dense BF16 peak)", "Model FLOPs utilisation", "linear", 100.0),
     ("grad_norm", "grad_norm", "global gradient norm (before clipping)", "Gradient norm", "log", 1.0),
 )
+PLOTTED = {"loss", "eval_loss"} | {key for _, key, *_ in STEP_PLOTS}
 FEW = 50  # a series of fewer points gets a marker on each: one point alone is no line at all
 
 
@@ -71,6 +72,9 @@ def read_jsonl(path: Path) -> list[dict]:
             raise ConfigError(f"{path}:{number}: not a JSON row") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ConfigError(f"{path}:{number}: a row without an integer 'step'")
+        for key in PLOTTED & row.keys():
+            if not (row[key] is None or isinstance(row[key], (int, float))):
+                raise ConfigError(f"{path}:{number}: {key} {row[key]!r} is not a number")
         rows.append(row)
     return rows
 
@@ -85,8 +89,15 @@ def tokens_per_step(run_dir: Path, rows: list[dict]) -> int:
     """Global tokens per step: batch_size x seq_len from config.yaml, else from a logged row."""
     config = run_dir / "config.yaml"
     if config.is_file():
-        train = (yaml.safe_load(config.read_text()) or {}).get("train", {})
-        if isinstance(train.get("batch_size"), int) and isinstance(train.get("seq_len"), int):
+        try:
+            sections = yaml.safe_load(config.read_text()) or {}
+        except yaml.YAMLError:
+            sections = None
+        if not isinstance(sections, dict):
+            raise ConfigError(f"{config}: not a YAML mapping of sections (as a run writes it)")
+        train = sections.get("train")
+        if isinstance(train, dict) and all(isinstance(train.get(k), int)
+                                           for k in ("batch_size", "seq_len")):
             return train["batch_size"] * train["seq_len"]
     row = rows[0]  # tokens_per_sec = tokens per step / step_time
     if not all(isinstance(row.get(k), (int, float)) for k in ("tokens_per_sec", "step_time")):
@@ -206,8 +217,8 @@ def figures(runs: list[Run]) -> tuple[dict, list[str]]:
     for stem, key, ylabel, title, yscale, factor in STEP_PLOTS:
         fig = step_figure(runs, key, ylabel, title, yscale, factor)
         if fig is None:
-            notes.append(f"skipped {stem}.png: no run logged {key} (null on devices without a "
-                         "known peak, e.g. CPUs)")
+            why = " (null on devices without a known peak, e.g. CPUs)" if key == "mfu" else ""
+            notes.append(f"skipped {stem}.png: no run logged {key}{why}")
         else:
             made[stem] = fig
     return made, notes
