@@ -336,3 +336,16 @@ def test_the_preset_computes_in_the_source_dtype_within_its_context(tmp_path, mo
     preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
     assert (preset.model.dtype, preset.train.seq_len) == want
     assert preset.model.param_dtype == "float32"  # master weights, whatever the source
+
+
+def test_a_one_layer_import_says_one_layer(tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2)).save_pretrained(
+        tmp_path / "hf")
+    capsys.readouterr()
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    assert capsys.readouterr().out.startswith(f"imported 1 layer of {tmp_path / 'hf'} (float32) "
+                                              f"into {tmp_path / 'imp'}/checkpoints/0 (float32); "
+                                              "preset: model.dtype=float32, train.seq_len=2048;")
