@@ -77,22 +77,13 @@ class Checkpoints:
         return _restore(self.manager, step, _target(abstract_state, shardings))
 
     def restore_latest(self, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
-                       warn: Callable[[str], None],
-                       model: ModelConfig) -> tuple[int, dict, dict] | None:
+                       warn: Callable[[str], None]) -> tuple[int, dict, dict] | None:
         """The newest checkpoint that reads back whole, with `batches` moved to where it was.
         Newer damaged checkpoints are skipped with a warning naming them, and moved aside to
         run.dir/damaged_checkpoints/ so that this run can save those steps again. None when there
         are no checkpoints; an error when there are some but none is readable (then nothing is
-        moved: a config that no longer matches them reads as damaged too)."""
+        moved). That they hold this model was checked by check_start, before run.dir was touched."""
         steps, damaged = self.steps(), []
-        if steps:
-            changed = weights.model_changes(
-                weights.read_meta(Path(self.manager.directory) / str(steps[0])), model)
-            if changed:
-                raise ConfigError(
-                    f"{self.manager.directory.parent} holds checkpoints of another model "
-                    f"({', '.join(changed)}); set run.dir to a new directory, or set those "
-                    "fields back")
         for step in steps:
             try:
                 state, meta = self.restore(step, abstract_state, shardings)
@@ -110,10 +101,11 @@ class Checkpoints:
                      f"({type(e).__name__}: {first}); trying an older one")
                 damaged.append(step)
         if steps:
-            raise ConfigError(
-                f"none of the {len(steps)} checkpoints in {self.manager.directory} is readable; "
-                "move them aside to start over, or set run.dir to a new directory"
-            )
+            where = self.manager.directory
+            which = (f"the one checkpoint in {where} is unreadable" if len(steps) == 1 else
+                     f"none of the {len(steps)} checkpoints in {where} is readable")
+            raise ConfigError(f"{which}; move {'it' if len(steps) == 1 else 'them'} aside to start "
+                              "over, or set run.dir to a new directory")
         return None
 
     def _move_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:

@@ -97,7 +97,7 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
     """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
     checkpoint.restore, else fresh weights."""
     shardings = parallel.named(plan.specs, mesh)
-    restored = ckpt.restore_latest(plan.abstract, shardings, batches, info, cfg.model)
+    restored = ckpt.restore_latest(plan.abstract, shardings, batches, info)
     if restored is not None:
         step, state, meta = restored
         state = in_layer_order(state, meta, plan, tx, shardings, info)

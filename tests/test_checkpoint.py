@@ -263,3 +263,39 @@ def test_launch_stops_with_status_4_when_orbax_declines_a_save(tmp_path, monkeyp
     err = capsys.readouterr().err.strip()
     assert rc == 4 and len(err.splitlines()) == 1, err
     assert "checkpoint 1 was not saved: Orbax declined to write it" in err
+
+
+def test_restore_latest_reads_back_what_was_saved_and_names_one_damaged_checkpoint(tmp_path):
+    """restore_latest takes no model: check_start compared it before run.dir was touched. With
+    its only checkpoint unreadable it stops with one line in the singular."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxtron.config import ConfigError
+
+    ckpt = Checkpoints(_cfg(tmp_path).checkpoint, tmp_path)
+    batches = iter(grain.MapDataset.range(8).to_iter_dataset())
+    next(batches)
+    ckpt.save(4, {"w": jnp.arange(4.0)}, batches, {"step": 4})
+    ckpt.close()
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    shardings = {"w": SingleDeviceSharding(jax.devices()[0])}
+    ckpt = Checkpoints(_cfg(tmp_path).checkpoint, tmp_path)
+
+    class Batches:  # what restore_latest asks of the input: restore(saved) -> exact
+        def restore(self, saved: dict) -> bool:
+            self.saved = saved
+            return True
+
+    fresh = Batches()
+    step, state, meta = ckpt.restore_latest(abstract, shardings, fresh, print)
+    assert (step, meta) == (4, {"step": 4}) and fresh.saved  # and the saved data position
+    np.testing.assert_array_equal(state["w"], [0.0, 1.0, 2.0, 3.0])
+    for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100:
+            f.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^the one checkpoint in .*checkpoints is unreadable; "
+                                          r"move it aside to start over"):
+        ckpt.restore_latest(abstract, shardings, fresh, lambda line: None)
+    ckpt.close()
