@@ -46,8 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                "Exit status: 0 done, 2 bad input (one line says what to change), 3 stopped on a "
                "non-finite loss, 4 a due checkpoint could not be saved, 75 preempted after a "
                "checkpoint (rerun to resume).")
-    parser.add_argument("--config", action="append", default=[],
-                        help="YAML preset (repeatable; later files override earlier ones)")
+    parser.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
+                        help="YAML preset (repeatable; later files override earlier ones; "
+                             "default: configs/tiny.yaml)")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and print the plan (parameters, memory) without compiling")
     parser.add_argument("--devices", type=int, default=None,
@@ -57,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="compile the train step for a cluster of this GPU (h100, h200) "
                              "without one, and report its memory, FLOPs, collectives, kernels")
     parser.add_argument("--gpu", choices=("h100", "h200"),
-                        help="with --dry-run: compare the memory estimate with this GPU's")
+                        help="with --dry-run: compare the memory estimate with this GPU's "
+                             "(default: the local device's, if it reports one)")
     parser.add_argument("--gpus-per-host", type=int, default=8,
                         help="with --compile-for: GPUs per host (default 8)")
     parser.add_argument("--report", metavar="FILE.json", help="with --compile-for: the report as JSON")
@@ -74,19 +76,25 @@ def _gib(n: int) -> str:
     return f"{n:,} bytes ({n / 2**30:.2f} GiB)"
 
 
-def dry_run(cfg, num_devices: int, gpu: str | None) -> None:
-    """Check everything that can be checked without compiling (layout, data, tokenizer) and print
-    the mesh, parameter count, every term of the per-device memory, the total against the
-    device's memory with a verdict, then the resolved config; allocate nothing."""
+def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
+    """Check everything a run checks before compiling (layout, data, tokenizer, run.dir and its
+    checkpoints, checkpoint.restore, run.compile_cache) and print the mesh, parameter count, every
+    term of the per-device memory, the total against the device's memory with a verdict, then the
+    resolved config; allocate and write nothing."""
+    from jaxtron import cli, memory, pipeline
     from jaxtron import config as config_lib
-    from jaxtron import memory, pipeline
     from jaxtron.optim import make_optimizer
     from jaxtron.state import make_plan
+    from jaxtron.train import check_paths
 
+    check_paths(cfg)  # in the order a run checks: paths, layout, data
     plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
     data_check = _check_data(cfg)
+    print(f"xla flags: {' '.join(flags) or 'none'}")
+    for warning in config_lib.check_warnings(cfg):
+        print(f"warning: {warning}")
     print("mesh: " + ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
-          + f" ({num_devices} devices)")
+          + f" ({cli.plural(num_devices, 'device')})")
     print(f"parameters: {plan.num_params:,}")
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
@@ -107,12 +115,13 @@ def _check_data(cfg) -> str:
     """The data checks a run makes before compiling (sources, mixture, tokenizer against the
     vocabulary); one line saying what was checked."""
     from jaxtron import prepared
+    from jaxtron.cli import plural
     from jaxtron.config import ConfigError
     from jaxtron.tokenizer import load_tokenizer
 
     prepared.check_dataset(cfg.data, cfg.model.vocab_size)
     if cfg.data.source == "arrayrecord":
-        return f"data: {len(cfg.data.mixture)} prepared datasets checked"
+        return f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
     if not cfg.data.tokenizer:
         return "data: the standard library's sources, tokenizer trained at model.vocab_size"
     tok = load_tokenizer(cfg.data, cfg.model.vocab_size)
@@ -167,41 +176,53 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int | None:
-    """Load the config, set XLA's flags, then plan (--dry-run) or join the processes, check the
-    set-up and train."""
-    from jaxtron import distributed, xla_flags
-    from jaxtron.config import ConfigError, load
-    from jaxtron.train import train
+    """Check the options, load the config, set XLA's flags, then plan (--dry-run), or check the
+    paths, join the processes, check the set-up and train."""
+    import jax  # importing starts no backend: XLA_FLAGS may still be set below
 
+    from jaxtron import distributed, parallel, xla_flags
+    from jaxtron.config import load
+    from jaxtron.train import check_paths, train
+
+    _check_options(args)
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    if args.compile_for:
+        compile_for(cfg, args)
+        return
+    # XLA reads its flags once, when the first backend starts: set them before anything
+    # touches a device, dry runs included (a misspelled flag stops here, in one line).
+    flags = xla_flags.apply(cfg.xla)
+    if args.dry_run:  # a plan needs no other process: it never joins them
+        dry_run(cfg, args.devices or jax.device_count(), args.gpu, flags)
+        return
+    check_paths(cfg)  # before the processes join: a refused start writes nothing (train repeats)
+    # Join the other processes (if any) before anything touches a jax device: train() checks
+    # the mesh against the global device count, and logs the flags once its checks pass.
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    parallel.mesh_shape(cfg.mesh, jax.device_count())  # an error here, not a warning then one
+    if status := preflight(cfg, args):
+        return status
+    train(cfg)
+    return None
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Options that do not go together, or do nothing where they were given."""
+    from jaxtron.config import ConfigError
+
     if args.devices is not None and args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be at least 1")
     if args.strict and (args.dry_run or args.compile_for):
         raise ConfigError("--strict applies to training runs; to check a set-up without training, "
                           "run python tools/doctor.py --strict")
-    if args.compile_for:
-        compile_for(cfg, args)
-        return
-    if args.report or args.hlo:
+    if args.gpu and not args.dry_run:
+        raise ConfigError(f"--gpu {args.gpu} only applies to --dry-run (its memory verdict); "
+                          + ("--compile-for names the GPU itself" if args.compile_for else
+                             f"add --dry-run, or drop --gpu {args.gpu} to train"))
+    if not args.compile_for and (args.report or args.hlo):
         raise ConfigError("--report and --hlo only apply to --compile-for")
-    # XLA reads its flags once, when the first backend starts: set them before anything
-    # touches a device, dry runs included (a misspelled flag stops here, in one line).
-    print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
-    if args.dry_run:  # a plan needs no other process: it never joins them
-        import jax
-
-        dry_run(cfg, args.devices or jax.device_count(), args.gpu)
-        return
-    if args.devices is not None:
+    if not (args.compile_for or args.dry_run) and args.devices is not None:
         raise ConfigError("--devices only applies to --dry-run and --compile-for")
-    _check_run_dir(cfg.run.dir)
-    # Join the other processes (if any) before anything touches a jax device: train() checks
-    # the mesh against the global device count.
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    if status := preflight(cfg, args):
-        return status
-    train(cfg)
-    return None
 
 
 def preflight(cfg, args: argparse.Namespace) -> int:
@@ -246,31 +267,6 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     if args.report:
         with outputs[args.report].open("w") as f:
             json.dump(report, f, indent=1)
-
-
-def _check_run_dir(path: str) -> None:
-    """run.dir is, or can become, a directory this process can write in (checked before
-    anything compiles, creating nothing)."""
-    import os
-
-    from jaxtron.config import ConfigError
-
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise ConfigError(f"run.dir={path} is a file; set run.dir to a directory (a new one, or "
-                          "a run to resume)")
-    existing = target
-    while not existing.exists():
-        existing = existing.parent
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(20, "Not a directory")
-        probe = existing / f".jaxtron-write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run.dir={path} cannot be written ({e.strerror}); choose a directory "
-                          "you can write") from None
 
 
 if __name__ == "__main__":

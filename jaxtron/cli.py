@@ -59,3 +59,31 @@ def writable_file(path: str | Path, what: str = "") -> Path:
     if not existed:
         target.unlink()  # nothing empty left behind if the work fails
     return target
+
+
+def check_run_dir(path: str) -> None:
+    """run.dir is, or can become, a directory this process can write in: a ConfigError naming
+    the fix otherwise. Creates nothing (a probe file in the nearest existing parent is removed
+    again)."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"run.dir={path} is a file; set run.dir to a directory (a new one, or "
+                          "a run to resume)")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        probe = existing / f".jaxtron-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run.dir={path} cannot be written ({e.strerror}); choose a directory "
+                          "you can write") from None
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 device', '8 devices'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+

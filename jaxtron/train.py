@@ -9,6 +9,7 @@ run.profile_steps, and JAX's persistent compilation cache in run.compile_cache.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -24,10 +25,10 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import distributed, goodput, parallel, pipeline
+from jaxtron import cli, distributed, goodput, parallel, pipeline
 from jaxtron import metrics as metrics_lib
 from jaxtron.checkpoint import Checkpoints, check_start
-from jaxtron.config import Config
+from jaxtron.config import Config, ConfigError
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
 from jaxtron.state import initial_state, make_plan
@@ -39,7 +40,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     `started` (a time.time()) opens this attempt's goodput account: by default when its process
     started, or when the run's previous attempt ended if later (an earlier call in this process)."""
     run_dir = Path(cfg.run.dir)
-    check_start(run_dir, cfg.model, cfg.checkpoint.restore)  # a refused start writes nothing
+    check_paths(cfg)  # a refused start writes nothing
     if started is None:
         started = max(goodput.process_start(), goodput.previous_end(run_dir))
     use_compile_cache(cfg.run.compile_cache)  # before anything compiles
@@ -50,8 +51,20 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     plan = make_plan(cfg, tx, len(devices))
     check_remat(cfg.model, devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices)
+    kernel_checked = cfg.model.attention != "xla" and cfg.model.attention_check
+    if kernel_checked:
+        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
 
-    # Run directory and writers.
+    # Input: checked against the model (sources, mixture, tokenizer) before run.dir is written.
+    data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+    # Every process reads the same global batches; global_batch gives each device its shard.
+    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)
+    eval_batches = []
+    if cfg.train.eval_every:
+        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
+    corpus = data_lib.corpus_summary(cfg.data, cfg.model.vocab_size)
+
+    # Run directory and writers: every check above passed.
     is_main = jax.process_index() == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -59,28 +72,22 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
     log.info(f"run: {run_dir} (its resolved config in config.yaml)")
+    for warning in config_lib.check_warnings(cfg):
+        log.info(f"warning: {warning}")
+    log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
     shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
-    log.info(f"mesh: {shape} over {len(devices)} {devices[0].device_kind} devices")
+    log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
     per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
     for line in parallel.describe_hosts(plan.mesh_sizes, per_host):
         if not line.startswith("warning"):  # the preflight checks (jaxtron/doctor.py) warn
             log.info(line)
     log.info(f"parameters: {plan.num_params:,}")
-    if cfg.model.attention != "xla" and cfg.model.attention_check:
-        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
+    if kernel_checked:
         log.info(f"attention: {cfg.model.attention} agrees with the xla reference on a packed "
                  "batch (forward and gradient)")
     if plan.pipe:
         log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
-
-    # Input: checked against the model before anything compiles.
-    data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
-    # Every process reads the same global batches; global_batch gives each device its shard.
-    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)
-    eval_batches = []
-    if cfg.train.eval_every:
-        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
-    log.info(data_lib.corpus_summary(cfg.data, cfg.model.vocab_size))
+    log.info(corpus)
 
     # State: restored from the latest checkpoint, else born sharded; the step compiled once.
     run = RunContext(mesh, Checkpoints(cfg.checkpoint, run_dir), log, batches, eval_batches,
@@ -111,6 +118,21 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     finally:
         _finish(run, run_dir, outcome)
         log.close()
+
+
+def check_paths(cfg: Config) -> None:
+    """The paths a run writes or reads, checked before anything is written (a refused start
+    leaves them as they were): run.dir can be a directory; its newest checkpoint, or else
+    checkpoint.restore, holds this model; run.compile_cache can be a directory."""
+    cli.check_run_dir(cfg.run.dir)
+    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore)
+    if cfg.run.compile_cache:
+        cache = Path(cfg.run.compile_cache)
+        existing = next(path for path in (cache, *cache.parents) if path.exists())
+        if not existing.is_dir():
+            where = "is a file" if existing == cache else f"is under a file, {existing}"
+            raise ConfigError(f"run.compile_cache={cfg.run.compile_cache} {where}; set it to a "
+                              "directory (JAX keeps a file per compiled program in it), or to ''")
 
 
 def use_compile_cache(directory: str) -> None:
@@ -271,8 +293,9 @@ def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> Non
                              "(train.on_nonfinite=stop)")
     run.log.info(f"step {step}: non-finite loss or gradient, update skipped ({skips} in a row)")
     if skips > cfg.train.max_nonfinite_skips:
-        raise NonFiniteError(f"{skips} non-finite steps in a row up to step {step}, more than "
-                             f"train.max_nonfinite_skips={cfg.train.max_nonfinite_skips}; stopped")
+        raise NonFiniteError(f"{cli.plural(skips, 'non-finite step')} in a row up to step {step}, "
+                             "more than train.max_nonfinite_skips="
+                             f"{cfg.train.max_nonfinite_skips}; stopped")
 
 
 def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: int) -> list[dict]:

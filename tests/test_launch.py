@@ -66,7 +66,15 @@ BAD_INPUTS = [
     (["train.lr=0.1"], "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),  # across sections
     (["xla.collective_matmul=true"],
      "unknown config key 'xla.collective_matmul' (did you mean 'model.collective_matmul'?)"),
-    (["train.steps=abc"], "bad value for 'train.steps'"),
+    (["train.steps=abc"], "train.steps must be an integer, got abc"),
+    (["train.steps=3.5"], "train.steps must be an integer, got 3.5"),
+    (["xla.flags=--foo"], "xla.flags is a list: write xla.flags=[--foo] (items separated by commas)"),
+    (["=3"], "'=3': an override is section.key=value, e.g. train.steps=100"),
+    (["--config", "tiny"], "config file not found: tiny (did you mean --config configs/tiny.yaml?)"),
+    (["--gpu", "h100", "train.steps=1", "train.seq_len=64", "train.eval_every=0"],
+     "--gpu h100 only applies to --dry-run (its memory verdict); add --dry-run"),
+    (["--gpu", "h200", "--compile-for", "h100", "--devices", "8"],
+     "--compile-for names the GPU itself"),
     (["optim.lr=-1"], "optim.lr=-1.0 is out of range: it must be >= 0"),
     (["optim.warmup_steps=-3"], "optim.warmup_steps=-3 is out of range: it must be >= 0"),
     (["checkpoint.every=-1"], "checkpoint.every=-1 is out of range: it must be >= 0"),
@@ -111,9 +119,12 @@ def _assert_one_line_status_2(rc: int, err: str, message: str) -> None:
 
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_and_status_2(capsys, args, message):
-    rc = _main(args)
-    _assert_one_line_status_2(rc, capsys.readouterr().err, message)
+def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, message):
+    rc = _main([*args, f"run.dir={tmp_path / 'run'}"])  # not ./runs/tiny, whatever it holds
+    out, err = capsys.readouterr()
+    _assert_one_line_status_2(rc, err, message)
+    assert out == ""  # nothing before the error: no flags line, no warning saying it twice
+    assert not (tmp_path / "run").exists()
 
 
 # Overrides that keep the run small: restore is checked after the data loads, before compiling.
@@ -224,9 +235,10 @@ def test_overrides_may_come_after_options(capsys):
     assert "steps: 5" in capsys.readouterr().out
 
 
-def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path):
+def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, capsys):
     """Resuming a run with other model sizes, or starting from a checkpoint of another model:
-    one line naming the fields that differ, status 2; the checkpoints stay where they are."""
+    one line naming the fields that differ, status 2; the checkpoints stay where they are. The
+    dry run says the same."""
     run_dir = tmp_path / "run"
     assert _launch(*SMALL_RUN, f"run.dir={run_dir}").returncode == 0
     proc = _launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
@@ -243,6 +255,17 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path):
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               f"checkpoint.restore={run_dir} holds another model "
                               "(model.vocab_size=8192 -> 9000)")
+    assert not (tmp_path / "other").exists()
+    for args, message in [
+        (["model.num_layers=2", f"run.dir={run_dir}"],
+         f"{run_dir} holds checkpoints of another model (model.num_layers=4 -> 2)"),
+        ([f"checkpoint.restore={run_dir}", "checkpoint.weights_only=true", "model.vocab_size=9000",
+          f"run.dir={tmp_path / 'other'}"],
+         f"checkpoint.restore={run_dir} holds another model (model.vocab_size=8192 -> 9000)")]:
+        rc = _main(["--dry-run", *args])
+        out, err = capsys.readouterr()
+        _assert_one_line_status_2(rc, err, message)
+        assert out == ""
     assert not (tmp_path / "other").exists()
 
 
@@ -302,3 +325,73 @@ def test_a_signal_during_start_up_is_status_75(monkeypatch, capsys):
     assert _main(["train.steps=1"]) == launch.EXIT_PREEMPTED
     assert capsys.readouterr().err == ("stopped by a signal before training started (nothing to "
                                        "save); run the same command to start\n")
+
+
+@pytest.mark.parametrize("kind", ["mixture", "tokenizer"])
+def test_a_refused_start_writes_nothing(tmp_path, capsys, kind):
+    """A data set-up the run cannot read stops in one line before run.dir, or any line on
+    stdout (the xla flags line included), is written."""
+    bad = {"mixture": ["data.source=arrayrecord", f"data.mixture=[{{path: {tmp_path / 'ds'}}}]"],
+           "tokenizer": [f"data.tokenizer={tmp_path / 'nope.model'}"]}[kind]
+    run_dir = tmp_path / "run"
+    rc = _main([*SMALL_RUN, *bad, f"run.dir={run_dir}"])
+    out, err = capsys.readouterr()
+    message = {"mixture": f"data.mixture path {tmp_path / 'ds'}: cannot read",
+               "tokenizer": f"data.tokenizer={tmp_path / 'nope.model'}: no such file"}[kind]
+    _assert_one_line_status_2(rc, err, message)
+    assert not run_dir.exists() and out == ""
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry_run", "run"])
+def test_a_compile_cache_that_is_a_file_is_one_line(tmp_path, capsys, dry):
+    (tmp_path / "cache").write_text("keep me")
+    for path, words in [(tmp_path / "cache", "is a file"),
+                        (tmp_path / "cache" / "jax", f"is under a file, {tmp_path / 'cache'}")]:
+        rc = _main([*(["--dry-run"] if dry else SMALL_RUN), f"run.compile_cache={path}",
+                    f"run.dir={tmp_path / 'run'}"])
+        out, err = capsys.readouterr()
+        _assert_one_line_status_2(rc, err, f"run.compile_cache={path} {words}; set it to a directory")
+        assert out == "" and not (tmp_path / "run").exists()
+    assert (tmp_path / "cache").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("kind", ["file", "under_a_file", "restore"])
+def test_dry_run_checks_run_dir_and_restore_as_a_run_would(tmp_path, capsys, kind):
+    """The dry run refuses what the run would refuse, with the same line, and writes nothing."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    run_dir = {"file": tmp_path / "notes.txt", "under_a_file": tmp_path / "notes.txt" / "run",
+               "restore": tmp_path / "run"}[kind]
+    restore = [f"checkpoint.restore={tmp_path / 'nope'}"] if kind == "restore" else []
+    message = {"file": f"run.dir={run_dir} is a file; set run.dir",
+               "under_a_file": f"run.dir={run_dir} cannot be written (Not a directory)",
+               "restore": f"checkpoint.restore={tmp_path / 'nope'} is not a checkpoint"}[kind]
+    for dry in (["--dry-run"], SMALL_RUN):
+        rc = _main([*dry, f"run.dir={run_dir}", *restore])
+        out, err = capsys.readouterr()
+        _assert_one_line_status_2(rc, err, message)
+        assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_dry_run_warns_of_warmup_longer_than_the_run_and_counts_in_words(capsys):
+    assert _main(["--dry-run", "--devices", "1", "mesh.fsdp=1", "train.steps=10",
+                  "optim.warmup_steps=50"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "xla flags: none" or out[0].startswith("xla flags: --")
+    assert out[1] == ("warning: optim.warmup_steps=50 is more than train.steps=10: the run ends "
+                      "during warm-up, before the learning rate reaches optim.lr=0.003; lower "
+                      "optim.warmup_steps (or raise train.steps)")
+    assert out[2] == "mesh: data=1, stage=1, fsdp=1, tensor=1 (1 device)"
+    assert _main(["--dry-run", "train.steps=50", "optim.warmup_steps=50"]) == 0
+    assert "warning:" not in capsys.readouterr().out  # warm-up ends on the last step: meant
+
+
+def test_help_gives_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--config FILE.yaml YAML preset (repeatable; later files override earlier ones; " \
+           "default: configs/tiny.yaml)" in text
+    assert "(default: the local device's, if it reports one)" in text
+    assert "GPUs per host (default 8)" in text
