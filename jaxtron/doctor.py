@@ -2,11 +2,11 @@
 
 Each check is a plain function returning zero or more problems, one line each, naming the fix: the
 environment (CUDA_LAUNCH_BLOCKING, jax's GPU allocator variables, proxies in the coordinator's
-way), jax/jaxlib/CUDA plugin versions, the devices against the mesh, and run.dir (shared between
-hosts, room for a checkpoint). `check_all` runs them all; with several processes it is a collective
-that gives every process the same merged list, so a --strict run stops everywhere at once. The
-environment comes in as a mapping (tests set conditions without touching os.environ); jax is
-imported inside the functions that need it, since a jaxlib that jax refuses stops `import jax`.
+way), jax/jaxlib/CUDA plugin versions, the devices against the mesh, and run.dir (a directory this
+process can write, shared between hosts, with room for a checkpoint). `check_all` runs them all;
+with several processes it is a collective that gives every process the same merged list, so a
+--strict run stops everywhere at once. The environment comes in as a mapping (tests set conditions
+without touching os.environ); jax is imported only where needed: a bad jaxlib stops `import jax`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxtron.cli import EXIT_USAGE
+from jaxtron.cli import EXIT_USAGE, check_run_dir, plural
 from jaxtron.config import Config, ConfigError, MeshConfig
 
 MIN_MEM_FRACTION = 0.5  # below this share of GPU memory, XLA is starved (jax's default is 0.75)
@@ -239,14 +239,15 @@ def check_device_counts(mesh: MeshConfig, hosts: Hosts, devices: int = 0) -> lis
 
     per_node = hosts.per_node()
     usual, _ = Counter(per_node.values()).most_common(1)[0]
-    found = (f"{hosts.total} devices found ({usual} per host x {len(per_node)} "
-             f"host{'s' if len(per_node) > 1 else ''})")
+    found = (f"{plural(hosts.total, 'device')} found ({usual} per host x "
+             f"{plural(len(per_node), 'host')})")
     problems = []
     try:
         planned = math.prod(parallel.mesh_shape(mesh, devices or hosts.total).values())
         if planned != hosts.total:
-            problems.append(f"the mesh is planned for {planned} devices (--devices) but {found}; "
-                            f"run on {planned} devices or plan for {hosts.total}")
+            planned_for = plural(planned, "device")
+            problems.append(f"the mesh is planned for {planned_for} (--devices) but {found}; "
+                            f"run on {planned_for} or plan for {hosts.total}")
     except ConfigError as e:
         problems.append(f"{e}; {found}")
     short = sorted(node for node, n in per_node.items() if n != usual)
@@ -272,10 +273,10 @@ def check_crossing(sizes: dict[str, int], per_host: int) -> list[str]:
     if "tensor" in crossing:
         hint += f" mesh.tensor={tensor}"
     axes = " and ".join(f"mesh.{a}={sizes[a]}" for a in crossing)
-    return [(f"{axes} spans hosts of {per_host} devices, so its all-gathers and reduce-scatters "
-             f"leave NVLink for the network every layer; use HSDP, mesh.data across nodes and "
-             f"mesh.fsdp within: {hint} (the state is then split {fsdp * tensor * sizes['stage']} "
-             "ways: check memory with launch.py --dry-run)")]
+    return [(f"{axes} spans hosts of {plural(per_host, 'device')}, so its all-gathers and "
+             "reduce-scatters leave NVLink for the network every layer; use HSDP, mesh.data across "
+             f"nodes and mesh.fsdp within: {hint} (the state is then split "
+             f"{fsdp * tensor * sizes['stage']} ways: check memory with launch.py --dry-run)")]
 
 
 # ---------------------------------------------------------------- the run directory
@@ -351,6 +352,10 @@ def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = Non
     problems = [*check_launch_blocking(environ), *check_allocator(environ), *check_jaxlib(versions),
                 *check_plugins(versions), *check_proxy(environ, coordinator),
                 *check_device_counts(cfg.mesh, hosts, devices)]
+    try:
+        check_run_dir(cfg.run.dir)  # a directory this process can write, or can make (launch.py's)
+    except ConfigError as e:
+        problems.append(str(e))
     from jaxtron import parallel
 
     sizes = None

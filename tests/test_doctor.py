@@ -206,6 +206,36 @@ def test_run_dir_not_writable(tmp_path):
     assert "is not writable" in problem
 
 
+@pytest.mark.parametrize("kind", ["file", "under_a_file"])
+def test_run_dir_that_is_a_file(tmp_path, capsys, kind):
+    """One process: run.dir a file, or a path under one, is found as launch.py would refuse it."""
+    (tmp_path / "notes.txt").write_text("keep me")
+    path = tmp_path / "notes.txt" if kind == "file" else tmp_path / "notes.txt" / "run"
+    cfg = config_lib.load([ROOT / "configs" / "tiny.yaml"], [f"run.dir={path}"])
+    message = ("is a file; set run.dir to a directory" if kind == "file" else
+               "cannot be written (Not a directory)")
+    assert doctor.check_all(cfg, {}, ONE_HOST, versions=VERSIONS) == [
+        f"run.dir={path} {message}" + ("; choose a directory you can write" if kind != "file"
+                                       else " (a new one, or a run to resume)")]
+    from tools import doctor as tool
+
+    assert tool.main(["--strict", f"run.dir={path}"]) == 2
+    assert capsys.readouterr().err == f"doctor: error: run.dir={path} {message}" + (
+        "; choose a directory you can write\n" if kind != "file" else
+        " (a new one, or a run to resume)\n")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_device_counts_in_words(tmp_path):
+    """'1 device found (1 per host x 1 host)', never '1 devices'."""
+    [problem] = doctor.check_device_counts(_cfg(tmp_path).mesh, Hosts((1,), ("node0",)),
+                                           devices=2)
+    assert problem == ("the mesh is planned for 2 devices (--devices) but 1 device found (1 per "
+                       "host x 1 host); run on 2 devices or plan for 1")
+    [problem] = doctor.check_device_counts(_cfg(tmp_path).mesh, ONE_HOST, devices=1)
+    assert problem.startswith("the mesh is planned for 1 device (--devices) but 8 devices found")
+
+
 def test_disk_smaller_than_a_checkpoint(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
     assert doctor.checkpoint_bytes(cfg, 8) == TINY_CHECKPOINT  # 88,108,040 bytes
@@ -272,11 +302,19 @@ def test_launch_strict_is_for_training_runs(capsys):
 
 def test_launch_warns_and_trains(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run("launch.py", *SMALL_RUN, f"run.dir={run_dir}", CUDA_LAUNCH_BLOCKING="1")
+    proc = _run("launch.py", *SMALL_RUN, f"run.dir={run_dir}", CUDA_LAUNCH_BLOCKING="1",
+                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: ")]
     assert warnings == [f"warning: {BLOCKING}"]
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == 1  # step 1 logged
+    # tiny's 20 warm-up steps in a 1-step run: one line in the run's log, after `run:`
+    log = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line[:2].isdigit()]
+    assert log[1] == ("warning: optim.warmup_steps=20 is more than train.steps=1: the run ends "
+                      "during warm-up, before the learning rate reaches optim.lr=0.003; lower "
+                      "optim.warmup_steps (or raise train.steps)")
+    assert log[2] == "xla flags: --xla_force_host_platform_device_count=1"
+    assert log[3] == "mesh: data=1, stage=1, fsdp=1, tensor=1 over 1 cpu device"
 
 
 def test_two_processes_merge_their_problems(tmp_path):

@@ -8,8 +8,9 @@
 
 Checks the environment (CUDA_LAUNCH_BLOCKING, jax's GPU allocator variables, proxies that would
 carry the coordinator's traffic), jax/jaxlib/CUDA plugin versions, the devices against the mesh,
-fsdp or tensor groups spanning hosts, and run.dir (shared between hosts, room for a checkpoint).
-Several processes join as launch.py's do, and process 0 prints every process's problems.
+fsdp or tensor groups spanning hosts, and run.dir (a directory it can write, shared between
+hosts, with room for a checkpoint). Several processes join as launch.py's do, and process 0 prints
+every process's problems.
 
 Output: one line per problem, `doctor: warning: ...` naming the fix, or `doctor: no problems
 found`; exit status 0. With --strict: `doctor: error: ...` lines on stderr and exit status 2.
