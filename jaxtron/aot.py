@@ -14,6 +14,7 @@ JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; launch.py sets both up.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtron import attention, hlo, memory, metrics, parallel
+from jaxtron import attention, hlo, memory, metrics, parallel, xla_flags
 from jaxtron.config import Config, ConfigError
 from jaxtron.optim import make_optimizer
 from jaxtron.state import make_plan
@@ -85,13 +86,17 @@ def target_device_kind(target: str) -> str:
     return _field(target, "device_description_str")
 
 
-def usable_fraction() -> float:
-    """The share of GPU memory jax's allocator may use (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
-    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+def usable_fraction(cfg: Config | None = None) -> float:
+    """The share of GPU memory jax's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION (or its
+    new name XLA_CLIENT_MEM_FRACTION) when set, else what the run sets (xla.mem_fraction), else
+    jax's default."""
+    name = next((n for n in xla_flags.MEM_FRACTION_VARS if os.environ.get(n)), "")
+    if not name:
+        return cfg.xla.mem_fraction if cfg is not None else DEFAULT_MEM_FRACTION
     try:
-        return float(value) if value else DEFAULT_MEM_FRACTION
+        return float(os.environ[name])
     except ValueError:
-        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value} is not a number") from None
+        raise ConfigError(f"{name}={os.environ[name]} is not a number") from None
 
 
 def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,
@@ -105,6 +110,17 @@ def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int =
     per_host = min(gpus_per_host, num_devices)
     return report(cfg, plan, compiled.memory_analysis(), hlo.parse(text), target, seconds,
                   per_host)
+
+
+def gpu_program(cfg: Config) -> Config:
+    """Before any jax backend starts: the program a GPU host would compile. jax starts no CUDA
+    runtime here (compile-only devices come from the plugin), and XLA gets the flags a GPU run
+    sets (`xla.preset=auto` meaning the GPU preset). Returns cfg with that preset."""
+    jax.config.update("jax_platforms", "cpu")  # read when the first backend starts: not yet
+    if cfg.xla.preset == "auto":
+        cfg = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, preset="gpu"))
+    xla_flags.apply(cfg.xla)
+    return cfg
 
 
 def for_gpus(cfg: Config) -> Config:
@@ -135,7 +151,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
     dry run's estimate, model and compiled FLOPs, collectives, kernels, compile time."""
     num_devices = math.prod(plan.mesh_sizes.values())
     capacity = capacity_bytes(target)
-    usable = int(capacity * usable_fraction())
+    usable = int(capacity * usable_fraction(cfg))
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     estimate = memory.estimate(cfg, plan)

@@ -337,6 +337,7 @@ def _ranges(cfg: Config) -> tuple:
         ("checkpoint.keep_every", c.keep_every, *at_least(0)),
         ("pipeline.repeats", p.repeats, *at_least(1)), ("pipeline.passes", p.passes, *at_least(1)),
         ("data.workers", cfg.data.workers, *at_least(0)),
+        ("xla.mem_fraction", cfg.xla.mem_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
     )
 
 

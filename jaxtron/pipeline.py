@@ -26,6 +26,7 @@ another layout permutes the layers back (`reorder`).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from jaxtron.config import Config, ConfigError
 from jaxtron.parallel import constrain
 
 SCHEDULES = ("gpipe", "circular")
+GRAD_SUMS = ("sharded", "whole")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Pipeline:
     repeats: int  # R: layer groups per stage (1 for gpipe)
     microbatches: int  # M: per pass through the pipeline
     dtype: str = "float32"  # the layers' compute dtype: stage weights are gathered in it
+    grad_sum: str = "sharded"  # sharded | whole: the stage weights' gradient over fsdp (config)
 
     @property
     def iterations(self) -> int:
@@ -73,7 +76,7 @@ def from_config(cfg: Config, stages: int) -> Pipeline | None:
         return None
     repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
     return Pipeline(stages, repeats, cfg.train.microbatches // cfg.pipeline.passes,
-                    cfg.model.dtype)
+                    cfg.model.dtype, cfg.pipeline.grad_sum)
 
 
 def check(cfg: Config, stages: int) -> None:
@@ -81,6 +84,8 @@ def check(cfg: Config, stages: int) -> None:
     p, layers, micro = cfg.pipeline, cfg.model.num_layers, cfg.train.microbatches
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={p.schedule} is not one of {', '.join(SCHEDULES)}")
+    if p.grad_sum not in GRAD_SUMS:
+        raise ConfigError(f"pipeline.grad_sum={p.grad_sum} is not one of {', '.join(GRAD_SUMS)}")
     if p.repeats < 1 or p.passes < 1:
         raise ConfigError("pipeline.repeats and pipeline.passes must be at least 1")
     if p.schedule == "gpipe" and p.repeats != 1:
@@ -146,15 +151,16 @@ def _stage_sharded(w: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, P("stage", *[P.UNCONSTRAINED] * (w.ndim - 1)))
 
 
-def _on_every_stage(fn: Callable[..., jax.Array], replicas: int) -> Callable[..., jax.Array]:
+def _on_every_stage(fn: Callable[..., jax.Array], copies: tuple[str, ...]
+                    ) -> Callable[..., jax.Array]:
     """fn(weights, repeat, x, micro, positions, segments) over one stage's slices -> the same over
-    [S, ...] arrays, every stage at once; weights [S, replicas, ...] (one copy per data replica),
-    positions and segments [M, b, T].
+    [S, ...] arrays, every stage at once; weights [S, copies, ...] (one copy per device of the
+    `copies` axes), positions and segments [M, b, T].
 
-    Under a mesh a `shard_map` over `stage` and `data`: each device runs its own stage on its own
-    rows as a plain program (fsdp and tensor stay with the compiler), so kernels without a
-    batching rule for the stage dimension, such as cuDNN's fused attention, run as they do outside
-    the pipeline, and each data replica's weight gradient stays on its devices until the
+    Under a mesh a `shard_map` over `stage` and the `copies` axes: each device runs its own stage
+    on its own rows as a plain program (the other axes stay with the compiler), so kernels without
+    a batching rule for the stage dimension, such as cuDNN's fused attention, run as they do
+    outside the pipeline, and each copy's weight gradient stays on its devices until the
     iterations are done (a weight shared over `data` here would be all-reduced every iteration).
     Without a mesh a vmap."""
     if jax.sharding.get_abstract_mesh().empty:
@@ -167,15 +173,21 @@ def _on_every_stage(fn: Callable[..., jax.Array], replicas: int) -> Callable[...
                  positions, segments)
         return out[None]
 
-    rows = P("stage", "data")
-    return jax.shard_map(local, in_specs=(rows, P("stage"), rows, P("stage"), P(None, "data"),
-                                          P(None, "data")),
-                         out_specs=rows, axis_names={"stage", "data"}, check_vma=False)
+    rows = P("stage", copies)
+    return jax.shard_map(local, in_specs=(rows, P("stage"), rows, P("stage"), P(None, copies),
+                                          P(None, copies)),
+                         out_specs=rows, axis_names={"stage", *copies}, check_vma=False)
 
 
-def _data_replicas() -> int:
+def _copy_axes(pipe: Pipeline) -> tuple[str, ...]:
+    """The mesh axes whose devices each hold their own copy of the stage weights, and sum their
+    own gradient over a pass: `data`, and `fsdp` too when the gradient is summed whole."""
+    return ("data",) if pipe.grad_sum == "sharded" else ("data", "fsdp")
+
+
+def _count(axes: tuple[str, ...]) -> int:
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else mesh.shape.get("data", 1)
+    return 1 if mesh.empty else math.prod(mesh.shape.get(a, 1) for a in axes)
 
 
 def _layer_specs(stacked: Any) -> list[P]:
@@ -184,18 +196,19 @@ def _layer_specs(stacked: Any) -> list[P]:
     return [parallel.spec(tuple(names)) for names in logical]
 
 
-def _replicated(w: jax.Array, replicas: int, spec: P) -> jax.Array:
-    """Staged [S, L', R, ...] -> [S, replicas, L', R, ...] copies, the copy dimension over `data`,
-    the weight's own dimensions split as `spec` says (else the compiler may gather them)."""
-    w = jnp.broadcast_to(w[:, None], (w.shape[0], replicas, *w.shape[1:]))
-    return _constrained(w, spec)
+def _copied(w: jax.Array, copies: tuple[str, ...], spec: P) -> jax.Array:
+    """Staged [S, L', R, ...] -> [S, C, L', R, ...], one copy per device of the `copies` axes,
+    the weight's own dimensions split as `spec` says (else the compiler may gather them). The
+    broadcast's transpose sums the copies' gradients once, after the iterations."""
+    w = jnp.broadcast_to(w[:, None], (w.shape[0], _count(copies), *w.shape[1:]))
+    return _constrained(w, copies, spec)
 
 
-def _constrained(w: jax.Array, spec: P) -> jax.Array:
-    """[S, replicas, L', R, ...] split over stage, data, and the weight's own `spec`."""
+def _constrained(w: jax.Array, copies: tuple[str, ...], spec: P) -> jax.Array:
+    """[S, C, L', R, ...] split over stage, the `copies` axes, and the weight's own `spec`."""
     if jax.sharding.get_abstract_mesh().empty:
         return w
-    return jax.lax.with_sharding_constraint(w, P("stage", "data", None, None, *spec[1:]))
+    return jax.lax.with_sharding_constraint(w, P("stage", copies, None, None, *spec[1:]))
 
 
 def _without_fsdp(spec: P) -> P:
@@ -205,32 +218,34 @@ def _without_fsdp(spec: P) -> P:
     return P(*map(drop, spec))
 
 
-def _gathered(w: jax.Array, spec: P, dtype: Any) -> jax.Array:
+def _gathered(w: jax.Array, copies: tuple[str, ...], spec: P, dtype: Any) -> jax.Array:
     """The stage weights whole over fsdp, in the dtype the layers compute with (a layer's norm
     scale, 1-D, keeps its own): gathered once per pass, outside the iteration scan, so the
-    iterations do not gather them again (M+S-1 all-gathers forward and as many in the backward's
-    recompute). No gradient flows here: `_use_gathered` routes it to the sharded weight."""
-    if w.ndim > 5:  # [S, replicas, L', R, ...] of a matrix (or a bias [N, H])
+    iterations do not gather them again (M*R+S-1 all-gathers forward and as many in the
+    backward's recompute). No gradient flows here: `_use_gathered` routes it to the sum."""
+    if w.ndim > 5:  # [S, C, L', R, ...] of a matrix (or a bias [N, H])
         w = w.astype(dtype)
-    return jax.lax.stop_gradient(_constrained(w, _without_fsdp(spec)))
+    return jax.lax.stop_gradient(_constrained(w, copies, _without_fsdp(spec)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _use_gathered(spec: P, dtype: Any, sharded: jax.Array, gathered: jax.Array) -> jax.Array:
-    """`gathered` in the forward; in the backward the cotangent goes to `sharded`, split over
-    fsdp again (a reduce-scatter each iteration), so the scan sums the weight gradient in the
-    sharded weight's dtype (`dtype`) and size, never a whole stage's gradient per device."""
-    del spec, dtype, sharded
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _use_gathered(copies: tuple[str, ...], spec: P, dtype: Any, total: jax.Array,
+                  gathered: jax.Array) -> jax.Array:
+    """`gathered` in the forward; in the backward the cotangent goes to `total`, cast to `dtype`
+    and laid out as `spec` says, so the scan sums the weight gradient in float32 either split over
+    fsdp (`spec` the weight's: a reduce-scatter each iteration) or whole on each device
+    (`total` one copy per fsdp device: each sums its own rows' gradient, no collective)."""
+    del copies, spec, dtype, total
     return gathered
 
 
-def _use_gathered_fwd(spec, dtype, sharded, gathered):
-    del spec, dtype, sharded
+def _use_gathered_fwd(copies, spec, dtype, total, gathered):
+    del copies, spec, dtype, total
     return gathered, None
 
 
-def _use_gathered_bwd(spec, dtype, _, g):
-    return _constrained(g, spec).astype(dtype), None
+def _use_gathered_bwd(copies, spec, dtype, _, g):
+    return _constrained(g, copies, spec).astype(dtype), None
 
 
 _use_gathered.defvjp(_use_gathered_fwd, _use_gathered_bwd)
@@ -278,22 +293,26 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
         return layers_fn(weights_LR, x_bTD, positions_MbT[micro], segments_MbT[micro],
                          select=select)
 
-    # One copy of the stage weights per data replica [S, data, ...]: its gradient is summed over
-    # the iterations on the replica's devices, then over `data` once, by the broadcast's transpose.
-    replicas = _data_replicas()
+    # One copy of the stage weights per data replica [S, data, ...] (and, to sum the gradient
+    # whole, per fsdp device): its gradient is summed over the iterations on its own devices,
+    # then over the copies once, by the broadcast's transpose. The layers read the weights
+    # gathered over fsdp once, in the compute dtype (`_gathered`).
+    copies = _copy_axes(pipe)
     leaves, tree = jax.tree.flatten(staged)
-    specs = _layer_specs(stacked)
-    sharded = [_replicated(w, replicas, spec) for w, spec in zip(leaves, specs)]
-    whole = [_gathered(w, spec, pipe.dtype) for w, spec in zip(sharded, specs)]
-    per_stage = _on_every_stage(stage_fn, replicas)
+    specs = [spec if copies == ("data",) else _without_fsdp(spec)
+             for spec in _layer_specs(stacked)]
+    totals = [_copied(w, copies, spec) for w, spec in zip(leaves, specs)]
+    whole = [_gathered(w, copies, spec, pipe.dtype) for w, spec in zip(totals, specs)]
+    per_stage = _on_every_stage(stage_fn, copies)
 
     def stages_fn(weights, repeat, x, micro):
-        sharded, whole = weights
-        used = [_use_gathered(spec, w.dtype, w, g) for spec, w, g in zip(specs, sharded, whole)]
+        totals, whole = weights
+        used = [_use_gathered(copies, spec, w.dtype, w, g)
+                for spec, w, g in zip(specs, totals, whole)]
         return per_stage(jax.tree.unflatten(tree, used), repeat, x, micro, positions_MbT,
                          segments_MbT)
 
-    staged = (sharded, whole)
+    staged = (totals, whole)
     carry = (state_SbTD, buffer_SMbTD)
     carry, _ = jax.lax.scan(
         lambda c, t: (_iteration(stages_fn, staged, inputs_SKbTD, c, t, pipe), None),

@@ -62,7 +62,6 @@ LATENCY_S = 25e-6
 # preset (`--devices 128`): 955 of 2309 GiB over tensor. The rest is taken as exposed.
 FSDP_OVERLAP = 0.85
 TENSOR_OVERLAP = 0.4
-USABLE_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default: what jax may allocate
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,7 @@ class Layout:
     repeats: int
     microbatches: int
     remat: str
+    grad_sum: str  # pipeline.grad_sum
     peak_bytes: int
     fits: bool
     step_seconds: float
@@ -83,12 +83,14 @@ class Layout:
         m = self.mesh
         pipe = (f" PP{m['stage']} {self.schedule}" + (f" R{self.repeats}" if self.repeats > 1
                                                       else "")) if m["stage"] > 1 else ""
+        whole = " grad_sum=whole" if self.grad_sum == "whole" else ""
         return (f"TP{m['tensor']}{pipe} FSDP{m['fsdp']} DP{m['data']} M{self.microbatches} "
-                f"remat={self.remat}")
+                f"remat={self.remat}{whole}")
 
     def as_json(self) -> dict:
         return {"mesh": self.mesh, "schedule": self.schedule if self.mesh["stage"] > 1 else "none",
                 "repeats": self.repeats, "microbatches": self.microbatches, "remat": self.remat,
+                "grad_sum": self.grad_sum,
                 "step_seconds": round(self.step_seconds, 4), "peak_bytes": self.peak_bytes,
                 "fits": self.fits, "parts": {k: round(v, 4) for k, v in self.parts.items()}}
 
@@ -115,7 +117,7 @@ def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
 
 
 def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
-    """(schedule, repeats, microbatches, remat) to try for one mesh."""
+    """(schedule, repeats, microbatches, remat, grad_sum) to try for one mesh."""
     replicas = mesh["data"] * mesh["fsdp"]
     if cfg.train.batch_size % replicas:
         return
@@ -125,19 +127,21 @@ def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
     if mesh["stage"] > 1:
         per_stage = cfg.model.num_layers // mesh["stage"]
         schedules += [("circular", r) for r in (2, 4, 5, 8, 10) if per_stage % r == 0]
-    for (schedule, repeats), micro, remat in itertools.product(schedules, counts, remats):
+    sums = ["sharded", "whole"] if mesh["stage"] > 1 and mesh["fsdp"] > 1 else ["sharded"]
+    for (schedule, repeats), micro, remat, grad_sum in itertools.product(schedules, counts, remats,
+                                                                         sums):
         if mesh["stage"] == 1 and (schedule != "gpipe" or micro > 8):
             continue  # without a pipeline, microbatches only trade speed for memory
-        yield schedule, repeats, micro, remat
+        yield schedule, repeats, micro, remat, grad_sum
 
 
 def configure(cfg: Config, mesh: dict[str, int], schedule: str, repeats: int, micro: int,
-              remat: str) -> Config:
+              remat: str, grad_sum: str = "sharded") -> Config:
     """cfg with one layout's settings."""
     return dataclasses.replace(
         cfg, mesh=MeshConfig(**mesh),
         model=dataclasses.replace(cfg.model, remat=remat),
-        pipeline=PipelineConfig(schedule=schedule, repeats=repeats, passes=1),
+        pipeline=PipelineConfig(schedule=schedule, repeats=repeats, passes=1, grad_sum=grad_sum),
         train=dataclasses.replace(cfg.train, microbatches=micro))
 
 
@@ -172,9 +176,11 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     f = mesh["fsdp"]
     # Without a pipeline each microbatch gathers a layer's weights twice (forward, recompute or
     # backward) and reduce-scatters its gradient; a pipeline gathers a stage's weights once per
-    # pass and reduce-scatters their gradient every iteration.
+    # pass and reduce-scatters their gradient every iteration, or (grad_sum=whole) once, in
+    # float32: twice the bytes of a compute-dtype gather.
     runs = iterations if stages > 1 else t.microbatches  # layer runs per sequence group
-    fsdp_uses = 1 + iterations if stages > 1 else 3 * t.microbatches
+    whole = cfg.pipeline.grad_sum == "whole"
+    fsdp_uses = (3 if whole else 1 + iterations) if stages > 1 else 3 * t.microbatches
     fsdp_bytes = fsdp_uses * layers * layer_params / tp * act * (f - 1) / f
     fsdp_time = _seconds(fsdp_bytes, "fsdp" in crossing)
     parts["fsdp"] = fsdp_time * (1 - FSDP_OVERLAP) + max(0.0, fsdp_time * FSDP_OVERLAP - compute)
@@ -189,14 +195,14 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     return parts
 
 
-def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, capacity: int,
+def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, usable: int,
              remats: list[str]) -> list[Layout]:
     """Every layout the config's checks accept, with its memory and time estimates."""
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     out = []
     for mesh in meshes(cfg, gpus, per_node):
-        for schedule, repeats, micro, remat in variants(cfg, mesh, remats):
-            candidate = configure(cfg, mesh, schedule, repeats, micro, remat)
+        for schedule, repeats, micro, remat, grad_sum in variants(cfg, mesh, remats):
+            candidate = configure(cfg, mesh, schedule, repeats, micro, remat, grad_sum)
             try:
                 pipeline.check(candidate, mesh["stage"])
                 plan = make_plan(candidate, tx, gpus)
@@ -204,8 +210,8 @@ def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, capacity: int,
                 continue
             peak = sum(memory.estimate(candidate, plan).values())
             parts = step_time(candidate, mesh, per_node, gpu)
-            out.append(Layout(mesh, schedule, repeats, micro, remat, peak,
-                              peak <= capacity * USABLE_FRACTION, sum(parts.values()), parts))
+            out.append(Layout(mesh, schedule, repeats, micro, remat, grad_sum, peak,
+                              peak <= usable, sum(parts.values()), parts))
     return rank(out)
 
 
@@ -214,15 +220,19 @@ def rank(layouts: list[Layout]) -> list[Layout]:
     return sorted(layouts, key=lambda x: (not x.fits, x.step_seconds if x.fits else x.peak_bytes))
 
 
-def why_slower(worse: Layout, better: Layout, capacity: int) -> str:
-    """One clause: the estimate's term that costs `worse` the most against `better`."""
+def why_slower(worse: Layout, better: Layout, usable: int) -> str:
+    """One clause: the estimate's terms that cost `worse` the most against `better` (each term
+    that adds at least a fifth of the largest, largest first)."""
     if not worse.fits:
         return (f"does not fit: {worse.peak_bytes / 2**30:.1f} GiB per GPU, over the "
-                f"{capacity * USABLE_FRACTION / 2**30:.1f} GiB jax may use")
+                f"{usable / 2**30:.1f} GiB jax may use")
     deltas = {k: worse.parts[k] - better.parts.get(k, 0.0) for k in worse.parts}
-    term = max(deltas, key=deltas.get)
-    return (f"+{duration(worse.step_seconds - better.step_seconds)} per step, mostly {term} "
-            f"({duration(worse.parts[term])} against {duration(better.parts[term])})")
+    costs = sorted(((d, k) for k, d in deltas.items() if d > 0), reverse=True)
+    top = costs[0][0] if costs else 0.0
+    terms = ", ".join(f"{k} {duration(worse.parts[k])} against {duration(better.parts[k])}"
+                      for d, k in costs[:3] if d >= top / 5)
+    return (f"+{duration(worse.step_seconds - better.step_seconds)} per step, mostly "
+            f"{terms or 'rounding'}")
 
 
 def duration(seconds: float) -> str:

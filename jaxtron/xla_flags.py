@@ -17,6 +17,9 @@ import sys
 
 from jaxtron.config import ConfigError, XlaConfig
 
+# jax's GPU allocator reads its share of the device's memory from the first of these that is set
+MEM_FRACTION_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+
 # Names and values follow the JAX GPU performance tips and NVIDIA JAX-Toolbox's
 # GPU_performance.md, the flags MaxText's GPU recipes set; tests/test_xla_flags.py checks that the
 # installed jaxlib knows every one.
@@ -199,4 +202,6 @@ def apply(cfg_xla: XlaConfig) -> list[str]:
         check(flags, {name: source for name, (_, source) in merged.items()})
     if flags or "XLA_FLAGS" in os.environ:
         os.environ["XLA_FLAGS"] = " ".join(flags)
+    if not any(os.environ.get(name) for name in MEM_FRACTION_VARS):
+        os.environ[MEM_FRACTION_VARS[0]] = str(cfg_xla.mem_fraction)  # read at the GPU's start
     return flags

@@ -210,21 +210,30 @@ def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) >= 2 * iterations * per_group
 
 
-def test_pipeline_gathers_fsdp_sharded_stage_weights_once_per_pass(tmp_path):
+@pytest.mark.parametrize("grad_sum", ["sharded", "whole"])
+def test_pipeline_gathers_fsdp_sharded_stage_weights_once_per_pass(tmp_path, grad_sum):
     """Llama-3-70B as TP8 / PP2 / FSDP8 on 128 H100s, 16 microbatches: the stage's weights are
     all-gathered over fsdp once per pass (before: in every one of the 17 iterations, forward and
-    recompute, 2722 gathers and 282 GiB per GPU per step), and only their gradients leave every
-    iteration, reduce-scattered. The dry run counts the gathered copy."""
+    recompute, 2722 gathers and 282 GiB per GPU per step). Their gradient is reduce-scattered
+    every iteration (grad_sum=sharded), or summed whole in float32 and reduce-scattered once
+    (whole). The dry run counts the gathered copy and the sums."""
     report = _launch(tmp_path, "llama3_70b.yaml", 128, "train.batch_size=512",
                      "train.seq_len=4096", "mesh.tensor=8", "mesh.stage=2", "mesh.fsdp=8",
-                     "mesh.data=1", "train.microbatches=16", "model.remat=full")
+                     "mesh.data=1", "train.microbatches=16", "model.remat=full",
+                     f"pipeline.grad_sum={grad_sum}")
     gathered = report["plan_terms"]["pipeline_gathered_weights"]  # bf16, the stage's, whole
     assert gathered > 0
     rows = {r["op"]: r for r in report["collectives"] if r["axes"] == ["fsdp"]}
     assert rows["all-gather"]["bytes"] <= 1.1 * gathered, (rows["all-gather"], gathered)
     assert rows["all-gather"]["count"] < 17
-    # the gradients: each iteration's, bf16, of the stage's 40 layers
-    assert rows["reduce-scatter"]["bytes"] == pytest.approx(17 * gathered, rel=0.1)
+    scattered = rows["reduce-scatter"]
+    if grad_sum == "sharded":  # each iteration's gradient of the stage's 40 layers, bf16
+        assert scattered["bytes"] == pytest.approx(17 * gathered, rel=0.1)
+    else:  # the float32 sum, once
+        assert scattered["bytes"] == pytest.approx(2 * gathered, rel=0.1)
+        assert scattered["count"] < 17
+        # no partial sum is reduced inside the iterations (one all-reduce, of the norm scales)
+        assert rows.get("all-reduce", {"bytes": 0})["bytes"] < 0.01 * gathered
     assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
 
 

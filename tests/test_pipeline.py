@@ -107,6 +107,7 @@ LAYOUTS = [  # (mesh overrides, devices)
     (("mesh.stage=4", "mesh.fsdp=1"), 4),
     (("mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"), 8),
     (("mesh.stage=2", "mesh.data=2", "mesh.fsdp=2"), 8),
+    (("mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.grad_sum=whole"), 8),
 ]
 SCHEDULES = {"gpipe": (), "circular": ("pipeline.schedule=circular", "pipeline.repeats=2")}
 

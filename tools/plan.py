@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the ranked list here")
     parser.add_argument("--verify", type=int, default=0, metavar="N",
                         help="compile the best N layouts for the GPUs and compare peaks")
+    parser.add_argument("--find", action="append", default=[], metavar="PARTS",
+                        help="where the best layout whose name has all these parts ranks, and why "
+                             "it loses to the one above it, e.g. --find 'TP8 PP2' --find 'TP8 "
+                             "PP8 DP2' (repeatable)")
     parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return parser.parse_args(argv)
 
@@ -62,25 +66,50 @@ def _check(args: argparse.Namespace) -> None:
                           f"--gpus-per-node {args.gpus_per_node}")
 
 
-def print_ranking(ranked: list[planner.Layout], top: int, capacity: int) -> None:
+def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
     """The best `top`, each with why it loses to the one above."""
     fits = sum(x.fits for x in ranked)
     print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))} "
           "(TP tensor, PP stages, R circular repeats, FSDP, DP data, M microbatches per pass):")
     for i, layout in enumerate(ranked[:top]):
-        parts = ", ".join(f"{k} {planner.duration(v)}" for k, v in layout.parts.items()
-                          if v >= 0.001 * layout.step_seconds)
-        print(f"{i + 1}. {layout.name()}: {planner.duration(layout.step_seconds)} per step, "
-              f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts})")
+        print(f"{i + 1}. {_line(layout)}")
         if i:
-            print(f"   below #{i}: {planner.why_slower(layout, ranked[i - 1], capacity)}")
+            print(f"   below #{i}: {planner.why_slower(layout, ranked[i - 1], usable)}")
+
+
+def _line(layout: planner.Layout) -> str:
+    parts = ", ".join(f"{k} {planner.duration(v)}" for k, v in layout.parts.items()
+                      if v >= 0.001 * layout.step_seconds)
+    return (f"{layout.name()}: {planner.duration(layout.step_seconds)} per step, "
+            f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts})")
+
+
+def print_found(ranked: list[planner.Layout], queries: list[str], usable: int) -> None:
+    """For each query, the best layout whose name has all its parts, in rank order, each with
+    why it loses to the one found above it (the first: to #1)."""
+    found = []
+    for query in queries:
+        index = next((i for i, x in enumerate(ranked)
+                      if set(query.split()) <= set(x.name().split())), None)
+        if index is None:
+            print(f"--find {query}: no layout has all of these parts")
+        else:
+            found.append((index, query))
+    above = (0, "#1")
+    for index, query in sorted(found):
+        print(f"--find {query}: #{index + 1}. {_line(ranked[index])}")
+        if index > above[0]:
+            where = "#1" if above[1] == "#1" else f"{above[1]} (#{above[0] + 1})"
+            print(f"   below {where}: "
+                  f"{planner.why_slower(ranked[index], ranked[above[0]], usable)}")
+        above = (index, f"'{query}'")
 
 
 def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespace) -> None:
     """Compile the best `count` that fit and print estimate against compiled peak."""
     for layout in [x for x in ranked if x.fits][:count]:
         candidate = planner.configure(cfg, layout.mesh, layout.schedule, layout.repeats,
-                                      layout.microbatches, layout.remat)
+                                      layout.microbatches, layout.remat, layout.grad_sum)
         compiled, _, seconds = aot.compile_step_for(candidate, args.gpu, args.gpus,
                                                     args.gpus_per_node)
         stats = compiled.memory_analysis()
@@ -96,13 +125,17 @@ def run(args: argparse.Namespace) -> None:
     if args.json:
         cli.writable_file(args.json, "--json")
     cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
-    capacity = aot.capacity_bytes(args.gpu)
-    ranked = planner.evaluate(cfg, args.gpus, args.gpus_per_node, args.gpu, capacity,
+    if args.verify:  # compiled as the run would compile it: the GPU flags, no CUDA runtime
+        cfg = aot.gpu_program(cfg)
+    # What jax may allocate: XLA_PYTHON_CLIENT_MEM_FRACTION as the job will set it.
+    usable = int(aot.capacity_bytes(args.gpu) * aot.usable_fraction(cfg))
+    ranked = planner.evaluate(cfg, args.gpus, args.gpus_per_node, args.gpu, usable,
                               _remats(args, cfg))
     if not ranked:
         raise ConfigError(f"no layout of this model divides {args.gpus} GPUs; check "
                           "train.batch_size and the model's heads and layers")
-    print_ranking(ranked, args.top, capacity)
+    print_ranking(ranked, args.top, usable)
+    print_found(ranked, args.find, usable)
     if args.json:
         args.json.write_text(json.dumps([x.as_json() for x in ranked], indent=1))
         print(f"wrote {len(ranked)} layouts to {args.json}")
