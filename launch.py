@@ -106,7 +106,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")
     for name, size in terms.items():
         print(f"  {name}: {_gib(size)}")
-    print(_verdict(total, gpu, cfg.model.remat))
+    print(_verdict(total, gpu, cfg))
     print("resolved config:")
     print(config_lib.to_yaml(cfg), end="")
 
@@ -131,14 +131,15 @@ def _check_data(cfg) -> str:
     return f"data: the standard library's sources, {tok.file} of {tok.get_piece_size()} tokens"
 
 
-def _verdict(total: int, gpu: str | None, remat: str) -> str:
+def _verdict(total: int, gpu: str | None, cfg) -> str:
     """The estimate against what jax may allocate on --gpu's devices, or on the local one."""
     import jax
 
     from jaxtron import aot
 
     if gpu:
-        usable, where = int(aot.capacity_bytes(gpu) * aot.usable_fraction()), f"one {gpu.upper()}"
+        usable = int(aot.capacity_bytes(gpu) * aot.usable_fraction(cfg))
+        where = f"one {gpu.upper()}"
     else:
         usable = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
         where = f"this {jax.devices()[0].device_kind}"
@@ -148,7 +149,7 @@ def _verdict(total: int, gpu: str | None, remat: str) -> str:
     if total <= usable:
         return (f"verdict: fits: {total / 2**30:.1f} of {usable / 2**30:.1f} GiB usable on "
                 f"{where} ({1 - total / usable:.0%} spare)")
-    remat_hint = "" if remat == "full" else " or set model.remat=full"
+    remat_hint = "" if cfg.model.remat == "full" else " or set model.remat=full"
     return (f"verdict: DOES NOT FIT: {total / 2**30:.1f} GiB per device, {usable / 2**30:.1f} "
             f"GiB usable on {where}; shard more (mesh.fsdp, mesh.tensor, mesh.stage){remat_hint}")
 

@@ -81,12 +81,12 @@ def _check_fraction(name: str, value: str) -> list[str]:
                  f"unset {name}")]
     if fraction >= MIN_MEM_FRACTION:
         return []
-    from jaxtron.aot import DEFAULT_MEM_FRACTION
+    from jaxtron.config import XlaConfig
 
     return [(f"{name}={value} lets XLA use {fraction:.0%} of each GPU's memory "
-             f"({fraction * 80:.0f} GB of an H100's 80 GB), starving its buffers and fusions, and "
-             f"the memory plan assumes {DEFAULT_MEM_FRACTION:.0%}; unset {name} (or set it to at "
-             f"least {DEFAULT_MEM_FRACTION})")]
+             f"({fraction * 80:.0f} GB of an H100's 80 GB), starving its buffers and fusions; "
+             f"unset {name} (the run then sets xla.mem_fraction, {XlaConfig().mem_fraction} by "
+             f"default) or set it to at least {MIN_MEM_FRACTION}")]
 
 
 def coordinator_host(environ: Mapping[str, str], coordinator: str | None = None) -> str | None:

@@ -59,7 +59,8 @@ ALLOCATOR = [
     ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"},
      "use 30% of each GPU's memory (24 GB of an H100's 80 GB)"),
     ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"},
-     "unset XLA_PYTHON_CLIENT_MEM_FRACTION (or set it to at least 0.75)"),
+     "unset XLA_PYTHON_CLIENT_MEM_FRACTION (the run then sets xla.mem_fraction, 0.9 by default) "
+     "or set it to at least 0.5"),
     ({"XLA_CLIENT_MEM_FRACTION": ".2"}, "unset XLA_CLIENT_MEM_FRACTION"),
     ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "most"}, "is not a number"),
     ({"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
