@@ -1,6 +1,7 @@
 """XLA flag presets (jaxtron/xla_flags.py): what each preset sets, which flag wins, and that a
 flag this jaxlib does not know stops launch.py in one line instead of killing it inside XLA."""
 
+import json
 import os
 import subprocess
 import sys
@@ -123,3 +124,22 @@ def test_apply_refuses_new_flags_once_a_backend_started(monkeypatch):
     assert flags[-1] == "--xla_force_host_platform_device_count=8"
     with pytest.raises(RuntimeError, match="started: XLA would ignore --xla_dump_to=/tmp/a;"):
         xla_flags.apply(XlaConfig(preset="none", flags=["--xla_dump_to=/tmp/a"]))
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}),  # xla.mem_fraction's default
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}),
+    ({"XLA_CLIENT_MEM_FRACTION": "0.7"}, {"XLA_CLIENT_MEM_FRACTION": "0.7"}),  # the new name
+])
+def test_apply_gives_jax_the_configured_memory_share_unless_the_environment_does(environ,
+                                                                                 expected):
+    """Before the backend starts (a fresh process): the variable jax reads its memory share
+    from is set to xla.mem_fraction, and a user's own value, under either name, is kept."""
+    code = ("import json, os; from jaxtron import xla_flags; from jaxtron.config import XlaConfig;"
+            "xla_flags.apply(XlaConfig(preset='none'));"
+            "print(json.dumps({k: v for k, v in os.environ.items() if 'MEM_FRACTION' in k}))")
+    env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k} | environ
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=False, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == expected
