@@ -113,9 +113,12 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path} not found: a Hugging Face model directory has a config.json")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except ValueError as err:
         raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: not a JSON object of settings")
+    return config
 
 
 def read_config(hf_dir: str | Path, dtype: str = "float32") -> ModelConfig:

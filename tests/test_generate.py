@@ -301,3 +301,22 @@ def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_p
     assert capsys.readouterr().err == (f"generate: {tmp_path / 'imp'}: imported without a "
                                        "tokenizer, so --prompt cannot be encoded; give --tokens "
                                        "ids instead\n")
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("config.json", "[1, 2]", "{d}/config.json: not a JSON object of settings"),
+    ("config.json", '{"model_type": ', "{d}/config.json: not valid JSON (Expecting value"),
+    ("generation_config.json", "{bad", "{d}/generation_config.json: not valid JSON (Expecting"),
+    ("generation_config.json", "[2]", "{d}/generation_config.json: not a JSON object of settings"),
+    ("generation_config.json", '{"eos_token_id": "x"}',
+     "{d}: eos_token_id 'x' is not a token id or a list of them"),
+])
+def test_cli_broken_json_in_the_directory_is_one_line(case, tool, tmp_path, capsys, name, text,
+                                                      message):
+    _, path, _, _ = case
+    shutil.copytree(path, tmp_path / "hf")
+    (tmp_path / "hf" / name).write_text(text)
+    assert tool.main([str(tmp_path / "hf"), "--tokens", "1,2", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"generate: {message}".format(
+        d=tmp_path / "hf")), err

@@ -110,10 +110,15 @@ def load(path: Path) -> Loaded:
 
 def _load_hf(path: Path) -> Loaded:
     """Weights in float32; the position limit and end ids from the directory's JSON files."""
+    config = hf.read_hf_config(path)  # its own one-line error first
     cfg, params = hf.from_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
     generation = path / "generation_config.json"  # what transformers' generate() reads first
-    eos = json.loads(generation.read_text()) if generation.is_file() else config
+    try:
+        eos = json.loads(generation.read_text()) if generation.is_file() else config
+    except ValueError as err:
+        raise ConfigError(f"{generation}: not valid JSON ({err})") from None
+    if not isinstance(eos, dict):
+        raise ConfigError(f"{generation}: not a JSON object of settings")
 
     def open_tokenizer() -> tokenizer.Tokenizer:
         if not _has_tokenizer(path):
@@ -123,7 +128,7 @@ def _load_hf(path: Path) -> Loaded:
 
     return Loaded(cfg, params, config.get("max_position_embeddings"),
                   "max_position_embeddings in config.json", open_tokenizer,
-                  _eos_list(eos.get("eos_token_id", config.get("eos_token_id"))))
+                  _eos_list(eos.get("eos_token_id", config.get("eos_token_id")), path))
 
 
 def _load_checkpoint(path: Path) -> Loaded:
@@ -149,11 +154,12 @@ def _has_tokenizer(path: Path) -> bool:
     return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
 
 
-def _eos_list(value) -> list[int]:
+def _eos_list(value, path: Path) -> list[int]:
     """config.json's eos_token_id (an id, a list of ids or null) as a list."""
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and v >= 0 for v in ids):
+        raise ConfigError(f"{path}: eos_token_id {value!r} is not a token id or a list of them")
+    return ids
 
 
 def _tokens(n: int) -> str:
