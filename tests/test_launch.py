@@ -270,15 +270,23 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
 
 
 @pytest.mark.parametrize("overrides,verdict", [
-    (["mesh.data=64", "mesh.fsdp=1"], "verdict: DOES NOT FIT: 1075.0 GiB per device, 59.4 GiB "
-                                      "usable on one H100"),
-    (["mesh.tensor=8", "model.num_layers=40"], "verdict: fits: "),
+    (["mesh.data=64", "mesh.fsdp=1"], "verdict: DOES NOT FIT: {total:.1f} GiB per device, "
+                                      "{usable:.1f} GiB usable on one H100"),
+    (["mesh.tensor=8", "model.num_layers=40"], "verdict: fits: {total:.1f} of {usable:.1f} GiB "
+                                               "usable on one H100"),
 ])
 def test_dry_run_gives_a_verdict_against_the_gpu(capsys, overrides, verdict):
-    rc = launch.main(["--config", "configs/llama3_70b.yaml", "--dry-run", "--devices", "64",
-                      "--gpu", "h100", *overrides])
+    """The estimate printed above it against an H100's 80 GB times the share jax may use."""
+    from jaxtron import aot, config
+
+    args = ["--config", "configs/llama3_70b.yaml", "--dry-run", "--devices", "64", "--gpu",
+            "h100", *overrides]
+    rc = launch.main(args)
     out = capsys.readouterr().out
-    assert rc == 0 and verdict in out, out
+    total = int(out.split("memory per device, estimated: ")[1].split(" bytes")[0].replace(",", ""))
+    cfg = config.load(["configs/llama3_70b.yaml"], overrides)
+    usable = aot.capacity_bytes("h100") * aot.usable_fraction(cfg)
+    assert rc == 0 and verdict.format(total=total / 2**30, usable=usable / 2**30) in out, out
     assert out.index("verdict:") < out.index("resolved config:")  # the summary comes first
 
 
