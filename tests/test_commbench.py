@@ -128,6 +128,9 @@ def test_cli_writes_table_json_and_png(tmp_path):
     (["mesh.fsdp=2", "mesh.data=2"], "has 4 devices but 8 are available"),
     (["mesh.fsdp=8", "--axes", "data"], "nothing to measure"),
     (["mesh.fsdp=8", "--sizes", "2", "--ops", "all_gather"], "less than one 4-byte element"),
+    (["mesh.fsdp=8", "--sizes", "8GiB"], "8 GiB is 2^31 or more 4-byte elements per device; use "
+     "sizes below 8 GiB"),
+    (["mesh.fsdp=8", "--sizes", "4GiB", "--dtype", "bfloat16"], "use sizes below 4 GiB"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert cb.main([*args, "--iters", "1", "--warmup", "0"]) == 2

@@ -119,6 +119,9 @@ def local_count(op: str, size: int, n: int, itemsize: int) -> tuple[int, int]:
     if count == 0:
         raise ConfigError(f"--sizes: {size} B is less than one {itemsize}-byte element per device "
                           f"for {op} over {n} devices; use larger sizes")
+    if count >= 2**31:  # the input's values are made from int32 element indices
+        raise ConfigError(f"--sizes: {human(size)} is 2^31 or more {itemsize}-byte elements per "
+                          f"device; use sizes below {human(2**31 * itemsize)}")
     return (count // n if op == "all_gather" else count), count * itemsize
 
 
