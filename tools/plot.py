@@ -15,7 +15,6 @@ without metrics.jsonl: one line on stderr, exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
