@@ -314,8 +314,8 @@ def run(args: argparse.Namespace) -> None:
     shape = " ".join(f"{a}={s}" for a, s in mesh.shape.items())
     title = f"{len(devices)} x {devices[0].device_kind}, mesh {shape}, {args.dtype}"
     if main_process:
-        print(f"commbench: {title}; {args.iters} iteration{'s' if args.iters != 1 else ''} "
-              f"after {args.warmup} warm-up")
+        print(f"commbench: {title}; {cli.plural(args.iters, 'iteration')} after {args.warmup} "
+              "warm-up")
         skipped = [a for a in args.axes if mesh.shape[a] == 1]
         if skipped:
             print(f"skipped (size 1): {', '.join(skipped)}")

@@ -120,10 +120,9 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    layers = f"{cfg.num_layers} layer{'' if cfg.num_layers == 1 else 's'}"
-    print(f"imported {layers} of {source} ({stored}) into {out}/checkpoints/0 "
-          f"({run_cfg.model.param_dtype}); preset: model.dtype={run_cfg.model.dtype}, "
-          f"train.seq_len={run_cfg.train.seq_len}; {tokenizer_note}")
+    print(f"imported {cli.plural(cfg.num_layers, 'layer')} of {source} ({stored}) into "
+          f"{out}/checkpoints/0 ({run_cfg.model.param_dtype}); preset: "
+          f"model.dtype={run_cfg.model.dtype}, train.seq_len={run_cfg.train.seq_len}; {tokenizer_note}")
     print(f"fine-tune: python launch.py --config {out}/config.yaml")
 
 

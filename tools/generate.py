@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxtron import hf, prepared, tokenizer, weights
-from jaxtron.cli import EXIT_USAGE, one_line_errors
+from jaxtron.cli import EXIT_USAGE, one_line_errors, plural
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.generate import check, generate, prompt_array
 
@@ -162,20 +162,15 @@ def _eos_list(value, path: Path) -> list[int]:
     return ids
 
 
-def _tokens(n: int) -> str:
-    """'1 token', '5 tokens'."""
-    return f"{n} token{'' if n == 1 else 's'}"
-
-
 def _check_length(model: Loaded, prompt_len: int, max_new: int) -> None:
     """The prompt and the continuation fit in the positions the model takes."""
     if model.max_len is None or prompt_len + max_new <= model.max_len:
         return
     if prompt_len >= model.max_len:
-        raise ConfigError(f"the prompt is {_tokens(prompt_len)}, more than the model takes "
-                          f"({model.max_len}, {model.limit}); shorten it")
-    raise ConfigError(f"the prompt ({_tokens(prompt_len)}) and --max-new-tokens {max_new} pass the "
-                      f"{model.max_len} positions the model takes ({model.limit}); use "
+        raise ConfigError(f"the prompt is {plural(prompt_len, 'token')}, more than the model "
+                          f"takes ({model.max_len}, {model.limit}); shorten it")
+    raise ConfigError(f"the prompt ({plural(prompt_len, 'token')}) and --max-new-tokens {max_new} "
+                      f"pass the {model.max_len} positions the model takes ({model.limit}); use "
                       f"--max-new-tokens {model.max_len - prompt_len} or less")
 
 

@@ -78,8 +78,7 @@ def mesh_summary(sharding: Any) -> str | None:
 def print_listing(checkpoints_dir: Path) -> None:
     """Every complete checkpoint with its loss."""
     steps = complete_steps(checkpoints_dir)
-    print(f"{checkpoints_dir.absolute()}: {len(steps)} complete checkpoint"
-          f"{'' if len(steps) == 1 else 's'}")
+    print(f"{checkpoints_dir.absolute()}: {cli.plural(len(steps), 'complete checkpoint')}")
     for step_dir in steps:
         loss = read_meta(step_dir).get("loss")
         print(f"  step {int(step_dir.name):>8}  loss {loss!r}")
