@@ -106,7 +106,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")
     for name, size in terms.items():
         print(f"  {name}: {_gib(size)}")
-    print(_verdict(total, gpu, cfg))
+    print(_verdict(total, gpu, cfg, num_devices))
     print("resolved config:")
     print(config_lib.to_yaml(cfg), end="")
 
@@ -131,8 +131,12 @@ def _check_data(cfg) -> str:
     return f"data: the standard library's sources, {tok.file} of {tok.get_piece_size()} tokens"
 
 
-def _verdict(total: int, gpu: str | None, cfg) -> str:
-    """The estimate against what jax may allocate on --gpu's devices, or on the local one."""
+CLOSE_CALL = 0.1  # nearer the limit than this share, the estimate cannot tell: compile it
+
+
+def _verdict(total: int, gpu: str | None, cfg, num_devices: int) -> str:
+    """The estimate against what jax may allocate on --gpu's devices, or on the local one. On
+    GPUs, an estimate within CLOSE_CALL of the limit is no verdict: the compiled program says."""
     import jax
 
     from jaxtron import aot
@@ -146,6 +150,11 @@ def _verdict(total: int, gpu: str | None, cfg) -> str:
     if not usable:
         return (f"verdict: no device memory limit known here ({jax.devices()[0].platform}); "
                 "add --gpu h100 (or h200) to compare")
+    if gpu and abs(total - usable) <= CLOSE_CALL * usable:
+        return (f"verdict: too close to call: {total / 2**30:.1f} GiB estimated, "
+                f"{usable / 2**30:.1f} GiB usable on {where}, nearer than the estimate's "
+                f"{CLOSE_CALL:.0%}; compile it to know: add --compile-for {gpu} --devices "
+                f"{num_devices} in place of --dry-run")
     if total <= usable:
         return (f"verdict: fits: {total / 2**30:.1f} of {usable / 2**30:.1f} GiB usable on "
                 f"{where} ({1 - total / usable:.0%} spare)")
