@@ -3,15 +3,18 @@
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 128 --gpus-per-node 8
     python tools/plan.py --config configs/llama3_8b.yaml --gpus 16 --json plan.json --verify 3
     python tools/plan.py --config configs/llama3_70b.yaml --gpus 128 train.batch_size=512 \\
-        train.seq_len=4096 --remat full,save_attn_out
+        train.seq_len=4096 --remat full,save_attn_out --find "TP8 PP2" --find "TP8 PP8 DP2"
 
-Every mesh (data x fsdp x tensor x stage), pipeline schedule, microbatch count and remat policy the
-config's checks accept is estimated (jaxtron/planner.py says how, with its constants and their
-sources): the dry run's per-GPU memory, and a step time from compute, the pipeline bubble and the
-communication each axis implies over NVLink or the network. The best few are printed with the
-reason each loses to the one above; `--json FILE` writes the whole ranked list. `--verify N`
-compiles the best N for the real GPU topology (as `launch.py --compile-for` does, a few minutes
-for a large model) and prints each estimate beside the compiled peak. Bad input: one line, exit 2.
+Every mesh (data x fsdp x tensor x stage), pipeline schedule, microbatch count, remat policy and
+pipeline gradient sum the config's checks accept is estimated (jaxtron/planner.py says how, with
+its constants and their sources): the dry run's per-GPU memory against what jax may use
+(XLA_PYTHON_CLIENT_MEM_FRACTION if set, else xla.mem_fraction), and a step time from compute, the
+pipeline bubble and the communication each axis implies over NVLink or the network. The best few
+are printed with the terms that cost each most against the one above; `--find PARTS` shows where
+the best layout named by those parts ranks, and why; `--json FILE` writes the whole ranked list.
+`--verify N` compiles the best N for the real GPU topology (as `launch.py --compile-for` does,
+with the GPU flag preset; a few minutes for a large model) and prints each estimate beside the
+compiled peak. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
