@@ -271,7 +271,12 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     if cfg.xla.preset == "auto":
         cfg = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, preset="gpu"))
     outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}
-    print(f"xla flags: {' '.join(xla_flags.apply(cfg.xla)) or 'none'}", flush=True)
+    flags = xla_flags.apply(cfg.xla)
+    from jaxtron.optim import make_optimizer
+    from jaxtron.state import make_plan
+
+    make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), args.devices)  # layout: one line
+    print(f"xla flags: {' '.join(flags) or 'none'}", flush=True)  # then the long compile
     report = aot.compile_for(cfg, args.compile_for, args.devices, args.gpus_per_host, args.hlo)
     print("\n".join(aot.format_report(report)))
     if args.report:

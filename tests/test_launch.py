@@ -403,3 +403,12 @@ def test_help_gives_the_defaults(capsys):
            "default: configs/tiny.yaml)" in text
     assert "(default: the local device's, if it reports one)" in text
     assert "GPUs per host (default 8)" in text
+
+
+def test_compile_for_prints_nothing_before_a_layout_error():
+    """--compile-for checks the layout before its flags line and the long compile."""
+    proc = _launch("--compile-for", "h100", "--devices", "8", "train.batch_size=12")
+    _assert_one_line_status_2(proc.returncode, proc.stderr,
+                              "train.batch_size=12 / train.microbatches=1 = 12 sequences per "
+                              "microbatch is not divisible by data*fsdp=8")
+    assert proc.stdout == ""
