@@ -250,10 +250,8 @@ def preflight(cfg, args: argparse.Namespace) -> int:
 
 def compile_for(cfg, args: argparse.Namespace) -> None:
     """Compile the train step for --devices GPUs of --compile-for on this machine and report."""
-    import dataclasses
     import json
 
-    from jaxtron import xla_flags
     from jaxtron.config import ConfigError
 
     if args.dry_run:
@@ -263,15 +261,8 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     from jaxtron import aot, cli
 
     aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
-    # Compile-only GPU devices come from the CUDA plugin, but jax must start no CUDA runtime here;
-    # and the program must be the one a GPU host compiles, so `auto` means the GPU flag preset.
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")  # read when the first backend starts: not yet
-    if cfg.xla.preset == "auto":
-        cfg = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, preset="gpu"))
     outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}
-    flags = xla_flags.apply(cfg.xla)
+    cfg, flags = aot.gpu_program(cfg)
     from jaxtron.optim import make_optimizer
     from jaxtron.state import make_plan
 

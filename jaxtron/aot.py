@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 
 from jaxtron import attention, hlo, memory, metrics, parallel, xla_flags
+from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
 from jaxtron.optim import make_optimizer
 from jaxtron.state import make_plan
@@ -112,15 +113,14 @@ def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int =
                   per_host)
 
 
-def gpu_program(cfg: Config) -> Config:
+def gpu_program(cfg: Config) -> tuple[Config, list[str]]:
     """Before any jax backend starts: the program a GPU host would compile. jax starts no CUDA
     runtime here (compile-only devices come from the plugin), and XLA gets the flags a GPU run
-    sets (`xla.preset=auto` meaning the GPU preset). Returns cfg with that preset."""
+    sets (`xla.preset=auto` meaning the GPU preset). cfg with that preset, and the flags."""
     jax.config.update("jax_platforms", "cpu")  # read when the first backend starts: not yet
     if cfg.xla.preset == "auto":
         cfg = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, preset="gpu"))
-    xla_flags.apply(cfg.xla)
-    return cfg
+    return cfg, xla_flags.apply(cfg.xla)
 
 
 def for_gpus(cfg: Config) -> Config:
@@ -205,8 +205,8 @@ def format_report(report: dict) -> list[str]:
     """The report as lines for a terminal."""
     mem, flops = report["memory"], report["flops"]
     shape = ", ".join(f"{a}={s}" for a, s in report["mesh"].items())
-    lines = [(f"compiled for {report['devices']} x {report['device_kind']} ({report['hosts']} "
-              f"hosts x {report['gpus_per_host']}), mesh {shape}, in "
+    lines = [(f"compiled for {report['devices']} x {report['device_kind']} "
+              f"({plural(report['hosts'], 'host')} x {report['gpus_per_host']}), mesh {shape}, in "
               f"{report['compile_seconds']:.1f} s")]
     lines += report["hosts_layout"]
     over = mem["peak_bytes"] - mem["usable_bytes"]
