@@ -140,7 +140,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
              tmp_path / "blank": "no rows yet", tmp_path / "bare": "the tokens seen are unknown",
              tmp_path / "badyaml": "config.yaml: not a YAML mapping of sections",
              tmp_path / "listyaml": "config.yaml: not a YAML mapping of sections",
-             tmp_path / "word": "metrics.jsonl:1: loss 'high' is not a number"}
+             tmp_path / "word": "metrics.jsonl:1: loss 'high' is not a number",
+             tmp_path / "noloss": "metrics.jsonl:1: a row without 'loss'",
+             tmp_path / "noeval": "eval.jsonl:2: a row without 'eval_loss'"}
+    for name in ("noloss", "noeval"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(
+            '{"step": 1, "lr": 0.1}\n' if name == "noloss" else '{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "noeval" / "config.yaml").write_text("train: {batch_size: 8, seq_len: 32}\n")
+    (tmp_path / "noeval" / "eval.jsonl").write_text('{"step": 1, "eval_loss": 2.5}\n{"step": 2}\n')
     for path, message in cases.items():
         assert plot.main([str(path)]) == 2
         err = capsys.readouterr().err

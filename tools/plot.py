@@ -56,8 +56,9 @@ class Run:
 
 
 # ---------------------------------------------------------------- reading
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSONL file; a last line cut short (the writer was killed) is dropped."""
+def read_jsonl(path: Path, need: str) -> list[dict]:
+    """The rows of a JSONL file, each with `need`; a last line cut short (the writer was killed)
+    is dropped."""
     lines = path.read_text().split("\n")
     rows = []
     for number, line in enumerate(lines, 1):
@@ -71,6 +72,8 @@ def read_jsonl(path: Path) -> list[dict]:
             raise ConfigError(f"{path}:{number}: not a JSON row") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ConfigError(f"{path}:{number}: a row without an integer 'step'")
+        if need not in row:
+            raise ConfigError(f"{path}:{number}: a row without '{need}'")
         for key in PLOTTED & row.keys():
             if not (row[key] is None or isinstance(row[key], (int, float))):
                 raise ConfigError(f"{path}:{number}: {key} {row[key]!r} is not a number")
@@ -111,11 +114,11 @@ def load_run(run_dir: Path, name: str) -> Run:
     if not metrics.is_file():
         what = "is not a directory" if not run_dir.is_dir() else "has no metrics.jsonl"
         raise ConfigError(f"{run_dir} {what}; give a run directory (run.dir of a training run)")
-    rows = last_per_step(read_jsonl(metrics))
+    rows = last_per_step(read_jsonl(metrics, "loss"))
     if not rows:
         raise ConfigError(f"{metrics}: no rows yet (the run has not logged a step)")
     evals = run_dir / "eval.jsonl"
-    eval_rows = last_per_step(read_jsonl(evals)) if evals.is_file() else []
+    eval_rows = last_per_step(read_jsonl(evals, "eval_loss")) if evals.is_file() else []
     return Run(name, rows, eval_rows, tokens_per_step(run_dir, rows))
 
 
