@@ -50,7 +50,10 @@ def writable_file(path: str | Path, what: str = "") -> Path:
     if target.is_dir():
         raise ConfigError(f"{name} is a directory; name a file")
     if not target.parent.is_dir():
-        raise ConfigError(f"{name}: directory {target.parent} does not exist; create it first")
+        missing = next(p for p in (target.parent, *target.parent.parents) if not p.is_dir())
+        if missing.exists():
+            raise ConfigError(f"{name}: {missing} is a file, not a directory")
+        raise ConfigError(f"{name}: directory {missing} does not exist; create it first")
     existed = target.exists()
     try:
         target.touch()

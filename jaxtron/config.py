@@ -238,12 +238,15 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"config files extend each other in a cycle: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    if tree is None:
+        raise ConfigError(f"{path} is empty (or only comments): a preset maps sections to keys "
+                          "and values, e.g. `train:` then `  steps: 100`; see configs/tiny.yaml")
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     base = tree.pop("base", None)

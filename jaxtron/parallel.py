@@ -100,7 +100,7 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     if product != num_devices:
         shown = ", ".join(f"{a}={s}" for a, s in sizes.items())
         raise ConfigError(
-            f"mesh ({shown}) has {product} devices but {num_devices} "
+            f"mesh ({shown}) has {product} device{'' if product == 1 else 's'} but {num_devices} "
             f"{'is' if num_devices == 1 else 'are'} available; "
             "make the product match or set one axis to -1"
         )

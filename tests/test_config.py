@@ -128,3 +128,11 @@ def test_warmup_longer_than_the_run_is_a_warning():
     assert warning.startswith("optim.warmup_steps=11 is more than train.steps=10: the run ends "
                               "during warm-up")
     assert config.check_warnings(config.load([], ["train.steps=10", "optim.warmup_steps=10"])) == []
+
+
+def test_an_empty_preset_is_refused(tmp_path):
+    """A preset file with nothing in it (or only comments) is a mistake, not the defaults."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(config.ConfigError, match=r"empty.yaml is empty \(or only comments\)"):
+        config.load([str(empty)], [])

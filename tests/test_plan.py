@@ -162,3 +162,11 @@ def test_find_shows_where_named_layouts_rank_and_why(capsys):
     ranks = [int(re.search(r": #(\d+)\. ", lines[i]).group(1)) for i in found]
     assert ranks == sorted(ranks)  # printed best first
     assert lines[found[1] + 1].startswith("   below '")  # the second is compared with the first
+
+
+def test_json_under_a_file_is_refused_before_planning(tmp_path, capsys):
+    (tmp_path / "runs").write_text("a file, not a directory")
+    rc = plan_tool.main(["--config", str(TINY), "--gpus", "8", "--json",
+                         str(tmp_path / "runs" / "plan.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"error: --json {tmp_path}/runs/plan.json: {tmp_path}/runs is a file, not a directory\n"
