@@ -1,12 +1,14 @@
 """The per-device memory of a train step on GPUs, estimated from the plan alone (nothing compiled).
 
 The state, the gradients and the activations saved for the backward are alive through the whole
-backward; on top of them come, one after the other, the LM head and loss's working set and each
-layer's backward, and the larger of the two sets the peak. The terms, per device (b rows per
-device per microbatch, T the sequence, t = mesh.tensor):
+backward; on top of them come, one after the other, the LM head and loss (forward and backward),
+each layer's backward and the embedding's backward, and the largest of these sets the peak. The
+terms, per device (b rows per device per microbatch, T the sequence, t = mesh.tensor):
 
   params, opt_state     the state as sharded (plan.bytes_per_device)
   grads                 the gradients, in the parameters' dtype and sharding
+  transposed_weights    fsdp without a pipeline: a float32 copy of the W_o and W_down shards,
+                        transposed so that their gather runs on a major dimension
   grad_accumulation     microbatches: the running sum and this microbatch's stacked gradients
                         (2x params) and the tables' float32 gradients summed whole
   saved_activations     what autodiff keeps per layer run, by remat policy and attention kernel
@@ -21,9 +23,14 @@ device per microbatch, T the sequence, t = mesh.tensor):
   layer_backward        attention's working set (cuDNN: the [b, 1, T, S] mask; XLA: float32
                         scores, their gradient, bf16 probabilities: 11-15 bytes per score), two
                         layers' gathered weights, sequence parallelism's full-sequence [b, T, D]
-                        buffers (t > 1), and the tables gathered with their gradients where
-                        fsdp or stage split them
-  lm_head_and_loss      float32 logits of the loss chunks [b, chunk, V/t] and the same tables
+                        and [b, T, F/t] buffers (t > 1), and the head's bf16 gradient with the
+                        loss's last chunk of logit gradients, which XLA consumes late
+  lm_head_and_loss      the loss chunks [b, chunk, V/t]: two chunks' float32 logits in the
+                        forward (before any gradient exists), and in the backward one chunk's
+                        float32 logits with the bf16 logit gradients of every chunk (t = 1) or of
+                        two (t > 1), the head and its gradient in bf16
+  embedding_backward    at the end, once the saved activations are gone: the embedding's float32
+                        gradient [V/t, D] twice and the head's bf16 gradient
   workspace             cuBLAS / cuDNN scratch and small buffers
 
 `model.attention=auto` is taken as it resolves on GPUs (cuDNN, inside pipeline stages too; XLA in
@@ -67,33 +74,62 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     slab = b * seq * d * act // tp  # one layer's input [b, T/t, D]
     tables = (1 if m.tie_embeddings else 2)
     many = math.prod(sizes.values()) > 1
-    # The backward of a layer: attention's working set, the sequence-parallel [b, T, D] inputs
-    # and partial sums around the tensor collectives, two layers' gathered weights.
+    # The backward of a layer: attention's working set, two layers' gathered weights, and with
+    # tensor > 1 sequence parallelism's full-sequence buffers: eight [b, T, D] (inputs gathered
+    # over tensor, partial sums before their reduce-scatter) and four of the MLP's [b, T, F/t]
+    # (8B TP8 FSDP8, 32 x 8192 rows: seven 2 GiB [b, T, D] and four 0.9 GiB [b, T, F/t] at
+    # the peak).
     layer = (_attention_bytes(cfg, kernel, b, sizes) + 2 * layer_weights * act
-             + (12 * b * seq * d * act if tp > 1 else 0))
-    # The embedding and head tables, where fsdp or stage split them: gathered in bf16, and their
-    # gradients (4 bytes per entry in all, measured), alive from the LM head's backward through
-    # the layers'.
-    split = sizes["fsdp"] * stages > 1
-    table_bytes = 4 * tables * v * d // tp if split else 0
-    layer += table_bytes
-    head = _head_bytes(cfg, sizes) + table_bytes
+             + (4 * b * seq * (2 * d + m.mlp_dim // tp) * act if tp > 1 else 0))
+    head = _head_bytes(cfg, sizes)
+    table = v * d // tp * act  # one [V/t, D] table in the compute dtype
+    # Through the layers' backward XLA keeps the head's bf16 gradient and the loss's last chunk
+    # of logit gradients [b, chunk, V/t], whose product into it comes late (1B TP4 FSDP2 and 8B
+    # TP8 FSDP8: 1.0 GiB of them at the peak, in the layers' backward).
+    layer += table + head["chunk"] // 2
+    pipe = _pipeline_bytes(cfg, plan, slab)
+    # The loss's forward comes before any gradient exists, and with a pipeline its backward too:
+    # the stage weights' gradients are summed in the pipeline's backward loop, which follows it
+    # (8B PP2 FSDP8: 1 GiB logit gradients x 4 chunks, the head and its gradient whole over
+    # stage and fsdp, beside the saved activations and gathered weights, no gradient).
+    grads = params + pipe["pipeline_weight_grads"]
+    head_peak = max(head["backward"] - (grads if stages > 1 else 0), head["forward"] - grads)
+    # Last, the embedding's backward, once the saved activations are gone: its float32 gradient
+    # [V/t, D] summed whole, twice (the zeros and the scatter-add's result), beside the head's
+    # bf16 gradient (8B TP2 FSDP32, one row per GPU: 2 x 1002 + 501 MiB at the peak, the end).
+    saved = _layer_runs(cfg, sizes) * _saved_per_layer(cfg, kernel, b, tp, slab, many)
+    embed_peak = 2 * 4 * v * d // tp + table - saved
+    phases = {"layer_backward": layer, "lm_head_and_loss": head_peak,
+              "embedding_backward": embed_peak}
+    last = max(phases, key=phases.get)
     return {
         "params": params,
         "opt_state": plan.bytes_per_device("opt_state"),
         "grads": params,
+        "transposed_weights": (_transposed_weights(plan)
+                               if stages == 1 and sizes["fsdp"] > 1 else 0),
         # microbatches: the running sum and this microbatch's stacked gradients, and the float32
         # gradients of the embedding and head tables summed whole
         "grad_accumulation": (2 * params + 4 * tables * v * d // tp
                               if plan.accumulation > 1 else 0),
-        "saved_activations": (_layer_runs(cfg, sizes)
-                              * _saved_per_layer(cfg, kernel, b, tp, slab, many)),
-        **_pipeline_bytes(cfg, plan, slab),
-        # The layers' backward and the LM head's come one after the other: the larger counts.
-        "layer_backward": layer if layer >= head else 0,
-        "lm_head_and_loss": head if head > layer else 0,
+        "saved_activations": saved,
+        **pipe,
+        # The layers' backward, the LM head's and the embedding's come one after the other: the
+        # largest counts.
+        **{name: max(size, 0) if name == last else 0 for name, size in phases.items()},
         "workspace": WORKSPACE,
     }
+
+
+def _transposed_weights(plan) -> int:
+    """The output projections W_o[N, H, D_fsdp] and W_down[F, D_fsdp], split on their last
+    dimension: XLA keeps a transposed float32 copy of this device's shards through the step, so
+    that the fsdp gather runs on a major dimension (f32[D/fsdp, L, F] and f32[D/fsdp, L, N, H]
+    in every layout without a pipeline: 1B, 7B, 8B and 70B, FSDP 2-32, TP 1-8)."""
+    layers = plan.abstract["params"]["layers"]
+    specs = plan.specs["params"]["layers"]
+    return sum(parallel.bytes_per_device(layers[block][name], specs[block][name], plan.mesh_sizes)
+               for block, name in (("attn", "wo"), ("mlp", "w_down")))
 
 
 def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) -> int:
@@ -109,19 +145,32 @@ def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) ->
     return scores * (15 if sizes["fsdp"] * tp * sizes["stage"] > 1 else 11)
 
 
-def _head_bytes(cfg: Config, sizes: dict[str, int]) -> int:
-    """The LM head and loss: float32 logits of loss chunks [b, chunk, V/t]: three in flight where
-    the chunk loop is double-buffered around collectives, two for one chunk, one on a single
-    device."""
+def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
+    """The LM head and loss, per chunk of positions `c` ([b, c, V/t] logits; 1B on 16 H100s,
+    TP2 FSDP8 and TP1 FSDP8 DP2, and on 8, FSDP8 with 2-8 chunks of 1024-2048 positions):
+
+    - forward: the chunk loop (a scan) is double-buffered: two chunks' float32 logits, and the
+      head gathered in the compute dtype;
+    - backward: a chunk's float32 logits recomputed, the bf16 logit gradients of the chunks XLA
+      holds at once, the gathered head and its bf16 gradient. The Python chunk loop's
+      optimization barriers do not order it on GPUs: without collectives between the chunks
+      (tensor=1) XLA computes every chunk's logit gradient before their products into the head's
+      gradient (b x T x V x 2 bytes at once); with tensor > 1 the per-chunk collectives order
+      the chunks, and two are alive at a time."""
     m, t, tp = cfg.model, cfg.train, sizes["tensor"]
+    act = jnp.dtype(m.dtype).itemsize
     ways = sizes["data"] * sizes["fsdp"] * sizes["stage"]
     rows = max(t.batch_size // (cfg.pipeline.passes if sizes["stage"] > 1 else t.microbatches)
                // ways, 1)
     chunks = loss_chunks(t.seq_len, t.loss_chunk)
     logits = rows * (t.seq_len // chunks) * m.vocab_size // tp * 4
-    if math.prod(sizes.values()) == 1:
-        return logits
-    return (3 if chunks > 1 else 2) * logits
+    table = m.vocab_size * m.d_model // tp * act  # the head in the compute dtype, or its gradient
+    held = chunks if tp == 1 else min(chunks, 2)
+    if math.prod(sizes.values()) == 1:  # no mesh: the plain loss, one chunk's logits at a time
+        return {"chunk": logits, "forward": logits, "backward": logits}
+    return {"chunk": logits,
+            "forward": (2 if chunks > 1 else 1) * logits + table,
+            "backward": logits + held * logits * act // 4 + 2 * table}
 
 
 def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many: bool) -> int:
