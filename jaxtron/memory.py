@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxtron import attention, parallel, pipeline
-from jaxtron.config import Config
+from jaxtron.config import Config, ConfigError
 from jaxtron.vocab import chunks as loss_chunks
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds
@@ -231,3 +232,30 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
             "pipeline_weight_grads": grads,
             # the stage's weights gathered over fsdp once per pass, in the compute dtype
             "pipeline_gathered_weights": int(layers * fsdp * compute) if fsdp > 1 else 0}
+
+
+def check_host(plan, devices: list) -> None:
+    """On CPU devices, which share this machine's memory: the training state alone (parameters,
+    optimizer state, gradients) against the memory available here. A ConfigError, one line,
+    instead of the out-of-memory killer ending the process without a word."""
+    if devices[0].platform != "cpu":
+        return
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    need = (2 * plan.bytes_per_device("params") + plan.bytes_per_device("opt_state")) * len(local)
+    available = available_host_bytes()
+    if available and need > available:
+        raise ConfigError(
+            f"the state alone ({plan.num_params:,} parameters, their gradients and optimizer "
+            f"state) needs {need / 2**30:.1f} GiB on this machine's CPU devices and "
+            f"{available / 2**30:.1f} GiB is available; size it for GPUs with --dry-run "
+            "--devices N --gpu h100, or run a smaller preset here (configs/tiny.yaml)")
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import cli, distributed, goodput, parallel, pipeline
+from jaxtron import cli, distributed, goodput, memory, parallel, pipeline
 from jaxtron import metrics as metrics_lib
 from jaxtron.checkpoint import Checkpoints, check_start
 from jaxtron.config import Config, ConfigError
@@ -49,6 +49,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     cfg = attention_lib.configure(cfg, devices[0].platform)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
+    memory.check_host(plan, devices)  # before anything is allocated
     check_remat(cfg.model, devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices)
     kernel_checked = cfg.model.attention != "xla" and cfg.model.attention_check

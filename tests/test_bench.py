@@ -70,3 +70,12 @@ def test_bench_data_says_one_batch(capsys):
     assert bench_data.main(["--workers", "0", "--batches", "1", "--warmup", "0",
                             "train.batch_size=8", "train.seq_len=32"]) == 0
     assert "0 warm-up + 1 timed batch\n" in capsys.readouterr().out
+
+
+def test_a_state_larger_than_this_machine_is_refused_before_allocating(capsys, monkeypatch):
+    from jaxtron import memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)
+    assert bench.main(SMALL) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "GiB is available" in err, err

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxtron import config, parallel
+from jaxtron import config, memory, parallel
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
 from jaxtron.state import make_plan
@@ -102,3 +102,21 @@ def test_sequence_parallelism_splits_the_saved_activations(monkeypatch):
     monkeypatch.setitem(parallel._RULES, "act_seq", None)  # no sequence parallelism
     whole = per_layer()
     assert split < 0.6 * whole
+
+
+def test_a_state_larger_than_this_machine_is_one_line_before_anything_is_allocated(
+        tmp_path, monkeypatch):
+    """On CPU devices the state shares the host's memory: more than is available is refused
+    with the numbers (not left to the out-of-memory killer), and run.dir is not created."""
+    from jaxtron import train as train_lib
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)
+    cfg = config.load([], ["train.steps=1", f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(config.ConfigError, match=r"needs [\d.]+ GiB on this machine's CPU "
+                                                 r"devices and 0.0 GiB is available"):
+        train_lib.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_available_host_memory_is_read_on_linux():
+    assert 2**20 < memory.available_host_bytes() < 2**50

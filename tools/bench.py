@@ -56,7 +56,7 @@ def random_batch(cfg, mesh):
 def bench(cfg, steps: int, warmup: int) -> dict:
     import jax
 
-    from jaxtron import attention, metrics, parallel
+    from jaxtron import attention, memory, metrics, parallel
     from jaxtron.optim import make_optimizer
     from jaxtron.state import init_state, make_plan
     from jaxtron.step import compile_step
@@ -65,6 +65,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     cfg = attention.configure(cfg, devices[0].platform)  # as train() runs it
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
+    memory.check_host(plan, devices)  # one line, not the out-of-memory killer
     mesh = parallel.make_mesh(cfg.mesh, devices)
     with jax.set_mesh(mesh):
         state = init_state(cfg, plan, tx, mesh)
