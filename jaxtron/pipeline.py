@@ -17,6 +17,11 @@ backwards), so activation memory grows with M; `pipeline.passes` bounds it by ru
 microbatches in sequential groups. The schedule lives in `_iteration` alone: a 1F1B schedule
 replaces it with an explicit backward (custom_vjp) and keeps the rest.
 
+Weights over fsdp. The stage's weights are gathered over fsdp once per pass, in the compute
+dtype, before the iteration loop (`_gathered`); their gradient is summed over the iterations in
+float32, split over fsdp (pipeline.grad_sum=sharded: a reduce-scatter per iteration) or whole on
+each fsdp device (whole: one reduce-scatter per pass, 4 bytes per stage parameter more).
+
 Storage order. A circular stage's layers are not contiguous in model order, so the stacked weights
 are kept in *stage order* (`layer_order`): stage s's groups next to each other, so that the
 reshape to [S, R, L/(S*R)] is local to each device. Checkpoints record the order; restoring under
