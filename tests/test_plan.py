@@ -170,3 +170,22 @@ def test_json_under_a_file_is_refused_before_planning(tmp_path, capsys):
                          str(tmp_path / "runs" / "plan.json")])
     err = capsys.readouterr().err
     assert rc == 2 and err == f"error: --json {tmp_path}/runs/plan.json: {tmp_path}/runs is a file, not a directory\n"
+
+
+@pytest.mark.slow
+def test_seed_case_ranking_from_the_command_line():
+    """The whole ranking (2542 layouts, about 90 s): the best TP8/PP2 layout ranks above the
+    best TP8/PP8/DP2 one, and the line under the latter says what costs it most."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plan.py"), "--config",
+         str(ROOT / "configs" / "llama3_70b.yaml"), "--gpus", "128", "--gpus-per-node", "8",
+         "train.batch_size=512", "train.seq_len=4096", "--top", "1", "--find", "TP8 PP8 DP2",
+         "--find", "TP8 PP2"],
+        capture_output=True, text=True, timeout=900, check=False,
+        env={k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    found = [i for i, x in enumerate(lines) if x.startswith("--find ")]
+    assert [lines[i].split(":")[0] for i in found] == ["--find TP8 PP2", "--find TP8 PP8 DP2"]
+    assert lines[found[1] + 1].startswith("   below 'TP8 PP2' (#"), lines[found[1] + 1]
+    assert "mostly latency" in lines[found[1] + 1]
