@@ -15,7 +15,7 @@ Before training, the set-up checks of tools/doctor.py run (jaxtron/doctor.py): e
 Exit status: 0 done; 2 bad input (one line says what to change), or with --strict a set-up
 problem; 3 stopped on a non-finite loss
 (train.on_nonfinite=stop); 4 a due checkpoint could not be saved (the line says why; the previous
-checkpoint is intact); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun resumes).
+checkpoint is intact); 75 preempted by SIGTERM/SIGINT/SIGHUP after saving a checkpoint (rerun resumes).
 Several processes: when one dies, JAX aborts the others (SIGABRT) within about 30 s
 (jaxtron/distributed.py).
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 EXIT_NONFINITE = 3  # train.on_nonfinite stopped the run; nothing new was saved
 EXIT_SAVE_FAILED = 4  # a checkpoint that was due was not written; the run stopped there
-EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: the current step was checkpointed; rerun to resume
+EXIT_PREEMPTED = 75  # SIGTERM/SIGINT/SIGHUP: the current step was checkpointed; rerun to resume
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int | None:
     paths, join the processes, check the set-up and train."""
     import jax  # importing starts no backend: XLA_FLAGS may still be set below
 
-    from jaxtron import distributed, parallel, xla_flags
+    from jaxtron import cli, distributed, parallel, xla_flags
     from jaxtron.config import load
     from jaxtron.train import check_paths, train
 
@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> int | None:
         dry_run(cfg, args.devices or jax.device_count(), args.gpu, flags)
         return
     check_paths(cfg)  # before the processes join: a refused start writes nothing (train repeats)
+    cli.outlive_readers()  # `| head` or a closed terminal must not end a run (metrics: run.dir)
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count, and logs the flags once its checks pass.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)

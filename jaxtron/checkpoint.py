@@ -139,18 +139,20 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str) -> None:
             raise ConfigError(f"{run_dir} holds checkpoints of another model "
                               f"({', '.join(changed)}); set run.dir to a new directory, or set "
                               "those fields back")
-        return
-    if restore:
-        _restore_dir(restore, model)
+    if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
+        _restore_dir(restore, None if steps else model)
 
 
-def _restore_dir(path: str, model: ModelConfig) -> Path:
-    """The checkpoint checkpoint.restore names, once it holds this model's arrays."""
+def _restore_dir(path: str, model: ModelConfig | None) -> Path:
+    """The checkpoint checkpoint.restore names, once it holds this model's arrays (not checked
+    when `model` is None)."""
     try:
         _, directory = weights.locate(path)
     except ConfigError:
         raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
                           ", nor a run or import directory holding a complete one") from None
+    if model is None:
+        return directory
     changed = weights.model_changes(weights.read_meta(directory), model)
     if changed:
         raise ConfigError(f"checkpoint.restore={path} holds another model ({', '.join(changed)})"

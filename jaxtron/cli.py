@@ -64,13 +64,15 @@ def writable_file(path: str | Path, what: str = "") -> Path:
     return target
 
 
-def check_run_dir(path: str) -> None:
-    """run.dir is, or can become, a directory this process can write in: a ConfigError naming
-    the fix otherwise. Creates nothing (a probe file in the nearest existing parent is removed
-    again)."""
+def check_run_dir(path: str, key: str = "run.dir") -> None:
+    """run.dir (or the directory config key `key` names) is, or can become, a directory this
+    process can write in: a ConfigError naming the fix otherwise. Creates nothing (a probe file
+    in the nearest existing parent is removed again)."""
+    if not str(path).strip():
+        raise ConfigError(f"{key} is empty; name a directory (e.g. {key}=runs/NAME)")
     target = Path(path)
     if target.exists() and not target.is_dir():
-        raise ConfigError(f"run.dir={path} is a file; set run.dir to a directory (a new one, or "
+        raise ConfigError(f"{key}={path} is a file; set {key} to a directory (a new one, or "
                           "a run to resume)")
     existing = target
     while not existing.exists():
@@ -82,7 +84,7 @@ def check_run_dir(path: str) -> None:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"run.dir={path} cannot be written ({e.strerror}); choose a directory "
+        raise ConfigError(f"{key}={path} cannot be written ({e.strerror}); choose a directory "
                           "you can write") from None
 
 
@@ -90,3 +92,34 @@ def plural(n: int, noun: str) -> str:
     """'1 device', '8 devices'."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
+
+
+class _Unread:
+    """A text stream that, once its reader has gone (`| head` exited, the terminal closed),
+    sends the rest to /dev/null instead of raising into the work that is printing."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, method: str, *args):
+        try:
+            return getattr(self._stream, method)(*args)
+        except OSError:  # BrokenPipeError; EIO from a terminal that hung up
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            return None
+
+    def write(self, text: str):
+        return self._guarded("write", text)
+
+    def flush(self):
+        return self._guarded("flush")
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def outlive_readers() -> None:
+    """A long command (training) keeps working when nobody reads its output any more: the log
+    goes on in the run directory, and a lost stdout or stderr is not an exception."""
+    if not isinstance(sys.stdout, _Unread):
+        sys.stdout, sys.stderr = _Unread(sys.stdout), _Unread(sys.stderr)

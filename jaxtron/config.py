@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -154,7 +155,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0  # steps between saves; 0 saves only at the end (and on SIGTERM/SIGINT)
+    every: int = 0  # steps between saves; 0 saves only at the end (and on SIGTERM/SIGINT/SIGHUP)
     keep: int = 3  # the latest this many are kept ...
     keep_every: int = 0  # ... plus, permanently, every step that is a multiple of this (0: none)
     # if run.dir has none, start from this checkpoint (.../checkpoints/<step>), or the newest of a
@@ -350,6 +351,8 @@ def check_values(cfg: Config) -> None:
     (model.check), so the schema imports nothing of the code that uses it."""
     m, t = cfg.model, cfg.train
     for key, value, holds, words in _ranges(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number; it must be {words}")
         if not holds(value):
             raise ConfigError(f"{key}={value} is out of range: it must be {words}")
     for key, value in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)):

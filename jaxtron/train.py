@@ -134,6 +134,7 @@ def check_paths(cfg: Config) -> None:
             where = "is a file" if existing == cache else f"is under a file, {existing}"
             raise ConfigError(f"run.compile_cache={cfg.run.compile_cache} {where}; set it to a "
                               "directory (JAX keeps a file per compiled program in it), or to ''")
+        cli.check_run_dir(cfg.run.compile_cache, "run.compile_cache")
 
 
 def use_compile_cache(directory: str) -> None:
@@ -235,11 +236,11 @@ class NonFiniteError(RuntimeError):
 
 
 class Preempted(RuntimeError):
-    """SIGTERM/SIGINT arrived; a checkpoint of the current step was saved."""
+    """SIGTERM/SIGINT/SIGHUP arrived; a checkpoint of the current step was saved."""
 
 
 class Preemption:
-    """SIGTERM/SIGINT -> a flag the loop reads at step boundaries. Under jax.distributed JAX's
+    """SIGTERM/SIGINT/SIGHUP -> a flag the loop reads at step boundaries. Under jax.distributed JAX's
     own notifier owns SIGTERM and its sync point makes every process stop at the same step."""
 
     def __init__(self):
@@ -248,7 +249,7 @@ class Preemption:
 
     def __enter__(self) -> "Preemption":
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: the terminal closed
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -68,6 +68,9 @@ BAD_INPUTS = [
      "unknown config key 'xla.collective_matmul' (did you mean 'model.collective_matmul'?)"),
     (["train.steps=abc"], "train.steps must be an integer, got abc"),
     (["train.steps=3.5"], "train.steps must be an integer, got 3.5"),
+    (["optim.lr=inf"], "optim.lr=inf is not a finite number; it must be >= 0"),
+    (["run.compile_cache=/proc/jaxtron-cache"],
+     "run.compile_cache=/proc/jaxtron-cache cannot be written"),
     (["xla.flags=--foo"], "xla.flags is a list: write xla.flags=[--foo] (items separated by commas)"),
     (["=3"], "'=3': an override is section.key=value, e.g. train.steps=100"),
     (["--config", "tiny"], "config file not found: tiny (did you mean --config configs/tiny.yaml?)"),
@@ -412,3 +415,12 @@ def test_compile_for_prints_nothing_before_a_layout_error():
                               "train.batch_size=12 / train.microbatches=1 = 12 sequences per "
                               "microbatch is not divisible by data*fsdp=8")
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("dry", [["--dry-run"], []])
+def test_an_empty_run_dir_is_refused_not_the_working_directory(tmp_path, monkeypatch, capsys, dry):
+    monkeypatch.chdir(tmp_path)
+    rc = _main([*dry, "train.steps=1", "run.dir="])
+    out, err = capsys.readouterr()
+    _assert_one_line_status_2(rc, err, "run.dir is empty; name a directory")
+    assert list(tmp_path.iterdir()) == []

@@ -88,3 +88,25 @@ def test_sigterm_saves_the_interrupted_step_and_resumes_exactly(tmp_path, straig
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"step {logged}" in proc.stdout  # "resumed from ... step N"
     assert _losses(run_dir) == straight
+
+
+def test_sighup_from_a_closed_terminal_saves_the_step_like_sigterm(tmp_path):
+    run_dir = tmp_path / "run"
+    status = _run_until(_cmd(run_dir, "checkpoint.every=1000"), run_dir, 3, signal.SIGHUP)
+    assert status == 75
+    logged = max(_losses(run_dir))
+    assert _saved_steps(run_dir) == [logged] and 3 <= logged < STEPS
+
+
+def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path):
+    """`python launch.py | head -2`: the run goes on to its last step and saves it, exit 0 (its
+    metrics are in run.dir); before, the first print after head exited ended it, exit 0 and no
+    checkpoint."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run_dir, "checkpoint.every=1000"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader exits
+    assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
+    assert _saved_steps(run_dir) == [STEPS]
+    assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
