@@ -253,6 +253,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     base = tree.pop("base", None)
     if base is None:
         return tree
+    if not (path.parent / base).is_file():
+        raise ConfigError(f"{path}: base: {base} names no file ({path.parent / base}); a base "
+                          "path is relative to the preset that names it")
     parent = _read_yaml(path.parent / base, seen + (path.resolve(),))
     return OmegaConf.to_container(OmegaConf.merge(parent, tree))
 
@@ -378,12 +381,12 @@ def check_values(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
+    if m.sliding_window < 0:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be 0 (none) or positive")
     if m.sliding_window and t.seq_len > m.sliding_window:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's attention window "
                           f"model.sliding_window={m.sliding_window}, which jaxtron's full causal "
                           "attention does not apply; lower train.seq_len to at most the window")
-    if m.sliding_window < 0:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} must be 0 (none) or positive")
     if t.loss_chunk < 0:
         raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 (one chunk) or positive")
     if m.num_heads % m.num_kv_heads:

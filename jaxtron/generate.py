@@ -47,6 +47,9 @@ def check(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> 
         raise ConfigError(f"top_k={top_k}: use 0 (no limit) or a positive count")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p={top_p}: must be in (0, 1] (1 keeps every token)")
+    if temperature == 0 and (top_k or top_p < 1):
+        raise ConfigError("top_k and top_p choose among tokens to sample; temperature=0 is greedy "
+                          "and would ignore them: add a temperature above 0")
 
 
 def prompt_array(cfg: ModelConfig, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -237,6 +237,8 @@ def why_slower(worse: Layout, better: Layout, usable: int) -> str:
 
 def duration(seconds: float) -> str:
     """Three significant digits in s, ms or us: a small model's step is not "0.00 s"."""
+    if abs(seconds) >= 100:
+        return f"{seconds:.0f} s"
     scale, unit = next(((scale, unit) for scale, unit in ((1.0, "s"), (1e-3, "ms"))
                         if abs(seconds) >= scale), (1e-6, "us"))
     return f"{seconds / scale:.3g} {unit}"

@@ -136,3 +136,9 @@ def test_an_empty_preset_is_refused(tmp_path):
     empty.write_text("# nothing yet\n")
     with pytest.raises(config.ConfigError, match=r"empty.yaml is empty \(or only comments\)"):
         config.load([str(empty)], [])
+
+
+def test_a_base_that_names_no_file_says_which_preset_named_it(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: nothere.yaml\ntrain:\n  steps: 3\n")
+    with pytest.raises(config.ConfigError, match=r"a.yaml: base: nothere.yaml names no file"):
+        config.load([str(tmp_path / "a.yaml")], [])

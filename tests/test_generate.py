@@ -160,6 +160,8 @@ def test_pick_draws_with_the_probabilities_asked_for(temperature, top_k, top_p, 
     ({"top_k": -1}, "top_k=-1"),
     ({"top_p": 0.0}, r"top_p=0.0: must be in \(0, 1\]"),
     ({"top_p": 1.5}, "top_p=1.5"),
+    ({"top_k": 5}, "temperature=0 is greedy and would ignore them"),
+    ({"top_p": 0.5}, "temperature=0 is greedy and would ignore them"),
     ({"prompt_ids": []}, "non-empty"),
     ({"prompt_ids": [1, VOCAB]}, rf"\[0, {VOCAB}\)"),
 ])

@@ -69,6 +69,7 @@ BAD_INPUTS = [
     (["train.steps=abc"], "train.steps must be an integer, got abc"),
     (["train.steps=3.5"], "train.steps must be an integer, got 3.5"),
     (["optim.lr=inf"], "optim.lr=inf is not a finite number; it must be >= 0"),
+    (["model.sliding_window=-1"], "model.sliding_window=-1 must be 0 (none) or positive"),
     (["run.compile_cache=/proc/jaxtron-cache"],
      "run.compile_cache=/proc/jaxtron-cache cannot be written"),
     (["xla.flags=--foo"], "xla.flags is a list: write xla.flags=[--foo] (items separated by commas)"),

@@ -121,8 +121,14 @@ def test_bad_input_is_one_line_and_status_2(capsys, args, message):
 
 def test_durations_keep_three_digits_at_any_scale():
     """A small model's step is 381 us, not "0.00 s"; a large one's 22.2 s."""
-    assert [planner.duration(x) for x in (22.24, 0.0433, 0.000381, 0.0)] == [
-        "22.2 s", "43.3 ms", "381 us", "0 us"]
+    assert [planner.duration(x) for x in (1403.2, 22.24, 0.0433, 0.000381, 0.0)] == [
+        "1403 s", "22.2 s", "43.3 ms", "381 us", "0 us"]
+
+
+def test_when_nothing_fits_the_plan_says_so_first(capsys):
+    assert plan_tool.main(["--config", str(ROOT / "configs" / "llama3_70b.yaml"), "--gpus", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("none fits in the ") and "use more GPUs (--gpus)" in lines[1]
 
 
 def _seed_layout(mesh: dict[str, int], micro: int, grad_sum: str) -> tuple[dict, float]:

@@ -74,6 +74,9 @@ def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
     fits = sum(x.fits for x in ranked)
     print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))} "
           "(TP tensor, PP stages, R circular repeats, FSDP, DP data, M microbatches per pass):")
+    if not fits:
+        print(f"none fits in the {usable / 2**30:.1f} GiB jax may use per GPU; the smallest needs "
+              f"{min(x.peak_bytes for x in ranked) / 2**30:.1f} GiB: use more GPUs (--gpus)")
     for i, layout in enumerate(ranked[:top]):
         print(f"{i + 1}. {_line(layout)}")
         if i:
