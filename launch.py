@@ -60,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gpu", choices=("h100", "h200"),
                         help="with --dry-run: compare the memory estimate with this GPU's "
                              "(default: the local device's, if it reports one)")
-    parser.add_argument("--gpus-per-host", type=int, default=8,
+    parser.add_argument("--gpus-per-host", type=int, default=None,
                         help="with --compile-for: GPUs per host (default 8)")
     parser.add_argument("--report", metavar="FILE.json", help="with --compile-for: the report as JSON")
     parser.add_argument("--hlo", metavar="FILE", help="with --compile-for: the optimized HLO text")
@@ -234,6 +234,11 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ConfigError("--report and --hlo only apply to --compile-for")
     if not (args.compile_for or args.dry_run) and args.devices is not None:
         raise ConfigError("--devices only applies to --dry-run and --compile-for")
+    if not args.compile_for and args.gpus_per_host is not None:
+        raise ConfigError("--gpus-per-host only applies to --compile-for (the hosts it compiles "
+                          "for); a run finds its own")
+    if args.gpus_per_host is None:
+        args.gpus_per_host = 8
 
 
 def preflight(cfg, args: argparse.Namespace) -> int:

@@ -75,6 +75,7 @@ BAD_INPUTS = [
     (["xla.flags=--foo"], "xla.flags is a list: write xla.flags=[--foo] (items separated by commas)"),
     (["=3"], "'=3': an override is section.key=value, e.g. train.steps=100"),
     (["--config", "tiny"], "config file not found: tiny (did you mean --config configs/tiny.yaml?)"),
+    (["--gpus-per-host", "4", "train.steps=1"], "--gpus-per-host only applies to --compile-for"),
     (["--gpu", "h100", "train.steps=1", "train.seq_len=64", "train.eval_every=0"],
      "--gpu h100 only applies to --dry-run (its memory verdict); add --dry-run"),
     (["--gpu", "h200", "--compile-for", "h100", "--devices", "8"],
