@@ -121,10 +121,8 @@ class PipelineConfig:
     repeats: int = 1  # circular: layer groups per stage; bubble (S-1)/(repeats*M+S-1)
     passes: int = 1  # microbatches go through the pipeline in this many sequential passes
     # (gradient accumulation around the pipeline): activation memory ~ microbatches / passes
-    # Where the fsdp-sharded stage weights' gradient is summed over a pass's iterations: sharded
-    # (reduce-scattered over fsdp every iteration: least memory) or whole (summed whole in
-    # float32, reduce-scattered once per pass: 4 bytes per stage parameter / tensor more per GPU,
-    # one reduce-scatter instead of M*R+S-1). No effect without fsdp.
+    # The stage gradient's float32 sum over fsdp: sharded (a reduce-scatter per iteration) or
+    # whole (one per pass, 4 bytes per stage parameter / tensor more per GPU). docs/parallelism.md
     grad_sum: str = "sharded"
 
 
@@ -134,9 +132,7 @@ class XlaConfig:
 
     preset: str = "auto"  # none | gpu | auto (gpu when a CUDA build of jax is installed)
     flags: list[str] = field(default_factory=list)  # raw flags, e.g. ["--xla_dump_to=/tmp/hlo"]
-    # The share of each GPU's memory jax's allocator takes, as XLA_PYTHON_CLIENT_MEM_FRACTION
-    # (which wins when set). jax's own default, 0.75, leaves 20 GB of an H100 idle; NCCL, cuBLAS
-    # and the CUDA context need a few GB outside the pool.
+    # jax's GPU memory share (XLA_PYTHON_CLIENT_MEM_FRACTION wins when set); its own 0.75 idles 20 GB
     mem_fraction: float = 0.9
 
 
