@@ -1,5 +1,6 @@
 """What every command line shares: bad input ends in one line on stderr and exit status 2, never a
-traceback; other expected failures end the same way with their own status."""
+traceback; other expected failures end the same way with their own status. Every such line reads
+`<script>: error: <message>` (argparse's own form), <script> the command's file name."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from pathlib import Path
 from jaxtron.config import ConfigError
 
 EXIT_USAGE = 2  # bad input: the line says what to change
+# The running command's file name (launch.py, plan.py), set by its Parser: a command called
+# in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
+_script = ""
 
 
-def one_line_errors(run: Callable[[], int | None], prefix: str = "error",
+def script_name() -> str:
+    """The running command's file name, which its error lines start with."""
+    return _script or Path(sys.argv[0]).name
+
+
+def one_line_errors(run: Callable[[], int | None],
                     statuses: dict[type[BaseException], int] | None = None) -> int:
     """run()'s exit status; a ConfigError (status 2), or an exception of a type in `statuses`,
-    becomes one line `<prefix>: <message>` on stderr and that status."""
+    becomes one line `<script>: error: <message>` on stderr and that status."""
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
     try:
         return run() or 0
@@ -25,19 +34,24 @@ def one_line_errors(run: Callable[[], int | None], prefix: str = "error",
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 0
     except tuple(handled) as e:
-        print(f"{prefix}: {e}", file=sys.stderr)
+        print(f"{script_name()}: error: {e}", file=sys.stderr)
         return next(code for kind, code in handled.items() if isinstance(e, kind))
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line naming the command's --help, and exit status 2."""
+    """argparse whose usage errors are one line naming the command's --help, and exit status 2.
+    `command` is how to run it ('tools/plan.py'; a subcommand's adds its name)."""
 
     def __init__(self, *args, command: str, **kwargs):
+        global _script
+        _script = Path(command.split()[0]).name
+        kwargs.setdefault("prog", _script)  # what a shell would show, in-process too
         super().__init__(*args, **kwargs)
         self.command = command
 
     def error(self, message: str):
-        print(f"error: {message} (see python {self.command} --help)", file=sys.stderr)
+        print(f"{script_name()}: error: {message} (see python {self.command} --help)",
+              file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxtron.cli import EXIT_USAGE, check_run_dir, plural
-from jaxtron.config import Config, ConfigError, MeshConfig
+from jaxtron.cli import EXIT_USAGE, check_run_dir, plural, script_name
+from jaxtron.config import Config, ConfigError, MeshConfig, XlaConfig
 
 MIN_MEM_FRACTION = 0.5  # below this share of GPU memory, XLA is starved (jax's default is 0.75)
 PLUGINS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
@@ -81,8 +81,6 @@ def _check_fraction(name: str, value: str) -> list[str]:
                  f"unset {name}")]
     if fraction >= MIN_MEM_FRACTION:
         return []
-    from jaxtron.config import XlaConfig
-
     return [(f"{name}={value} lets XLA use {fraction:.0%} of each GPU's memory "
              f"({fraction * 80:.0f} GB of an H100's 80 GB), starving its buffers and fusions; "
              f"unset {name} (the run then sets xla.mem_fraction, {XlaConfig().mem_fraction} by "
@@ -410,10 +408,10 @@ def _allgather_text(text: str) -> list[str]:
 
 
 def report(problems: Sequence[str], strict: bool, prefix: str = "", show: bool = True) -> int:
-    """Print each problem on one line (if `show`): `warning: ...` on stdout, or with `strict`
-    `error: ...` on stderr. The exit status: 2 when strict and there are problems, else 0."""
+    """Print each problem on one line (if `show`): `<prefix>warning: ...` on stdout, or with
+    `strict` `<script>: error: ...` on stderr. The exit status: 2 if strict and any, else 0."""
     if show:
         for problem in problems:
-            print(f"{prefix}{'error' if strict else 'warning'}: {problem}",
+            print(f"{script_name()}: error: {problem}" if strict else f"{prefix}warning: {problem}",
                   file=sys.stderr if strict else sys.stdout, flush=True)
     return EXIT_USAGE if strict and problems else 0

@@ -331,5 +331,5 @@ def test_layout_that_does_not_divide_is_one_line(tmp_path):
            "mesh.fsdp=3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("launch.py: error:")]
     assert len(lines) == 1 and "mesh" in lines[0] and "Traceback" not in proc.stderr

@@ -51,8 +51,8 @@ def test_an_unusable_out_is_refused_before_measuring(tmp_path, capsys, monkeypat
     monkeypatch.setattr(bench, "bench", lambda *args: pytest.fail("measured before checking --out"))
     assert bench.main([*SMALL, "--out", str(tmp_path / name)]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and err.startswith(f"error: {message}".format(
-        t=tmp_path)), err
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"bench.py: error: {message}".format(t=tmp_path)), err
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -62,8 +62,8 @@ def test_bench_data_refuses_bad_worker_counts_in_one_line(capsys, workers):
         bench_data.main(["--workers", workers])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err == (
-        f"error: argument --workers: '{workers}' is not a list of counts of 0 or more, such as "
-        "0,2,4 (see python tools/bench_data.py --help)\n")
+        f"bench_data.py: error: argument --workers: '{workers}' is not a list of counts of 0 or "
+        "more, such as 0,2,4 (see python tools/bench_data.py --help)\n")
 
 
 def test_bench_data_says_one_batch(capsys):

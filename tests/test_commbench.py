@@ -135,7 +135,7 @@ def test_cli_writes_table_json_and_png(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert cb.main([*args, "--iters", "1", "--warmup", "0"]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("commbench: "), err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("commbench.py: error: "), err
     assert message in err
 
 
@@ -151,7 +151,7 @@ def test_an_unusable_output_is_refused_before_the_backend_starts(tmp_path, capsy
     path = name if name.startswith("/") else str(tmp_path / name)
     assert cb.main(["mesh.fsdp=8", "--sizes", "1KiB", flag, path]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith(f"commbench: {message.format(t=tmp_path)}"), err
+    assert out == "" and err.startswith(f"commbench.py: error: {message.format(t=tmp_path)}"), err
     assert err.count("\n") == 1 and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -161,4 +161,4 @@ def test_a_size_too_small_for_one_op_is_refused_before_any_is_timed(capsys, monk
     assert cb.main(["mesh.fsdp=8", "--sizes", "1KiB,2", "--iters", "1", "--warmup", "0"]) == 2
     out, err = capsys.readouterr()
     assert "1 iteration after 0 warm-up" in out and timed == []
-    assert err.startswith("commbench: --sizes: 2 B is less than one 4-byte element"), err
+    assert err.startswith("commbench.py: error: --sizes: 2 B is less than one 4-byte element"), err

@@ -313,7 +313,7 @@ def test_unusable_paths_are_named_once_in_one_line(tmp_path, capsys, source, out
     (tmp_path / "empty").mkdir()
     before = sorted(tmp_path.rglob("*"))
     err = _one_line(capsys, 2, "import", tmp_path / source, tmp_path / out)
-    assert err.startswith(f"convert_hf import: {message.format(t=tmp_path)}"), err
+    assert err.startswith(f"convert_hf.py: error: {message.format(t=tmp_path)}"), err
     assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "afile").read_text() == "keep"
 
 

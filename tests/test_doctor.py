@@ -221,7 +221,7 @@ def test_run_dir_that_is_a_file(tmp_path, capsys, kind):
     from tools import doctor as tool
 
     assert tool.main(["--strict", f"run.dir={path}"]) == 2
-    assert capsys.readouterr().err == f"doctor: error: run.dir={path} {message}" + (
+    assert capsys.readouterr().err == f"doctor.py: error: run.dir={path} {message}" + (
         "; choose a directory you can write\n" if kind != "file" else
         " (a new one, or a run to resume)\n")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
@@ -272,7 +272,7 @@ def _run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
 def test_doctor_tool_strict_is_one_line_and_status_2(tmp_path):
     proc = _run("tools/doctor.py", "--strict", f"run.dir={tmp_path}", CUDA_LAUNCH_BLOCKING="1")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [f"doctor: error: {BLOCKING}"]
+    assert proc.stderr.splitlines() == [f"doctor.py: error: {BLOCKING}"]
     assert "no problems" not in proc.stdout
 
 
@@ -282,7 +282,7 @@ def test_doctor_tool_without_problems(tmp_path, capsys):
     assert tool.main([f"run.dir={tmp_path}"]) == 0
     assert capsys.readouterr().out == "doctor: no problems found\n"
     assert tool.main(["--strict", "mesh.fsdp=3"]) == 2
-    assert "doctor: error: mesh (data=1, stage=1, fsdp=3, tensor=1) has 3 devices" in (
+    assert "doctor.py: error: mesh (data=1, stage=1, fsdp=3, tensor=1) has 3 devices" in (
         capsys.readouterr().err)
 
 
@@ -291,14 +291,15 @@ def test_launch_strict_stops_before_compiling(tmp_path):
     proc = _run("launch.py", "--strict", *SMALL_RUN, f"run.dir={run_dir}",
                 XLA_PYTHON_CLIENT_ALLOCATOR="platform")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.splitlines() == [f"error: {PLATFORM}"]
+    assert proc.stderr.splitlines() == [f"launch.py: error: {PLATFORM}"]
     assert "compiled" not in proc.stdout and not run_dir.exists()  # stopped before train()
 
 
 def test_launch_strict_is_for_training_runs(capsys):
     assert launch.main(["--strict", "--dry-run"]) == 2
-    assert capsys.readouterr().err == ("error: --strict applies to training runs; to check a set-up "
-                                       "without training, run python tools/doctor.py --strict\n")
+    assert capsys.readouterr().err == ("launch.py: error: --strict applies to training runs; to "
+                                       "check a set-up without training, run python "
+                                       "tools/doctor.py --strict\n")
 
 
 def test_launch_warns_and_trains(tmp_path):
@@ -332,12 +333,12 @@ def test_two_processes_merge_their_problems(tmp_path):
             cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outputs
-    errors = [line for line in outputs[0][1].splitlines() if line.startswith("doctor: error: ")]
+    errors = [line for line in outputs[0][1].splitlines() if line.startswith("doctor.py: error: ")]
     unshared = (f"run.dir {tmp_path / 'run1'} is not shared between hosts: the file process 0 "
                 "wrote there is not seen here; put run.dir on storage every host mounts (NFS, "
                 "Lustre, ...): checkpoints written by process 0's host must be readable by every "
                 "process on restart")
-    assert errors == [f"doctor: error: {BLOCKING} (process 1)",
-                      f"doctor: error: {unshared} (process 1)"]
-    assert "doctor: error" not in outputs[1][1]  # process 0 alone prints
+    assert errors == [f"doctor.py: error: {BLOCKING} (process 1)",
+                      f"doctor.py: error: {unshared} (process 1)"]
+    assert "doctor.py: error" not in outputs[1][1]  # process 0 alone prints
     assert list((tmp_path / "run0").iterdir()) == []  # the token is gone

@@ -273,7 +273,7 @@ def test_cli_bad_input_is_one_line_and_status_2(case, tool, capsys, args, match)
         status = e.code
     err = capsys.readouterr().err
     assert status == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith("generate: "), err
+    assert err.startswith("generate.py: error: "), err
     assert re.search(match, err), err
 
 
@@ -289,7 +289,7 @@ def test_cli_takes_prompt_and_continuation_up_to_the_models_positions(case, tool
 def test_cli_missing_directory(tool, tmp_path, capsys):
     missing = tmp_path / "nowhere"
     assert tool.main([str(missing), "--tokens", "1"]) == 2
-    assert capsys.readouterr().err == f"generate: {missing}: no such file or directory\n"
+    assert capsys.readouterr().err == f"generate.py: error: {missing}: no such file or directory\n"
 
 
 def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_path, capsys):
@@ -300,9 +300,9 @@ def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_p
     assert convert.main(["import", str(path), str(tmp_path / "imp")]) == 0
     capsys.readouterr()
     assert tool.main([str(tmp_path / "imp"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
-    assert capsys.readouterr().err == (f"generate: {tmp_path / 'imp'}: imported without a "
-                                       "tokenizer, so --prompt cannot be encoded; give --tokens "
-                                       "ids instead\n")
+    assert capsys.readouterr().err == (f"generate.py: error: {tmp_path / 'imp'}: imported "
+                                       "without a tokenizer, so --prompt cannot be encoded; give "
+                                       "--tokens ids instead\n")
 
 
 @pytest.mark.parametrize("name, text, message", [
@@ -320,5 +320,5 @@ def test_cli_broken_json_in_the_directory_is_one_line(case, tool, tmp_path, caps
     (tmp_path / "hf" / name).write_text(text)
     assert tool.main([str(tmp_path / "hf"), "--tokens", "1,2", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"generate: {message}".format(
+    assert err.count("\n") == 1 and err.startswith(f"generate.py: error: {message}".format(
         d=tmp_path / "hf")), err

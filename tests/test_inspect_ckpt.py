@@ -89,8 +89,8 @@ def test_no_path_is_one_usage_line():
     result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True,
                             timeout=120)
     assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ("error: the following arguments are required: path (see python "
-                             "tools/inspect_ckpt.py --help)\n"), result.stderr
+    assert result.stderr == ("inspect_ckpt.py: error: the following arguments are required: "
+                             "path (see python tools/inspect_ckpt.py --help)\n"), result.stderr
 
 
 def test_a_closed_pipe_ends_quietly(run_dir):

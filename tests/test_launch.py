@@ -169,7 +169,7 @@ def test_bad_input_in_a_real_process_exits_2_without_traceback():
     proc = _launch("mesh.tensor=3")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: mesh")
+    assert proc.stderr.strip().splitlines()[-1].startswith("launch.py: error: mesh")
 
 
 @pytest.mark.slow

@@ -175,7 +175,8 @@ def test_json_under_a_file_is_refused_before_planning(tmp_path, capsys):
     rc = plan_tool.main(["--config", str(TINY), "--gpus", "8", "--json",
                          str(tmp_path / "runs" / "plan.json")])
     err = capsys.readouterr().err
-    assert rc == 2 and err == f"error: --json {tmp_path}/runs/plan.json: {tmp_path}/runs is a file, not a directory\n"
+    assert rc == 2 and err == (f"plan.py: error: --json {tmp_path}/runs/plan.json: {tmp_path}/runs "
+                               "is a file, not a directory\n")
 
 
 @pytest.mark.slow

@@ -152,7 +152,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     for path, message in cases.items():
         assert plot.main([str(path)]) == 2
         err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and err.startswith("plot: ") and message in err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+        assert err.startswith("plot.py: error: "), err
 
 
 def test_a_short_series_is_marked_point_by_point(tmp_path):
@@ -185,7 +186,8 @@ def test_an_unusable_out_is_one_line_and_nothing_is_written(tmp_path, capsys, ou
     out = out if out.startswith("/") else str(tmp_path / out)
     assert plot.main([str(tmp_path / "run"), "--out", out]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"plot: {message.format(t=tmp_path)}"), err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"plot.py: error: {message.format(t=tmp_path)}"), err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "config.yaml",
                                                           "metrics.jsonl", "run"]
 

@@ -88,8 +88,9 @@ def test_misspelled_flag_exits_2_with_one_line_naming_it():
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0] == (f"error: jaxlib {xla_flags._version('jaxlib')} has no XLA flag {TYPO} "
-                        "(from xla.flags), did you mean --xla_gpu_enable_latency_hiding_scheduler?")
+    assert lines[0] == (f"launch.py: error: jaxlib {xla_flags._version('jaxlib')} has no XLA flag "
+                        f"{TYPO} (from xla.flags), did you mean "
+                        "--xla_gpu_enable_latency_hiding_scheduler?")
 
 
 @pytest.mark.parametrize("flag", ["xla_dump_to=/tmp/a", "-xla_dump_to=/tmp/a", "--xla dump",
@@ -97,8 +98,8 @@ def test_misspelled_flag_exits_2_with_one_line_naming_it():
 def test_malformed_flag_is_one_line_and_status_2(capsys, flag):
     assert launch.main(["--dry-run", f"xla.flags=['{flag}']"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [(f"error: '{flag}' (in xla.flags) is not an XLA flag: write --name or "
-                    "--name=value, one flag per list item, e.g. --xla_dump_to=/tmp/hlo")]
+    assert err == [(f"launch.py: error: '{flag}' (in xla.flags) is not an XLA flag: write "
+                    "--name or --name=value, one flag per list item, e.g. --xla_dump_to=/tmp/hlo")]
 
 
 def test_malformed_environment_flag_names_xla_flags():

@@ -338,7 +338,7 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return one_line_errors(lambda: run(args), prefix="commbench")
+    return one_line_errors(lambda: run(args))
 
 
 if __name__ == "__main__":

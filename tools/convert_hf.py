@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = lambda: export_model(args.ckpt_dir, args.hf_dir, args.model_type, args.dtype,
                                    args.tokenizer)
-    return one_line_errors(run, prefix=f"convert_hf {args.command}")
+    return one_line_errors(run)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ hosts, with room for a checkpoint). Several processes join as launch.py's do, an
 every process's problems.
 
 Output: one line per problem, `doctor: warning: ...` naming the fix, or `doctor: no problems
-found`; exit status 0. With --strict: `doctor: error: ...` lines on stderr and exit status 2.
+found`; exit status 0. With --strict: `doctor.py: error: ...` lines on stderr and exit status 2.
 Bad input (config, flags): one line on stderr, exit status 2.
 """
 
@@ -68,7 +68,7 @@ def finish(problems: list[str], strict: bool, show: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return one_line_errors(lambda: diagnose(args), prefix="doctor: error")
+    return one_line_errors(lambda: diagnose(args))
 
 
 if __name__ == "__main__":

@@ -24,16 +24,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxtron import hf, prepared, tokenizer, weights
-from jaxtron.cli import EXIT_USAGE, one_line_errors, plural
+from jaxtron import cli, hf, prepared, tokenizer, weights
+from jaxtron.cli import one_line_errors, plural
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.generate import check, generate, prompt_array
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"generate: {message} (see python tools/generate.py --help)", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +43,7 @@ class Loaded:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(command="tools/generate.py", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, metavar="PATH",
                         help="a Hugging Face directory or a jaxtron run/checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -81,7 +75,7 @@ def token_ids(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = parse_args(argv)
-    return one_line_errors(lambda: run(args), prefix="generate")
+    return one_line_errors(lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> None:

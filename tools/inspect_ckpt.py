@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=Path, help="a checkpoint (.../checkpoints/<step>), "
                         "a checkpoints directory or a run directory")
     args = parser.parse_args(argv)
-    return one_line_errors(lambda: inspect(args.path), prefix="inspect_ckpt")
+    return one_line_errors(lambda: inspect(args.path))
 
 
 def inspect(path: Path) -> None:

@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return one_line_errors(lambda: run(args), prefix="error")
+    return one_line_errors(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (run.dir)")
     parser.add_argument("--out", type=Path, help="directory for the PNGs (default RUN/plots)")
     args = parser.parse_args(argv)
-    return one_line_errors(lambda: plot(args.runs, args.out), prefix="plot")
+    return one_line_errors(lambda: plot(args.runs, args.out))
 
 
 if __name__ == "__main__":

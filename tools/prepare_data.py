@@ -48,8 +48,11 @@ MAX_REPORTED = 20  # bad-input lines printed and kept as examples, per input fil
 ENCODE_BATCH_CHARS = 4 << 20  # documents are encoded in batches of about this much text
 
 
-class StrictStop(Exception):
+class StrictStop(ConfigError):
     """Bad input under --strict; the message names the file and line."""
+
+    def __str__(self) -> str:
+        return f"bad input (--strict): {self.args[0]}"
 
 
 @dataclass(frozen=True)
@@ -390,10 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a batch system's stop: as Ctrl-C
     try:
-        return one_line_errors(lambda: prepare(args), prefix="prepare_data.py: error")
-    except StrictStop as e:
-        print(f"prepare_data.py: error: bad input (--strict): {e}", file=sys.stderr)
-        return 2
+        return one_line_errors(lambda: prepare(args))
     except KeyboardInterrupt:
         print("prepare_data.py: interrupted; rerun the same command to finish", file=sys.stderr)
         return 130

@@ -1,0 +1,43 @@
+"""Every command's bad input ends the same way: one line `<script>: error: <message>` on stderr
+(argparse's own form, <script> the file run), nothing on stdout, exit status 2. Run as users run
+them, each with a missing file (the command's own check) and an unknown flag (argparse's)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MISSING = {  # a file that is not there, where each command first reads one
+    "launch.py": ["--config", "nope.yaml"],
+    "tools/bench.py": ["--config", "nope.yaml"],
+    "tools/bench_data.py": ["--config", "nope.yaml"],
+    "tools/commbench.py": ["--config", "nope.yaml"],
+    "tools/convert_hf.py": ["import", "nope", "out"],
+    "tools/doctor.py": ["--config", "nope.yaml"],
+    "tools/generate.py": ["nope", "--tokens", "1"],
+    "tools/inspect_ckpt.py": ["nope"],
+    "tools/plan.py": ["--gpus", "8", "--config", "nope.yaml"],
+    "tools/plot.py": ["nope"],
+    "tools/prepare_data.py": ["nope.txt", "--out", "ds", "--tokenizer", "nope.model"],
+}
+
+
+def test_every_command_is_listed():
+    scripts = {str(p.relative_to(ROOT)) for p in [ROOT / "launch.py", *ROOT.glob("tools/*.py")]
+               if 'if __name__ == "__main__":' in p.read_text()}
+    assert scripts == set(MISSING)
+
+
+@pytest.mark.parametrize("script", sorted(MISSING))
+def test_bad_input_is_one_line_naming_the_script(tmp_path, script):
+    name = Path(script).name
+    runs = [subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for args in (MISSING[script], [*MISSING[script], "--no-such-flag"])]
+    for run, says in zip(runs, ("nope", "unrecognized arguments: --no-such-flag")):
+        out, err = run.communicate(timeout=300)
+        assert (run.returncode, out, err.count("\n")) == (2, "", 1), (out, err)
+        assert err.startswith(f"{name}: error: ") and says in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written
