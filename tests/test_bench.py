@@ -66,10 +66,17 @@ def test_bench_data_refuses_bad_worker_counts_in_one_line(capsys, workers):
         "more, such as 0,2,4 (see python tools/bench_data.py --help)\n")
 
 
-def test_bench_data_says_one_batch(capsys):
-    assert bench_data.main(["--workers", "0", "--batches", "1", "--warmup", "0",
-                            "train.batch_size=8", "train.seq_len=32"]) == 0
-    assert "0 warm-up + 1 timed batch\n" in capsys.readouterr().out
+def test_bench_data_says_one_batch_and_that_it_is_too_few(capsys):
+    """Too few timed batches still run (a quick look), with one line saying how many to ask for;
+    from bench_data.MIN_BATCHES on, no warning."""
+    small = ["--workers", "0", "--warmup", "0", "train.batch_size=8", "train.seq_len=32"]
+    assert bench_data.main([*small, "--batches", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "0 warm-up + 1 timed batch\n" in out and out.count("workers=0: ") == 1
+    assert err == ("bench_data.py: warning: --batches 1 is too few timed batches for a steady "
+                   "rate; ask for --batches 50 or more\n")
+    assert bench_data.main([*small, "--batches", "50"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_a_state_larger_than_this_machine_is_refused_before_allocating(capsys, monkeypatch):

@@ -27,6 +27,9 @@ from jaxtron import data as data_lib
 from jaxtron.cli import one_line_errors
 
 ROOT = Path(__file__).resolve().parent.parent
+# Fewer timed batches give a rate that is mostly noise and, with workers, mostly the batches
+# already waiting in their buffers (4 per worker, data.py): warned about, still measured.
+MIN_BATCHES = 50
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,6 +87,9 @@ def report(args: argparse.Namespace) -> None:
     """Print the machine, the setting and one line per worker count."""
     cfg = config_lib.load(args.config or [ROOT / "configs" / "tiny.yaml"], args.overrides)
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+    if args.batches < MIN_BATCHES:  # a quick look is allowed, as timeit and hyperfine allow it
+        print(f"{cli.script_name()}: warning: --batches {args.batches} is too few timed batches "
+              f"for a steady rate; ask for --batches {MIN_BATCHES} or more", file=sys.stderr)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     print(f"data.source={cfg.data.source}, global batch {cfg.train.batch_size} x seq_len "
