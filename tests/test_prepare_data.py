@@ -382,6 +382,32 @@ def test_no_progress_bar_when_stderr_is_a_log_and_counts_read_as_english(tmp_pat
     assert "\r" not in done.stderr and "tokenizing" not in done.stderr, done.stderr
     assert re.match("1 file in 1 unit -> train 1 document, .*, 1 shard; val 0 documents, 0 "
                     "tokens, 0 shards\n", done.stderr), done.stderr
+    assert done.stderr.endswith("; add documents; or train with train.eval_every=0\n")
+
+
+def test_an_empty_val_split_is_one_warning_naming_the_fix(tmp_path, tokenizer):
+    """10 documents at the default --val-fraction 0.01 hold none out (their hashes, below), and
+    a run that evaluates refuses such a dataset; the line's --val-fraction 0.3 holds out 2."""
+    from jaxtron import config, data
+
+    (tmp_path / "in").mkdir()
+    for i in range(10):
+        (tmp_path / "in" / f"doc{i}.txt").write_text(f"document number {i}")
+    held_out = [i for i in range(10) if is_val(f"doc{i}.txt", 0, 0.3)]
+    assert held_out == [7, 8] and not any(is_val(f"doc{i}.txt", 0, 0.01) for i in range(10))
+    done = run_tool(tmp_path / "in", "--out", tmp_path / "ds", "--tokenizer", tokenizer)
+    assert done.stderr.splitlines()[-1] == (
+        "prepare_data.py: warning: the val split is empty (10 documents, --val-fraction 0.01), so "
+        "launch.py refuses this dataset while train.eval_every > 0; prepare again into a new "
+        "--out with --val-fraction 0.3 (about 3 held out), or with more documents; or train with "
+        "train.eval_every=0")
+    cfg = config.load(["configs/tiny.yaml"], ["data.source=arrayrecord", "train.eval_every=1",
+                                              f"data.mixture=[{{path: {tmp_path / 'ds'}}}]"])
+    with pytest.raises(config.ConfigError, match="the val split is empty; set train.eval_every=0"):
+        data.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
+    again = run_tool(tmp_path / "in", "--out", tmp_path / "ds2", "--tokenizer", tokenizer,
+                     "--val-fraction", 0.3)
+    assert "warning" not in again.stderr and len(read_split(tmp_path / "ds2", "val")) == 2
 
 
 @pytest.mark.slow

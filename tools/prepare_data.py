@@ -351,7 +351,24 @@ def _prepare(args: argparse.Namespace, out: Path) -> int:
     write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
     new_tokens = sum(f["tokens"] for unit in todo for f in records[unit.index]["files"])
     print(summary(manifest, ordered, new_tokens, seconds), file=sys.stderr)
+    if not manifest["splits"]["val"]["documents"]:
+        print(f"{cli.script_name()}: warning: {empty_val(manifest, args.val_fraction)}",
+              file=sys.stderr)
     return 0
+
+
+def empty_val(manifest: dict, val_fraction: float) -> str:
+    """Why an empty val split matters (data.py refuses it for eval) and what to change."""
+    documents = manifest["splits"]["train"]["documents"]
+    # Each document is val by its hash, with chance --val-fraction: 3/N holds out about 3 of N
+    # and leaves val empty about 1 time in 20.
+    fraction = min(0.5, max(float(f"{3 / documents:.1g}"), 2 * val_fraction))
+    fix = (f"prepare again into a new --out with --val-fraction {fraction:g} (about "
+           f"{max(1, round(fraction * documents))} held out), or with more documents"
+           if documents > 1 else "add documents")
+    return (f"the val split is empty ({counted(documents, 'document')}, --val-fraction "
+            f"{val_fraction:g}), so launch.py refuses this dataset while train.eval_every > 0; "
+            f"{fix}; or train with train.eval_every=0")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
