@@ -350,24 +350,27 @@ def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = Non
     problems = [*check_launch_blocking(environ), *check_allocator(environ), *check_jaxlib(versions),
                 *check_plugins(versions), *check_proxy(environ, coordinator),
                 *check_device_counts(cfg.mesh, hosts, devices)]
+    writable = True
     try:
         check_run_dir(cfg.run.dir)  # a directory this process can write, or can make (launch.py's)
-    except ConfigError as e:
-        problems.append(str(e))
+    except ConfigError as e:  # then its free space and sharing are beside the point
+        problems, writable = [*problems, str(e)], False
     from jaxtron import parallel
 
     sizes = None
     with contextlib.suppress(ConfigError):  # check_device_counts reported it
         sizes = parallel.mesh_shape(cfg.mesh, devices or hosts.total)
-    if sizes:
+    if sizes and devices in (0, hosts.total):  # planned for other hosts: their size is unknown
         problems += check_crossing(sizes, hosts.per_host)
+    if sizes and writable:
         problems += check_disk(cfg.run.dir, checkpoint_bytes(cfg, math.prod(sizes.values())))
     if len(hosts.devices) == 1:
         return problems
     from jax.experimental import multihost_utils
 
-    nonce = _allgather_text(secrets.token_hex(8))[0]  # process 0's
-    problems += check_shared_dir(cfg.run.dir, hosts, nonce, multihost_utils.sync_global_devices)
+    nonce = _allgather_text(secrets.token_hex(8) if writable else "")[0]  # process 0's
+    if nonce:  # else process 0 cannot write run.dir, and said so: every process skips this
+        problems += check_shared_dir(cfg.run.dir, hosts, nonce, multihost_utils.sync_global_devices)
     everyone = _allgather_text("\n".join(problems))
     return merge([text.split("\n") if text else [] for text in everyone])
 

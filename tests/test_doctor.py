@@ -227,6 +227,37 @@ def test_run_dir_that_is_a_file(tmp_path, capsys, kind):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+def test_an_unwritable_run_dir_is_its_one_problem(monkeypatch):
+    """Nothing can be made under /proc (as root too): that is the problem, not also the free space
+    there (none) nor, with several processes, that process 0 cannot write it (said already)."""
+    run_dir = "/proc/jaxtron/run"
+    cfg = config_lib.load([ROOT / "configs" / "tiny.yaml"], [f"run.dir={run_dir}"])
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda path: pytest.fail("disk checked"))
+    [problem] = doctor.check_all(cfg, {}, ONE_HOST, versions=VERSIONS)
+    assert problem.startswith(f"run.dir={run_dir} cannot be written (") and problem.endswith(
+        "); choose a directory you can write")
+    # process 0 of two: every process learns from process 0's nonce (none) to skip the sharing check
+    monkeypatch.setattr(doctor, "_allgather_text", lambda text: [text])
+    monkeypatch.setattr(doctor, "check_shared_dir", lambda *args: pytest.fail("sharing checked"))
+    problems = doctor.check_all(cfg, {}, Hosts((8, 8), ("a", "b")), versions=VERSIONS)
+    assert [p for p in problems if "run.dir" in p] == [problem]
+
+
+def test_planned_for_other_devices_gives_no_hsdp_advice(tmp_path, capsys):
+    """--devices plans the mesh for hosts other than these: only the count is a problem, no HSDP
+    hint built from this host (one CPU device: 'mesh.data=8 mesh.fsdp=1 ... split 1 ways')."""
+    one_device = Hosts((1,), ("node0",))
+    assert doctor.check_all(_cfg(tmp_path), {}, one_device, devices=8, versions=VERSIONS) == [
+        "the mesh is planned for 8 devices (--devices) but 1 device found (1 per host x 1 host); "
+        "run on 8 devices or plan for 1"]
+    from tools import doctor as tool
+
+    assert tool.main(["--devices", "16", f"run.dir={tmp_path}"]) == 0  # 8 devices here
+    assert capsys.readouterr().out == (
+        "doctor: warning: the mesh is planned for 16 devices (--devices) but 8 devices found (8 "
+        "per host x 1 host); run on 16 devices or plan for 8\n")
+
+
 def test_device_counts_in_words(tmp_path):
     """'1 device found (1 per host x 1 host)', never '1 devices'."""
     [problem] = doctor.check_device_counts(_cfg(tmp_path).mesh, Hosts((1,), ("node0",)),
