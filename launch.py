@@ -81,7 +81,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     checkpoints, checkpoint.restore, run.compile_cache) and print the mesh, parameter count, every
     term of the per-device memory, the total against the device's memory with a verdict, then the
     resolved config; allocate and write nothing."""
-    from jaxtron import cli, memory, pipeline
+    from jaxtron import checkpoint, cli, memory, pipeline
     from jaxtron import config as config_lib
     from jaxtron.optim import make_optimizer
     from jaxtron.state import make_plan
@@ -101,6 +101,8 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     if plan.pipe:
         print(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
     print(data_check)
+    print(checkpoint.describe_start(Path(cfg.run.dir), cfg.checkpoint.restore,
+                                    cfg.checkpoint.weights_only, cfg.train.steps))
     terms = memory.estimate(cfg, plan)
     total = sum(terms.values())
     print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")

@@ -113,6 +113,9 @@ def configure(cfg: Config, platform: str) -> Config:
     """cfg with model.attention resolved for devices of `platform` (auto -> cudnn on GPUs in
     16-bit compute, else xla)."""
     kernel = resolve(cfg.model.attention, platform, cfg.model.dtype)
+    if kernel == "cudnn" and platform not in ("gpu", "cuda"):
+        raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs only, not on {platform} "
+                          "devices; use model.attention=auto (it picks xla here)")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 

@@ -7,7 +7,9 @@ carry the current mesh's shardings, so no second, unsharded copy of the state is
 
 from __future__ import annotations
 
+import logging
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -91,14 +93,14 @@ class Checkpoints:
                 self._move_aside(damaged, warn)
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                _quiet_abandoned_reads()
                 if jax.process_count() > 1:  # the others may have read it: none may go on alone
                     raise ConfigError(
                         f"checkpoint {self.manager.directory / str(step)} is unreadable on process "
-                        f"{jax.process_index()} ({type(e).__name__}: {first}); move it aside and "
+                        f"{jax.process_index()} ({read_error(e)}); move it aside and "
                         "rerun to resume from an older one") from None
                 warn(f"warning: checkpoint {self.manager.directory / str(step)} is unreadable "
-                     f"({type(e).__name__}: {first}); trying an older one")
+                     f"({read_error(e)}); trying an older one")
                 damaged.append(step)
         if steps:
             where = self.manager.directory
@@ -127,6 +129,45 @@ class Checkpoints:
         self.manager.close()
 
 
+def read_error(e: BaseException) -> str:
+    """Why a checkpoint read failed, in a few words: the innermost cause's first line (Orbax wraps
+    TensorStore's 'OUT_OF_RANGE: Error reading ...' in a message holding a whole spec)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = text.split(". See full TensorStore details")[0]
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def _abandoned(error: BaseException | None) -> bool:
+    """An abandoned read's leftovers: its error, or its completion arriving at a closed loop."""
+    return ("Encountered error while reading" in str(error)
+            or (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"))
+
+
+def _quiet_abandoned_reads() -> None:
+    """A failed Orbax restore leaves its other array reads' exceptions unretrieved; asyncio would
+    log each one (a TensorStore spec, dozens of lines) when it is collected, burying the one line
+    that says what happened; reads still in flight then complete into a closed event loop. The
+    failure is reported by the caller, so these are dropped."""
+    if getattr(sys.unraisablehook, "quiet_reads", False):
+        return
+    logging.getLogger("asyncio").addFilter(
+        lambda record: "exception was never retrieved" not in record.getMessage())
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def quiet_unraisable(info):
+        if not _abandoned(info.exc_value):
+            unraisable(info)
+
+    def quiet_excepthook(kind, error, traceback):
+        if not _abandoned(error):
+            excepthook(kind, error, traceback)
+
+    quiet_unraisable.quiet_reads = True
+    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
+
+
 def check_start(run_dir: Path, model: ModelConfig, restore: str) -> None:
     """Before anything is written: run.dir's newest checkpoint, or else checkpoint.restore, holds
     this model's arrays (one line naming the fields that differ), and checkpoint.restore names a
@@ -141,6 +182,25 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str) -> None:
                               "those fields back")
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
         _restore_dir(restore, None if steps else model)
+
+
+def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:
+    """Where a run would start, for the dry run (check_start has checked the model): the newest
+    checkpoint in run.dir, else checkpoint.restore's, else nothing."""
+    found = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
+        else []
+    if found:
+        step = int(weights.read_meta(found[-1]).get("step", found[-1].name))
+        left = ("nothing left to train: raise train.steps to go on" if step >= steps else
+                f"{steps - step:,} steps to go")
+        return (f"start: resumes from {found[-1]} (step {step:,} of {steps:,}: {left}); its arrays "
+                "are read at start-up, and an unreadable newest checkpoint is set aside for an "
+                "older one")
+    if restore:
+        directory = _restore_dir(restore, None)
+        what = "its weights only (step 0, fresh optimizer)" if weights_only else "its whole state"
+        return f"start: from {directory}, {what}"
+    return "start: from scratch (run.dir holds no checkpoint)"
 
 
 def _restore_dir(path: str, model: ModelConfig | None) -> Path:

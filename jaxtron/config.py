@@ -1,9 +1,8 @@
 """Typed, frozen run configuration: YAML presets + gin-style `section.key=value` overrides.
 
-OmegaConf does the merging and type conversion against the dataclass schema; this module adds
-what it lacks: `base:` inheritance between files, closest-name suggestions for unknown keys, and
-one-line `ConfigError`s that `launch.py` turns into exit status 2.
-"""
+OmegaConf merges and converts types against the dataclass schema; this module adds `base:`
+inheritance, strict YAML (strict_yaml.py), closest-name suggestions for unknown keys, and one-line
+`ConfigError`s that `launch.py` turns into exit status 2."""
 
 from __future__ import annotations
 
@@ -20,6 +19,8 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
+
+from jaxtron import strict_yaml
 
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "arrayrecord")  # data.source: the built-in corpus, or prepared datasets
@@ -222,10 +223,10 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a preset, merging it over the file its `base:` names (relative to it)."""
-    if path.is_dir():
-        presets = ", ".join(sorted(p.name for p in path.glob("*.yaml"))[:8])
-        raise ConfigError(f"--config {path} is a directory; give one preset file"
-                          + (f" from it ({presets})" if presets else ""))
+    if path.exists() and not path.is_file():  # a directory, /dev/null
+        presets = ", ".join(sorted(p.name for p in path.glob("*.yaml"))[:8]) if path.is_dir() else ""
+        raise ConfigError(f"--config {path} is {'a directory' if path.is_dir() else 'not a file'}"
+                          "; give one preset file" + (f" from it ({presets})" if presets else ""))
     if not path.is_file():
         preset = PRESETS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
         hint = (not seen and preset.is_file()  # `--config tiny`, `--config configs/tiny`
@@ -235,7 +236,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in seen:
         raise ConfigError(f"config files extend each other in a cycle: {path}")
     try:
-        tree = yaml.safe_load(path.read_text())
+        tree = strict_yaml.load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -269,7 +270,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"'{item}': an override is section.key=value, e.g. train.steps=100"
                           + preset)
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = strict_yaml.load(raw) if raw else ""
     except yaml.YAMLError:
         value = raw
     node: Any = value

@@ -48,6 +48,7 @@ def check(cfg: ModelConfig) -> None:
     if cfg.attention not in attention_lib.CHOICES:
         raise ConfigError(
             f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
+    attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
 
 
 def check_remat(cfg: ModelConfig, device: jax.Device) -> None:

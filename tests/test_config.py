@@ -1,5 +1,6 @@
 """Presets, `base:` inheritance and typed overrides."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,37 @@ def test_a_base_that_names_no_file_says_which_preset_named_it(tmp_path):
     (tmp_path / "a.yaml").write_text("base: nothere.yaml\ntrain:\n  steps: 3\n")
     with pytest.raises(config.ConfigError, match=r"a.yaml: base: nothere.yaml names no file"):
         config.load([str(tmp_path / "a.yaml")], [])
+
+
+def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word: an edit that lands above an old
+    line would be silently undone."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text("train:\n  steps: 5\n  batch_size: 8\n  steps: 6\n")
+    with pytest.raises(config.ConfigError, match=r"p\.yaml:4:3: not valid YAML \('steps' is given "
+                                                 r"twice; the second would silently win"):
+        config.load([preset])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=0x10", "train.steps must be an integer, got 0x10"),  # YAML 1.1: 16
+    ("train.steps=1:30", "train.steps must be an integer, got 1:30"),  # YAML 1.1: 90
+    ("run.progress=off", "run.progress=off is not one of auto, bar, lines"),  # YAML 1.1: false
+])
+def test_yaml_1_1_numbers_and_booleans_are_not_guessed(override, message):
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.load([], [override])
+
+
+def test_decimal_numbers_and_true_false_read_as_written(tmp_path):
+    cfg = config.load([], ["train.steps=010", "train.batch_size=1_024", "optim.lr=3.0e-4",
+                           "run.tensorboard=false", "run.dir=2024-01-01", "data.cache_dir=on"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.optim.lr) == (10, 1024, 3e-4)  # 010: not 8
+    assert cfg.run.tensorboard is False and cfg.run.dir == "2024-01-01"
+    assert cfg.data.cache_dir == "on"
+
+
+def test_a_device_file_as_config_is_not_called_missing():
+    with pytest.raises(config.ConfigError, match=r"^--config /dev/null is not a file; give one "
+                                                 r"preset file$"):
+        config.load(["/dev/null"])

@@ -106,6 +106,11 @@ BAD_INPUTS = [
     (["model.remat=everything"], "model.remat=everything is not one of none, save_dots"),
     (["model.attention=flash"], "model.attention=flash is not one of auto, xla, cudnn"),
     (["--dry-run", "model.remat=everything"], "model.remat=everything is not one of"),
+    (["--dry-run", "model.attention=cudnn"],
+     "model.attention=cudnn needs model.dtype=bfloat16 or float16, not float32"),
+    (["model.attention=cudnn", "model.dtype=bfloat16"],
+     "model.attention=cudnn runs on NVIDIA GPUs only, not on cpu devices; use "
+     "model.attention=auto"),
 ]
 
 
@@ -272,6 +277,26 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
         _assert_one_line_status_2(rc, err, message)
         assert out == ""
     assert not (tmp_path / "other").exists()
+
+
+def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, capsys):
+    """Every array file of the one checkpoint truncated: the warning names TensorStore's cause
+    (not a pybind repr of its spec), the error is stderr's one line, and the abandoned reads'
+    exceptions (hundreds of asyncio lines at exit) are not printed. The dry run says where a
+    run would start."""
+    run_dir = tmp_path / "run"
+    assert _launch(*SMALL_RUN, "checkpoint.every=1", f"run.dir={run_dir}").returncode == 0
+    assert _main(["--dry-run", *SMALL_RUN, "train.steps=3", f"run.dir={run_dir}"]) == 0
+    assert (f"start: resumes from {run_dir}/checkpoints/1 (step 1 of 3: 2 steps to go)"
+            in capsys.readouterr().out)
+    for f in (run_dir / "checkpoints" / "1" / "state").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:10])
+    proc = _launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
+    _assert_one_line_status_2(proc.returncode, proc.stderr, "the one checkpoint in "
+                              f"{run_dir}/checkpoints is unreadable; move it aside")
+    warning = next(line for line in proc.stdout.splitlines() if "is unreadable" in line)
+    assert "Error reading" in warning and "pybind" not in warning and len(warning) < 400, warning
+    assert len(proc.stdout.splitlines()) < 15, proc.stdout
 
 
 @pytest.mark.parametrize("overrides,verdict", [
