@@ -10,7 +10,8 @@
     python launch.py --strict ...                    # a set-up problem stops the run (exit 2)
 
 Before training, the set-up checks of tools/doctor.py run (jaxtron/doctor.py): each problem is one
-`warning: ...` line naming the fix; with --strict, one `error: ...` line each and exit status 2.
+`warning: ...` line naming the fix; with --strict, one `launch.py: error: ...` line each and exit
+status 2.
 
 Exit status: 0 done; 2 bad input (one line says what to change), or with --strict a set-up
 problem; 3 stopped on a non-finite loss
@@ -122,6 +123,7 @@ def _check_data(cfg) -> str:
     from jaxtron.tokenizer import load_tokenizer
 
     prepared.check_dataset(cfg.data, cfg.model.vocab_size)
+    prepared.check_eval(cfg.data, cfg.train.eval_every)
     if cfg.data.source == "arrayrecord":
         return f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
     if not cfg.data.tokenizer:

@@ -31,6 +31,7 @@ import numpy as np
 from absl import flags as absl_flags
 
 from jaxtron import corpus as corpus_lib
+from jaxtron import prepared
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
 from jaxtron.prepared import check_dataset, mixture_summary, read_manifest, split_documents
 from jaxtron.tokenizer import load_tokenizer
@@ -165,9 +166,8 @@ def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
     parts = []
     for k, entry in enumerate(data.mixture):
         docs = split_documents(entry.path, "train" if seed is not None else "val")
-        if docs is None:  # check_dataset made sure every train split has documents
-            raise ConfigError(f"data.mixture path {entry.path}: the val split is empty; set "
-                              "train.eval_every=0 or prepare the dataset with a val fraction")
+        if docs is None:  # check_dataset and check_eval made sure every split has documents
+            raise ConfigError(prepared.empty_val(entry.path))
         parts.append(shuffle_and_shard(docs, seed, stream=2 + k) if seed is not None
                      else docs.repeat(None))
     weights = [entry.weight for entry in data.mixture]

@@ -114,6 +114,19 @@ def check_dataset(data: DataConfig, vocab_size: int) -> None:
         _check_mixture(data, vocab_size)
 
 
+def check_eval(data: DataConfig, eval_every: int) -> None:
+    """With eval on (train.eval_every > 0), every prepared dataset has val documents."""
+    if eval_every > 0 and data.source == "arrayrecord":
+        for entry in data.mixture:
+            if not read_manifest(entry.path)["splits"]["val"]["documents"]:
+                raise ConfigError(empty_val(entry.path))
+
+
+def empty_val(path: str) -> str:
+    return (f"data.mixture path {path}: the val split is empty; set train.eval_every=0, or "
+            "prepare the dataset again with a larger --val-fraction")
+
+
 def dataset_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
     """The tokenizer the batches are made with: the datasets' own when source=arrayrecord."""
     if data.source != "arrayrecord":

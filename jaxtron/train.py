@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import cli, distributed, goodput, memory, parallel, pipeline
+from jaxtron import cli, distributed, goodput, memory, parallel, pipeline, prepared
 from jaxtron import metrics as metrics_lib
 from jaxtron.checkpoint import Checkpoints, check_start
 from jaxtron.config import Config, ConfigError
@@ -58,6 +58,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
 
     # Input: checked against the model (sources, mixture, tokenizer) before run.dir is written.
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+    prepared.check_eval(cfg.data, cfg.train.eval_every)
     # Every process reads the same global batches; global_batch gives each device its shard.
     batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)
     eval_batches = []

@@ -356,6 +356,20 @@ def test_arrayrecord_eval_batches_come_from_the_val_splits(cfg, datasets):
     assert data_lib.make_eval_batches(empty, TrainConfig(eval_every=0), VOCAB) == []
 
 
+def test_the_dry_run_refuses_an_empty_val_split_as_the_run_would(datasets, capsys, tmp_path):
+    """Eval needs every dataset's val split: the dry run says so, not the run after compiling."""
+    import launch
+
+    data = ["data.source=arrayrecord", f"data.mixture=[{{path: {datasets['c']}, weight: 1}}]",
+            f"run.dir={tmp_path / 'run'}", "model.vocab_size=8192", "--dry-run"]
+    assert launch.main([*data, "train.eval_every=5"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"launch.py: error: data.mixture path {datasets['c']}: the val split is empty; "
+                   "set train.eval_every=0, or prepare the dataset again with a larger "
+                   "--val-fraction\n")
+    assert launch.main([*data, "train.eval_every=0"]) == 0
+
+
 def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
     ok = mixture(datasets, cfg.cache_dir, ("a", 0.5), ("b", 0.5))
     data_lib.check_dataset(ok, VOCAB)
