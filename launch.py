@@ -24,8 +24,10 @@ Several processes: when one dies, JAX aborts the others (SIGABRT) within about 3
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
@@ -186,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stopped by a signal before training started (nothing to save); run the same "
               "command to start", file=sys.stderr)
+        if any(t.name == "compile" and t.is_alive() for t in threading.enumerate()):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PREEMPTED)  # an exit that waited would abort inside XLA's compile
         return EXIT_PREEMPTED
 
 
@@ -248,8 +254,6 @@ def _check_options(args: argparse.Namespace) -> None:
 def preflight(cfg, args: argparse.Namespace) -> int:
     """tools/doctor.py's checks (a collective with several processes); process 0 prints the
     problems. The exit status: 2 under --strict when there is any, else 0."""
-    import os
-
     import jax
 
     from jaxtron import doctor

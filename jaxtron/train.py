@@ -104,9 +104,11 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
                 return []
+            run.preemption.before_training()
+            log.info("compiling the train step (Ctrl-C stops here without saving)")
             with run.watch.time("compile"), _compile_cache_events() as events:
                 lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
-                run.step_fn = lowered.compile()
+                run.step_fn = _compiled(lowered, run.preemption)
             cache = ""  # whether run.compile_cache had it, if it is on
             if events:
                 cache = " (and stored in " if "misses" in events else " (loaded from "
@@ -115,7 +117,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
             return _loop(cfg, run, state, start, tokens_seen)
     except BaseException as e:
-        outcome = "preempted" if isinstance(e, Preempted) else f"failed: {type(e).__name__}"
+        outcome = ("preempted" if isinstance(e, Preempted) else "stopped before training"
+                   if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}")
         raise
     finally:
         _finish(run, run_dir, outcome)
@@ -169,6 +172,27 @@ def _compile_cache_events():
         yield events
     finally:
         jax.monitoring.unregister_event_listener(listen)
+
+
+def _compiled(lowered, preemption: Preemption) -> Callable:
+    """lowered.compile() in a thread, so that a signal during a long compile (minutes for a large
+    model) stops the start at once instead of after it; the main thread waits and watches."""
+    done: dict = {}
+
+    def work() -> None:
+        try:
+            done["compiled"] = lowered.compile()
+        except BaseException as e:  # noqa: BLE001 - raised again in the main thread
+            done["error"] = e
+
+    thread = threading.Thread(target=work, name="compile", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        preemption.before_training()
+    if "error" in done:
+        raise done["error"]
+    return done["compiled"]
 
 
 def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
@@ -260,6 +284,12 @@ class Preemption:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def before_training(self) -> None:
+        """Before the first step there is nothing new to save: a signal stops the start now
+        (KeyboardInterrupt: exit 75, rerun to start) rather than after a compile and a step."""
+        if self.signal is not None:
+            raise KeyboardInterrupt
 
     def requested(self, step: int) -> bool:
         if jax.process_count() > 1:

@@ -110,3 +110,25 @@ def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path):
     assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
     assert _saved_steps(run_dir) == [STEPS]
     assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
+
+
+def test_ctrl_c_during_start_up_stops_before_the_first_step(tmp_path):
+    """SIGINT once the log says the step is compiling: exit 75 at once, nothing trained or saved. Before, the signal waited for the compile and a
+    training step, which it then checkpointed."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run_dir, "checkpoint.every=1000", "model.num_layers=8"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "compiling the train step" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by a signal before training started")
+    assert not (run_dir / "metrics.jsonl").read_text().strip()  # no step ran
+    assert not (run_dir / "checkpoints").exists() or _saved_steps(run_dir) == []
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    assert goodput[-1]["outcome"] == "stopped before training", goodput
