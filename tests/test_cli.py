@@ -41,3 +41,16 @@ def test_bad_input_is_one_line_naming_the_script(tmp_path, script):
         assert (run.returncode, out, err.count("\n")) == (2, "", 1), (out, err)
         assert err.startswith(f"{name}: error: ") and says in err, err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_python_without_the_dependencies_is_told_to_activate_the_environment():
+    """`python launch.py --help` outside the virtual environment (here: -S, no site-packages)
+    was a ModuleNotFoundError traceback from deep in the config's imports."""
+    run = subprocess.run([sys.executable, "-S", str(ROOT / "launch.py"), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert run.stderr.startswith(f"launch.py: error: this Python ({sys.executable}) lacks "
+                                 "jaxtron's dependencies (jax, "), run.stderr
+    assert run.stderr.rstrip().endswith("activate its environment (. .venv/bin/activate) or "
+                                        "install them (pip install -e .)")
+    assert len(run.stderr.splitlines()) == 1
