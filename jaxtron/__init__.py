@@ -25,6 +25,6 @@ def _check_installed() -> None:
 
 _check_installed()
 
-from jaxtron.xla_flags import load_plugins_quietly  # noqa: E402 - after the check above
+from jaxtron.xla_flags import load_plugins_quietly  # after the check above
 
 load_plugins_quietly()  # before any command's first output (see its docstring)
