@@ -7,7 +7,9 @@ carry the current mesh's shardings, so no second, unsharded copy of the state is
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import shutil
 import sys
 import time
@@ -86,6 +88,7 @@ class Checkpoints:
         are no checkpoints; an error when there are some but none is readable (then nothing is
         moved). That they hold this model was checked by check_start, before run.dir was touched."""
         steps, damaged = self.steps(), []
+        _quiet_abandoned_reads()  # before reading: they may land as a failed restore unwinds
         for step in steps:
             try:
                 state, meta = self.restore(step, abstract_state, shardings)
@@ -93,7 +96,7 @@ class Checkpoints:
                 self._move_aside(damaged, warn)
                 return step, state, meta
             except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
-                _quiet_abandoned_reads()
+                atexit.register(_silence_shutdown)  # reads still in flight finish into the void
                 if jax.process_count() > 1:  # the others may have read it: none may go on alone
                     raise ConfigError(
                         f"checkpoint {self.manager.directory / str(step)} is unreadable on process "
@@ -139,10 +142,14 @@ def read_error(e: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
+def _late(error: BaseException | None) -> bool:
+    """An abandoned read completing into the event loop its failed restore closed."""
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
 def _abandoned(error: BaseException | None) -> bool:
-    """An abandoned read's leftovers: its error, or its completion arriving at a closed loop."""
-    return ("Encountered error while reading" in str(error)
-            or (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"))
+    """An abandoned read's leftovers: its own error, never retrieved, or its late completion."""
+    return "Encountered error while reading" in str(error) or _late(error)
 
 
 def _quiet_abandoned_reads() -> None:
@@ -161,11 +168,20 @@ def _quiet_abandoned_reads() -> None:
             unraisable(info)
 
     def quiet_excepthook(kind, error, traceback):
-        if not _abandoned(error):
+        if not _late(error):  # a read error that reaches the top is shown
             excepthook(kind, error, traceback)
 
     quiet_unraisable.quiet_reads = True
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
+
+
+def _silence_shutdown() -> None:
+    """After a failed restore, once the command's last line is out: what the interpreter prints
+    while it shuts down (reads completing into a closed event loop, past the hooks above) goes
+    to /dev/null."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
 def check_start(run_dir: Path, model: ModelConfig, restore: str) -> None:
@@ -253,12 +269,33 @@ def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.
     `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
     the start); an imported model (tools/convert_hf.py import) holds nothing else."""
     directory = _restore_dir(path, model)
+    _quiet_abandoned_reads()
+    try:
+        return _restore_from(directory, abstract_state, shardings, batches, weights_only, path)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: one line, not Orbax's spec dump
+        atexit.register(_silence_shutdown)
+        raise ConfigError(f"checkpoint.restore={path}: {directory} is unreadable ({read_error(e)})"
+                          "; restore from another checkpoint") from None
+
+
+def _read_only_notes(record: logging.LogRecord) -> bool:
+    """Orbax's three warnings that a manager we made read-only is read-only: not shown."""
+    text = record.getMessage()
+    return not (text.startswith("CheckpointManagerOptions.read_only=True")
+                or text.startswith("Given directory is read only"))
+
+
+def _restore_from(directory: Path, abstract_state: Any, shardings: Any,
+                  batches: grain.DatasetIterator, weights_only: bool, path: str) -> tuple[dict, dict]:
     if weights.read_meta(directory).get("layout") == weights.LAYERED:
         if not weights_only:
             raise ConfigError(f"checkpoint.restore={path} holds imported weights only (no optimizer"
                               " state or data position); add checkpoint.weights_only=true")
         params = weights.restore_layers(directory, abstract_state["params"], shardings["params"])
         return {"params": params}, weights.read_meta(directory)
+    logging.getLogger("absl").addFilter(_read_only_notes)
     manager = ocp.CheckpointManager(directory.parent, item_names=("state", "data", "meta"),
                                     options=ocp.CheckpointManagerOptions(read_only=True))
     try:
