@@ -206,7 +206,8 @@ def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
     if not run.log.is_main:
         return
     summary = goodput.summarize(goodput.append(run_dir, record, run.log.info))
-    run.log.info(goodput.format_summary(summary))
+    if record["last_step"] != record["resumed_from"]:  # a start that failed ends on its error
+        run.log.info(goodput.format_summary(summary))
     run.log.scalars("goodput", summary, record["last_step"] or 0)
 
 
