@@ -85,9 +85,16 @@ def check_run_dir(path: str, key: str = "run.dir") -> None:
     if not str(path).strip():
         raise ConfigError(f"{key} is empty; name a directory (e.g. {key}=runs/NAME)")
     target = Path(path)
-    if target.exists() and not target.is_dir():
+    try:
+        is_file = target.exists() and not target.is_dir()
+    except OSError as e:  # a name longer than the filesystem allows
+        raise ConfigError(f"{key}={path} cannot be used ({e.strerror}); choose a shorter "
+                          "path") from None
+    if is_file:
         raise ConfigError(f"{key}={path} is a file; set {key} to a directory (a new one, or "
                           "a run to resume)")
+    if key == "run.dir" and target.is_dir():
+        _check_is_a_run(target, path)
     existing = target
     while not existing.exists():
         existing = existing.parent
@@ -100,6 +107,18 @@ def check_run_dir(path: str, key: str = "run.dir") -> None:
     except OSError as e:
         raise ConfigError(f"{key}={path} cannot be written ({e.strerror}); choose a directory "
                           "you can write") from None
+
+
+RUN_FILES = ("config.yaml", "checkpoints", "metrics.jsonl", "goodput.json")  # what a run writes
+
+
+def _check_is_a_run(directory: Path, path: str) -> None:
+    """A run.dir that holds files but no run's (a source tree, a dataset) is not written into."""
+    names = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+    if names and not any(name in RUN_FILES for name in names):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ConfigError(f"run.dir={path} holds other files ({shown}) and no run; set run.dir to "
+                          "a new or empty directory, or to a run to resume")
 
 
 def plural(n: int, noun: str) -> str:

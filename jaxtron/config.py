@@ -1,7 +1,7 @@
 """Typed, frozen run configuration: YAML presets + gin-style `section.key=value` overrides.
 
-OmegaConf merges and converts types against the dataclass schema; this module adds `base:`
-inheritance, strict YAML (strict_yaml.py), closest-name suggestions for unknown keys, and one-line
+OmegaConf merges and converts types against the dataclass schema (presets.py reads the files);
+this module adds closest-name suggestions for unknown keys, range checks, and one-line
 `ConfigError`s that `launch.py` turns into exit status 2."""
 
 from __future__ import annotations
@@ -20,16 +20,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
-from jaxtron import strict_yaml
+from jaxtron import presets
+from jaxtron.errors import ConfigError  # every module imports it from here
 
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("stdlib", "arrayrecord")  # data.source: the built-in corpus, or prepared datasets
-PRESETS = Path(__file__).resolve().parent.parent / "configs"  # `--config NAME` hints at these
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-class ConfigError(ValueError):
-    """A problem with the user's configuration; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +148,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0  # steps between saves; 0 saves only at the end (and on SIGTERM/SIGINT/SIGHUP)
+    every: int = 500  # steps between saves; 0 saves only at the end (and on SIGTERM/SIGINT/SIGHUP)
     keep: int = 3  # the latest this many are kept ...
     keep_every: int = 0  # ... plus, permanently, every step that is a multiple of this (0: none)
     # if run.dir has none, start from this checkpoint (.../checkpoints/<step>), or the newest of a
@@ -221,69 +217,11 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
                 _check_keys(item, typing.get_args(sub)[0], f"{path}[{i}].")
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """Read a preset, merging it over the file its `base:` names (relative to it)."""
-    if path.exists() and not path.is_file():  # a directory, /dev/null
-        presets = ", ".join(sorted(p.name for p in path.glob("*.yaml"))[:8]) if path.is_dir() else ""
-        raise ConfigError(f"--config {path} is {'a directory' if path.is_dir() else 'not a file'}"
-                          "; give one preset file" + (f" from it ({presets})" if presets else ""))
-    if not path.is_file():
-        preset = PRESETS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-        hint = (not seen and preset.is_file()  # `--config tiny`, `--config configs/tiny`
-                and (len(path.parts) == 1 or path.parent.resolve() == PRESETS))
-        raise ConfigError(f"config file not found: {path}"
-                          + (f" (did you mean --config {_shown(preset)}?)" if hint else ""))
-    if path.resolve() in seen:
-        raise ConfigError(f"config files extend each other in a cycle: {path}")
-    try:
-        tree = strict_yaml.load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
-    if tree is None:
-        raise ConfigError(f"{path} is empty (or only comments): a preset maps sections to keys "
-                          "and values, e.g. `train:` then `  steps: 100`; see configs/tiny.yaml")
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    base = tree.pop("base", None)
-    if base is None:
-        return tree
-    if not (path.parent / base).is_file():
-        raise ConfigError(f"{path}: base: {base} names no file ({path.parent / base}); a base "
-                          "path is relative to the preset that names it")
-    parent = _read_yaml(path.parent / base, seen + (path.resolve(),))
-    return OmegaConf.to_container(OmegaConf.merge(parent, tree))
-
-
-def _shown(path: Path) -> str:
-    """`path` relative to the working directory when it is under it, else absolute."""
-    relative = os.path.relpath(path)
-    return str(path) if relative.startswith("..") else relative
-
-
-def _parse_override(item: str) -> tuple[str, Any]:
-    key, sep, raw = item.partition("=")
-    if not sep or not all(part.strip() for part in key.split(".")):
-        preset = f"; a preset is loaded with --config {item}" if item.endswith(".yaml") else ""
-        raise ConfigError(f"'{item}': an override is section.key=value, e.g. train.steps=100"
-                          + preset)
-    try:
-        value = strict_yaml.load(raw) if raw else ""
-    except yaml.YAMLError:
-        value = raw
-    node: Any = value
-    for part in reversed(key.strip().split(".")):
-        node = {part: node}
-    return key.strip(), node
-
-
 def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
-    layers = [_read_yaml(Path(f)) for f in files]
+    layers = [presets.read(Path(f)) for f in files]
     for item in overrides:
-        layers.append(_parse_override(item)[1])
+        layers.append(presets.parse_override(item)[1])
     merged = OmegaConf.structured(Config)
     for layer in layers:
         _check_keys(layer, Config, "")
@@ -291,9 +229,23 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
             merged = OmegaConf.merge(merged, layer)
         except oc_errors.ValidationError as e:
             raise ConfigError(_bad_value(e)) from None
-    cfg = OmegaConf.to_object(merged)
+    cfg = _home_expanded(OmegaConf.to_object(merged))
     check_values(cfg)
     return cfg
+
+
+def _home_expanded(cfg: Config) -> Config:
+    """`~` at the start of a path field is the home directory, as in a shell (which leaves the
+    `~` of `run.dir=~/x` alone: the run would write into a directory named `~`)."""
+    home = os.path.expanduser
+    d = cfg.data
+    data = dataclasses.replace(d, tokenizer=home(d.tokenizer), cache_dir=home(d.cache_dir),
+                               mixture=[dataclasses.replace(e, path=home(e.path))
+                                        for e in d.mixture])
+    run = dataclasses.replace(cfg.run, dir=home(cfg.run.dir),
+                              compile_cache=home(cfg.run.compile_cache))
+    restore = dataclasses.replace(cfg.checkpoint, restore=home(cfg.checkpoint.restore))
+    return dataclasses.replace(cfg, data=data, run=run, checkpoint=restore)
 
 
 def _bad_value(e: oc_errors.ValidationError) -> str:

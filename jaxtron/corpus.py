@@ -30,16 +30,23 @@ def cache_dir(data: DataConfig) -> Path:
 
 
 def write_atomic(path: Path, payload: bytes) -> None:
-    """Write a file so that readers see either nothing or all of it, even with racing writers."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write a file so that readers see either nothing or all of it, even with racing writers.
+    A cache that cannot take it (read-only, full) is a ConfigError naming the settings to change."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache should be readable by others
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ConfigError(f"cannot write {path.name} into the cache {path.parent} "
+                              f"({e.strerror}); set data.cache_dir (or JAXTRON_CACHE) to a "
+                              "writable directory with space") from None
         raise
 
 

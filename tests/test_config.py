@@ -177,3 +177,36 @@ def test_a_device_file_as_config_is_not_called_missing():
     with pytest.raises(config.ConfigError, match=r"^--config /dev/null is not a file; give one "
                                                  r"preset file$"):
         config.load(["/dev/null"])
+
+
+def test_a_preset_without_a_checkpoint_section_still_checkpoints_during_a_long_run(tmp_path):
+    """The schema's own cadence: a user preset (or the one the importer writes) with no
+    checkpoint section saved only at the end, so a crash lost the whole run."""
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("train:\n  steps: 100000\n")
+    assert 0 < config.load([preset]).checkpoint.every < 100000
+
+
+@pytest.mark.parametrize("text,message", [
+    (b"train:\n  steps: \xff\xfe\n", r"mine\.yaml: not UTF-8 text \(byte 16\); save the preset as "
+                                     r"UTF-8$"),
+    (b"base: [a.yaml]\n", r"mine\.yaml: base: \['a\.yaml'\] should be one file name"),
+    (b"base: 5\n", r"mine\.yaml: base: 5 should be one file name, e.g. base: gpu_base\.yaml$"),
+])
+def test_a_malformed_preset_is_one_line(tmp_path, text, message):
+    preset = tmp_path / "mine.yaml"
+    preset.write_bytes(text)
+    with pytest.raises(config.ConfigError, match=message):
+        config.load([preset])
+
+
+def test_a_tilde_in_a_path_is_the_home_directory(monkeypatch, tmp_path):
+    """bash leaves the `~` of `run.dir=~/x` alone; a run wrote into a directory named `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config.load([], ["run.dir=~/runs/a", "checkpoint.restore=~/runs/b",
+                           "data.cache_dir=~/cache", "run.compile_cache=~/xla",
+                           "data.mixture=[{path: ~/ds, weight: 1}]", "data.tokenizer=~/tok.model"])
+    assert (cfg.run.dir, cfg.checkpoint.restore) == (f"{tmp_path}/runs/a", f"{tmp_path}/runs/b")
+    assert (cfg.data.cache_dir, cfg.run.compile_cache) == (f"{tmp_path}/cache", f"{tmp_path}/xla")
+    assert (cfg.data.mixture[0].path, cfg.data.tokenizer) == (f"{tmp_path}/ds",
+                                                              f"{tmp_path}/tok.model")

@@ -1,6 +1,7 @@
 """The real entry point: a 3-step run on `tiny`, the dry run, and every bad input -> one line, exit 2."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -457,3 +458,33 @@ def test_an_empty_run_dir_is_refused_not_the_working_directory(tmp_path, monkeyp
     out, err = capsys.readouterr()
     _assert_one_line_status_2(rc, err, "run.dir is empty; name a directory")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_dir_holding_other_files_is_not_written_into(tmp_path, capsys, monkeypatch):
+    """`run.dir=.` in a source tree (or a dataset directory) would have mixed config.yaml,
+    checkpoints/ and metrics.jsonl into the user's files; a directory of a run, an empty one and a
+    new one are fine."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for dry in ([], ["--dry-run"]):
+        rc = _main([*dry, *SMALL_RUN, "run.dir=."])
+        _assert_one_line_status_2(rc, capsys.readouterr().err, "run.dir=. holds other files (data, "
+                                  "notes.txt) and no run; set run.dir to a new or empty directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+    (tmp_path / "empty").mkdir()
+    assert _main(["--dry-run", *SMALL_RUN, "run.dir=empty"]) == 0
+    rc = _main(["--dry-run", *SMALL_RUN, f"run.dir={tmp_path / ('x' * 300)}"])
+    _assert_one_line_status_2(rc, capsys.readouterr().err, "cannot be used (File name too long)")
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
+    """The tokenizer trained on first use goes into the cache; a read-only or missing place was
+    an OSError traceback after the training."""
+    env = {**os.environ, "JAXTRON_CACHE": "/proc/jaxtron-cache"}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *SMALL_RUN,
+                           f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    _assert_one_line_status_2(proc.returncode, proc.stderr, "into the cache /proc/jaxtron-cache (")
+    assert "set data.cache_dir (or JAXTRON_CACHE) to a writable directory" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -74,8 +74,8 @@ def test_cycle_finder_finds_cycles():
 
 def test_the_schema_and_the_model_import_no_parallel_code():
     graph = _graph()
-    assert graph["jaxtron.config"] == {"jaxtron.strict_yaml"}  # a leaf: YAML read strictly
-    assert graph["jaxtron.strict_yaml"] == set()
+    assert graph["jaxtron.config"] == {"jaxtron.errors", "jaxtron.presets"}  # files -> dicts
+    assert graph["jaxtron.presets"] == {"jaxtron.errors"} and graph["jaxtron.errors"] == set()
     assert not graph["jaxtron.model"] & {"jaxtron.pipeline", "jaxtron.train", "jaxtron.step"}
 
 

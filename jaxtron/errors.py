@@ -1,0 +1,6 @@
+"""The one exception every layer raises for bad user input; commands turn it into one line and exit
+status 2 (jaxtron/cli.py)."""
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration; the message says what to change."""
