@@ -111,7 +111,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")
     for name, size in terms.items():
         print(f"  {name}: {_gib(size)}")
-    print(_verdict(total, gpu, cfg, num_devices))
+    print(_verdict(terms, gpu, cfg, num_devices))
     print("resolved config:")
     print(config_lib.to_yaml(cfg), end="")
 
@@ -138,23 +138,27 @@ def _check_data(cfg) -> str:
 
 
 CLOSE_CALL = 0.1  # nearer the limit than this share, the estimate cannot tell: compile it
+ACTIVATIONS = ("saved_activations", "lm_head_and_loss", "layer_backward", "embedding_backward",
+               "pipeline_buffers")  # memory.estimate's terms that shrink with the microbatch
 
 
-def _verdict(total: int, gpu: str | None, cfg, num_devices: int) -> str:
-    """The estimate against what jax may allocate on --gpu's devices, or on the local one. On
-    GPUs, an estimate within CLOSE_CALL of the limit is no verdict: the compiled program says."""
+def _verdict(terms: dict[str, int], gpu: str | None, cfg, num_devices: int) -> str:
+    """The estimate against what jax may allocate on --gpu's devices, or on the local one (CPU
+    devices: this machine's available memory, which they share). On GPUs, an estimate within
+    CLOSE_CALL of the limit is no verdict: the compiled program says."""
     import jax
 
-    from jaxtron import aot
+    from jaxtron import aot, memory
 
+    total, local = sum(terms.values()), jax.devices()[0]
     if gpu:
-        usable = int(aot.capacity_bytes(gpu) * aot.usable_fraction(cfg))
-        where = f"one {gpu.upper()}"
+        usable, where = int(aot.capacity_bytes(gpu) * aot.usable_fraction(cfg)), f"one {gpu.upper()}"
+    elif local.platform == "cpu" and num_devices == jax.local_device_count():
+        return _host_verdict(total * num_devices, memory.available_host_bytes(), num_devices)
     else:
-        usable = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
-        where = f"this {jax.devices()[0].device_kind}"
+        usable, where = (local.memory_stats() or {}).get("bytes_limit", 0), f"this {local.device_kind}"
     if not usable:
-        return (f"verdict: no device memory limit known here ({jax.devices()[0].platform}); "
+        return (f"verdict: no device memory limit known here ({local.platform}); "
                 "add --gpu h100 (or h200) to compare")
     if gpu and abs(total - usable) <= CLOSE_CALL * usable:
         return (f"verdict: too close to call: {total / 2**30:.1f} GiB estimated, "
@@ -164,9 +168,33 @@ def _verdict(total: int, gpu: str | None, cfg, num_devices: int) -> str:
     if total <= usable:
         return (f"verdict: fits: {total / 2**30:.1f} of {usable / 2**30:.1f} GiB usable on "
                 f"{where} ({1 - total / usable:.0%} spare)")
-    remat_hint = "" if cfg.model.remat == "full" else " or set model.remat=full"
     return (f"verdict: DOES NOT FIT: {total / 2**30:.1f} GiB per device, {usable / 2**30:.1f} "
-            f"GiB usable on {where}; shard more (mesh.fsdp, mesh.tensor, mesh.stage){remat_hint}")
+            f"GiB usable on {where}; {_advice(terms, cfg)}")
+
+
+def _advice(terms: dict[str, int], cfg) -> str:
+    """What shrinks the largest terms: more microbatches for activations, more sharding for
+    the state; the two largest terms named."""
+    top = sorted(terms, key=terms.get, reverse=True)[:2]
+    named = " and ".join(f"{name} {terms[name] / 2**30:.1f} GiB" for name in top)
+    remat = "" if cfg.model.remat == "full" else ", model.remat=full"
+    if sum(terms[t] for t in ACTIVATIONS if t in terms) > sum(terms.values()) / 2:
+        return (f"mostly activations ({named}): raise train.microbatches (now "
+                f"{cfg.train.microbatches}){remat}, or shard more (mesh.tensor, mesh.stage)")
+    return f"mostly state ({named}): shard more (mesh.fsdp, mesh.tensor, mesh.stage){remat}"
+
+
+def _host_verdict(need: int, available: int, num_devices: int) -> str:
+    """CPU devices share this machine's memory: all of them against what is available."""
+    if not available:
+        return "verdict: no memory limit known here (cpu); add --gpu h100 (or h200) to compare"
+    devices = f"{num_devices} CPU device{'s' if num_devices > 1 else ''}"
+    if need <= available:
+        return (f"verdict: fits: {need / 2**30:.1f} GiB for {devices}, {available / 2**30:.1f} "
+                "GiB available on this machine")
+    return (f"verdict: DOES NOT FIT: {need / 2**30:.1f} GiB for {devices}, "
+            f"{available / 2**30:.1f} GiB available on this machine; run a smaller preset here "
+            "(configs/tiny.yaml), or size it for GPUs with --devices N --gpu h100")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -327,6 +327,44 @@ def test_dry_run_gives_a_verdict_against_the_gpu(capsys, overrides, verdict):
     assert out.index("verdict:") < out.index("resolved config:")  # the summary comes first
 
 
+@pytest.mark.parametrize("config,overrides,advice", [
+    ("llama3_8b", ["mesh.fsdp=8"], "mostly activations (lm_head_and_loss 41.1 GiB and "
+     "saved_activations 32.0 GiB): raise train.microbatches (now 1), or shard more"),
+    ("llama3_70b", ["mesh.data=64", "mesh.fsdp=1"], "mostly state (opt_state 525.7 GiB and params "
+     "262.8 GiB): shard more (mesh.fsdp, mesh.tensor, mesh.stage)"),
+])
+def test_a_layout_that_does_not_fit_is_told_what_shrinks_its_largest_terms(capsys, config,
+                                                                           overrides, advice):
+    """8B on 8 GPUs with fsdp=8 already: 'shard more (mesh.fsdp...)' could not help; more
+    microbatches can (tools/plan.py finds train.microbatches=2 at 65 GiB)."""
+    devices = "8" if config == "llama3_8b" else "64"
+    assert launch.main(["--config", f"configs/{config}.yaml", "--dry-run", "--devices", devices,
+                        "--gpu", "h100", *overrides]) == 0
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if "verdict" in line)
+    assert verdict.startswith("verdict: DOES NOT FIT: ") and advice in verdict, verdict
+    if config == "llama3_8b":  # and the advice holds
+        assert launch.main(["--config", f"configs/{config}.yaml", "--dry-run", "--devices", "8",
+                            "--gpu", "h100", *overrides, "train.microbatches=8"]) == 0
+        assert "verdict: fits" in capsys.readouterr().out
+
+
+def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch):
+    """The CPU devices share the host's memory: a 1B model said 'no limit known' and would have
+    been killed by the out-of-memory killer without a word."""
+    from jaxtron import memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 20 * 2**30)
+    assert launch.main(["--config", "configs/llama3_1b.yaml", "--dry-run", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    total = int(out.split("memory per device, estimated: ")[1].split(" bytes")[0].replace(",", ""))
+    assert (f"verdict: DOES NOT FIT: {8 * total / 2**30:.1f} GiB for 8 CPU devices, 20.0 GiB "
+            "available on this machine; run a smaller preset here") in out
+    assert launch.main(["--dry-run", "--devices", "8", "mesh.fsdp=8"]) == 0
+    assert "verdict: fits: " in capsys.readouterr().out
+    assert launch.main(["--dry-run", "--devices", "16", "mesh.fsdp=16"]) == 0  # not this machine
+    assert "verdict: no device memory limit known here (cpu)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["data.source=web"], "data.source=web is not one of stdlib, arrayrecord"),
     (["data.source=arrayrecord", "data.mixture=[{path: /nowhere, weight: 1}]"], "/nowhere"),
