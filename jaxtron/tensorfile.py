@@ -21,6 +21,7 @@ DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dt
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
           "BOOL": np.bool_}
 NAMES = {np.dtype(t): name for name, t in DTYPES.items()}
+MAX_HEADER = 100 * 2**20  # the reference reader's limit: a bigger size is not a header
 
 
 class TensorFileError(ValueError):
@@ -28,17 +29,29 @@ class TensorFileError(ValueError):
 
 
 def header(path: Path) -> tuple[dict, int]:
-    """(the JSON header without its metadata, the offset where tensor bytes start)."""
+    """(the JSON header without its metadata, the offset where tensor bytes start). A file shorter
+    than its header says (an interrupted download) is refused here, before any tensor is mapped."""
     with open(path, "rb") as f:
+        actual = f.seek(0, 2)
+        f.seek(0)
         raw = f.read(8)
-        if len(raw) < 8:
-            raise TensorFileError(f"{path} is not a safetensors file (too short)")
-        size = struct.unpack("<Q", raw)[0]
+        size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+        if len(raw) < 8 or size > MAX_HEADER:
+            raise TensorFileError(f"{path} is not a safetensors file "
+                                  f"({'too short' if len(raw) < 8 else 'no header size'})")
+        if actual < 8 + size:
+            raise TensorFileError(f"{path} is truncated ({actual} bytes, shorter than its "
+                                  f"{8 + size}-byte header); download it again")
         try:
             entries = json.loads(f.read(size))
-        except (ValueError, UnicodeDecodeError, MemoryError, OverflowError):
+            entries.pop("__metadata__", None)
+            promised = 8 + size + max((int(e["data_offsets"][1]) for e in entries.values()),
+                                      default=0)
+        except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError):
             raise TensorFileError(f"{path} is not a safetensors file (unreadable header)") from None
-    entries.pop("__metadata__", None)
+    if actual < promised:
+        raise TensorFileError(f"{path} is truncated ({actual} of {promised} bytes the header "
+                              "promises); download it again")
     return entries, 8 + size
 
 

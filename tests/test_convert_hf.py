@@ -253,6 +253,28 @@ def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, messa
         assert not out.exists()
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("cut", "{f} is truncated ({n} of {m} bytes the header promises); download it again"),
+    ("cut_header", "{f} is truncated (20 bytes, shorter than its {h}-byte header); download it "
+     "again"),
+    ("not_json", "{f} is not a safetensors file (unreadable header)"),
+    ("short", "{f} is not a safetensors file (too short)"),
+])
+def test_a_damaged_safetensors_file_is_one_line(tmp_path, capsys, damage, message):
+    """An interrupted download (the file shorter than its header promises), a header that is not
+    JSON, a file of 3 bytes: one line naming the file, before any tensor is memory-mapped."""
+    _save("llama2", tmp_path / "hf", max_shard_size="10GB")
+    f = tmp_path / "hf" / "model.safetensors"
+    data = f.read_bytes()
+    h = 8 + int.from_bytes(data[:8], "little")
+    f.write_bytes({"cut": data[:-1000], "cut_header": data[:20], "short": data[:3],
+                   "not_json": data[:8] + b"{" * (h - 8) + data[h:]}[damage])
+    err = _one_line(capsys, 2, "import", tmp_path / "hf", tmp_path / "imp")
+    assert err == "convert_hf.py: error: " + message.format(f=f, n=len(data) - 1000, m=len(data),
+                                                             h=h) + "\n"
+    assert not (tmp_path / "imp").exists()
+
+
 def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
     """The Hub's tokenizer format travels with the weights: import copies tokenizer.json and its
     config, the preset points data.tokenizer at them, and training on text starts each document

@@ -322,3 +322,17 @@ def test_cli_broken_json_in_the_directory_is_one_line(case, tool, tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"generate.py: error: {message}".format(
         d=tmp_path / "hf")), err
+
+
+def test_cli_truncated_weights_are_one_line(case, tool, tmp_path, capsys):
+    """An interrupted download: the file is shorter than its header promises, said in one line
+    (it was numpy's 'mmap length is greater than file size')."""
+    _, path, _, _ = case
+    shutil.copytree(path, tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) // 2])
+    assert tool.main([str(tmp_path / "hf"), "--tokens", "1,2", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (f"generate.py: error: {f} is truncated ({len(data) // 2} "
+                                       f"of {len(data)} bytes the header promises); download it "
+                                       "again\n")
