@@ -37,6 +37,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -254,8 +255,10 @@ def _hf_bos(hf: Any, config: dict, where: str) -> int:
     return next((i for i in ids if i is not None), -1)
 
 
-def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
-    """A serialized SentencePiece model trained on `lines` (deterministic for given lines)."""
+def train_tokenizer(lines: list[str], vocab_size: int, setting: str = "model.vocab_size={}",
+                    more_text: str = "more text") -> bytes:
+    """A serialized SentencePiece model trained on `lines` (deterministic for given lines); a
+    refusal names the fix in `setting`, the caller's name for the vocabulary size."""
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -263,10 +266,26 @@ def train_tokenizer(lines: list[str], vocab_size: int) -> bytes:
             num_threads=min(os.cpu_count() or 1, 16), minloglevel=2, **TRAINER_SETTINGS,
         )
     except RuntimeError as e:
-        reason = str(e).splitlines()[0].split("] ")[-1] if str(e) else type(e).__name__
-        message = f"cannot train a tokenizer with model.vocab_size={vocab_size}: {reason}"
+        reason = _trainer_advice(str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                 setting, more_text)
+        message = f"cannot train a tokenizer with {setting.format(vocab_size)}: {reason}"
         raise ConfigError(message) from None
     return model.getvalue()
+
+
+def _trainer_advice(reason: str, setting: str, more_text: str) -> str:
+    """SentencePiece's reason for refusing to train, as what the user can change (its own advice
+    names flags of its trainer, such as --character_coverage, that jaxtron has not)."""
+    if found := re.search(r"smaller than required_chars\. \d+ vs (\d+)", reason):
+        return (f"too few pieces for the sample's characters and the 256 byte pieces; use "
+                f"{setting.format(found[1])} or more")
+    if found := re.search(r"Vocabulary size too high \(\d+\)\. .* <= (\d+)", reason):
+        return (f"the sample is too small for that many pieces; use {setting.format(found[1])} "
+                f"or less, or {more_text}")
+    if "!sentences_.empty()" in reason:  # every line is longer than the trainer takes
+        return (f"no line of the text is shorter than {TRAINER_SETTINGS['max_sentence_length']:,} "
+                "bytes, and longer lines are not trained on; give text with line breaks")
+    return reason.split("] ")[-1] or reason
 
 
 def load_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:

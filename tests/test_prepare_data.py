@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
+from jaxtron.config import ConfigError
 from jaxtron.tokenizer import train_tokenizer
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_data.py"
@@ -374,6 +375,21 @@ def test_a_vocabulary_sentencepiece_refuses_names_the_fix(tmp_path, vocab, advic
                     check=False)
     assert done.returncode == 2 and not (tmp_path / "ds").exists()
     assert done.stderr.splitlines()[-1].endswith(f"error: --train-tokenizer {vocab}: {advice}")
+
+
+def test_sentencepieces_own_flags_are_not_the_advice_of_a_vocabulary_refusal():
+    """Training for launch.py's default corpus names model.vocab_size, not SentencePiece's
+    --character_coverage; a sample of only over-long lines says so rather than nothing."""
+    with pytest.raises(ConfigError) as e:
+        train_tokenizer(["abc def", "日本語の文章です"] * 20, 100)
+    assert str(e.value) == ("cannot train a tokenizer with model.vocab_size=100: too few pieces "
+                            "for the sample's characters and the 256 byte pieces; use "
+                            "model.vocab_size=275 or more")
+    with pytest.raises(ConfigError) as e:
+        train_tokenizer(["word " * 20_000], 300)
+    assert str(e.value).endswith("model.vocab_size=300: no line of the text is shorter than "
+                                 "65,536 bytes, and longer lines are not trained on; give text "
+                                 "with line breaks")
 
 
 def test_no_progress_bar_when_stderr_is_a_log_and_counts_read_as_english(tmp_path, tokenizer):

@@ -18,7 +18,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import re
 import shutil
 import signal
 import sys
@@ -226,23 +225,11 @@ def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path)
     print(f"training a {args.train_tokenizer}-piece tokenizer on {counted(len(lines), 'line')}",
           file=sys.stderr)
     try:
-        model = train_tokenizer(lines, args.train_tokenizer)
-    except ConfigError as e:
-        reason = str(e).split(": ", 1)[-1]
-        raise ConfigError(f"--train-tokenizer {args.train_tokenizer}: {advice(reason)}") from None
+        model = train_tokenizer(lines, args.train_tokenizer, "--train-tokenizer {}",
+                                "more text (the inputs, --sample-bytes)")
+    except ConfigError as e:  # its line starts "cannot train a tokenizer with --train-tokenizer"
+        raise ConfigError(str(e).split(" with ", 1)[-1]) from None
     return Tokenizer({SP_FILE: model}, "--train-tokenizer")
-
-
-def advice(reason: str) -> str:
-    """SentencePiece's reason for refusing a vocabulary size, as the fix on this command line
-    (its own names flags of its trainer, such as --character_coverage, that this tool has not)."""
-    if found := re.search(r"smaller than required_chars\. \d+ vs (\d+)", reason):
-        return (f"too few pieces for the sample's characters and the 256 byte pieces; use "
-                f"--train-tokenizer {found[1]} or more")
-    if found := re.search(r"Vocabulary size too high \(\d+\)\. .* <= (\d+)", reason):
-        return (f"the sample is too small for that many pieces; use --train-tokenizer "
-                f"{found[1]} or less, or more text (the inputs, --sample-bytes)")
-    return reason
 
 
 def write_tokenizer(out: Path, tok: Tokenizer) -> None:
