@@ -56,10 +56,22 @@ def locate(path: str | Path) -> tuple[Path | None, Path]:
         return None, path.absolute()
     checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = complete_steps(checkpoints_dir) if checkpoints_dir.is_dir() else []
+    if not steps and (path / "config.yaml").is_file():
+        raise ConfigError(f"{path} is a run with no complete checkpoint yet "
+                          f"({_saves(path / 'config.yaml')}); inspect it after the first save")
     if not steps:
         raise ConfigError(f"{path}: not a checkpoint (.../checkpoints/<step>), nor a run, import "
                           "or checkpoints directory holding a complete one")
     return checkpoints_dir.absolute(), steps[-1].absolute()
+
+
+def _saves(config_yaml: Path) -> str:
+    """When the run of `config_yaml` saves: 'checkpoint.every=500', or why that is not known."""
+    try:
+        every = config_lib.load([str(config_yaml)]).checkpoint.every
+    except (ConfigError, OSError):
+        return f"its {config_yaml.name} does not load"
+    return f"checkpoint.every={every}" + (": it saves only at the end" if every == 0 else "")
 
 
 def read_meta(step_dir: Path) -> dict:

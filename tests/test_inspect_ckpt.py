@@ -85,6 +85,20 @@ def test_not_a_checkpoint_exits_2_with_one_line(run_dir, tmp_path, name):
     assert len(result.stderr.splitlines()) == 1 and str(path) in result.stderr
 
 
+def test_a_run_with_no_checkpoint_yet_is_called_so(run_dir, tmp_path):
+    """A run still before its first save (its config.yaml and metrics, checkpoints/ empty or not
+    made yet): one line saying so and when it saves, not 'not a run'."""
+    for name in ("config.yaml", "metrics.jsonl"):
+        (tmp_path / name).write_bytes((run_dir / name).read_bytes())
+    result = _inspect(tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"inspect_ckpt.py: error: {tmp_path} is a run with no complete "
+                             "checkpoint yet (checkpoint.every=1); inspect it after the first "
+                             "save\n"), result.stderr
+    (tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-1").mkdir(parents=True)  # mid-save
+    assert "is a run with no complete checkpoint yet" in _inspect(tmp_path).stderr
+
+
 def test_no_path_is_one_usage_line():
     result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True,
                             timeout=120)
