@@ -197,30 +197,64 @@ def _host_verdict(need: int, available: int, num_devices: int) -> str:
             "(configs/tiny.yaml), or size it for GPUs with --devices N --gpu h100")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    from jaxtron.checkpoint import CheckpointSaveError
-    from jaxtron.cli import one_line_errors
-    from jaxtron.train import NonFiniteError, Preempted
+class _StartupSignals:
+    """SIGTERM/SIGINT/SIGHUP until the training loop takes them over (a checkpoint, then 75): a
+    signal stops start-up with 75 too; nothing was trained, so a batch system's requeue loses
+    nothing. While modules import it only records (a KeyboardInterrupt inside an extension's
+    import becomes an ImportError); then it raises. The loop's handler reads `signalled`."""
 
+    def __init__(self):
+        self.signalled: list[int] = []
+        self.raising = False
+
+    def __call__(self, signum, frame) -> None:
+        self.signalled.append(signum)
+        if self.raising:
+            raise KeyboardInterrupt
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                    signal.signal(sig, self)  # an ignored one (nohup, a background job) stays so
+
+    def check(self) -> None:
+        """From here on a signal raises; one that came during the imports stops start-up now."""
+        self.raising = True
+        if self.signalled:
+            raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    signals = _StartupSignals()
+    signals.install()
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)  # imports jax: a second or two
+        from jaxtron.checkpoint import CheckpointSaveError
+        from jaxtron.cli import one_line_errors
+        from jaxtron.train import NonFiniteError, Preempted
+
+        signals.check()
+    except KeyboardInterrupt:
+        return _stopped_at_start()
     statuses = {NonFiniteError: EXIT_NONFINITE, CheckpointSaveError: EXIT_SAVE_FAILED}
-    # Before the training loop takes SIGTERM/SIGINT over (a checkpoint, then 75), a signal stops
-    # start-up with 75 too: nothing was trained, so a batch system's requeue loses nothing.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return one_line_errors(lambda: run(args), statuses=statuses)
     except Preempted as e:
         print(f"{e}: checkpoint saved, run the same command to resume", file=sys.stderr)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
-        print("stopped by a signal before training started (nothing to save); run the same "
-              "command to start", file=sys.stderr)
-        if any(t.name == "compile" and t.is_alive() for t in threading.enumerate()):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_PREEMPTED)  # an exit that waited would abort inside XLA's compile
-        return EXIT_PREEMPTED
+        return _stopped_at_start()
+
+
+def _stopped_at_start() -> int:
+    print("stopped by a signal before training started (nothing to save); run the same "
+          "command to start", file=sys.stderr)
+    if any(t.name == "compile" and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PREEMPTED)  # an exit that waited would abort inside XLA's compile
+    return EXIT_PREEMPTED
 
 
 def run(args: argparse.Namespace) -> int | None:
@@ -241,6 +275,7 @@ def run(args: argparse.Namespace) -> int | None:
     # touches a device, dry runs included (a misspelled flag stops here, in one line).
     flags = xla_flags.apply(cfg.xla)
     if args.dry_run:  # a plan needs no other process: it never joins them
+        xla_flags.start_backend()  # JAX_PLATFORMS naming a backend that cannot start: one line
         dry_run(cfg, args.devices or jax.device_count(), args.gpu, flags)
         return
     check_paths(cfg)  # before the processes join: a refused start writes nothing (train repeats)
@@ -248,6 +283,7 @@ def run(args: argparse.Namespace) -> int | None:
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count, and logs the flags once its checks pass.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    xla_flags.start_backend()  # the first device touched: a backend that cannot start, one line
     parallel.mesh_shape(cfg.mesh, jax.device_count())  # an error here, not a warning then one
     if status := preflight(cfg, args):
         return status

@@ -276,7 +276,12 @@ class Preemption:
     def __enter__(self) -> "Preemption":
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: the terminal closed
+                previous = signal.getsignal(sig)
+                if previous == signal.SIG_IGN:  # nohup, a background job: the user's choice
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
+                if getattr(previous, "signalled", None):  # launch.py's, during start-up
+                    self.signal = previous.signalled[0]
         return self
 
     def _handle(self, signum, frame) -> None:

@@ -30,9 +30,10 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
-def _run_until(cmd: list[str], run_dir: Path, step: int, sig: int) -> int:
+def _run_until(cmd: list[str], run_dir: Path, step: int, sig: int, **popen) -> int:
     """Start `cmd`, send `sig` once metrics.jsonl has reached `step`; return the exit status."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            **popen)
     try:
         deadline = time.time() + 300
         metrics = run_dir / "metrics.jsonl"
@@ -132,3 +133,30 @@ def test_ctrl_c_during_start_up_stops_before_the_first_step(tmp_path):
     assert not (run_dir / "checkpoints").exists() or _saved_steps(run_dir) == []
     goodput = json.loads((run_dir / "goodput.json").read_text())
     assert goodput[-1]["outcome"] == "stopped before training", goodput
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_in_the_first_second_stops_with_75(tmp_path, sig):
+    """While jax imports: a KeyboardInterrupt there was swallowed by one of jax's gc callbacks
+    (the run went on to the end, exit 0) or became an ImportError; SIGTERM/SIGHUP killed it
+    (143, 129). Now each is recorded, and start-up stops with 75 once the imports are done."""
+    for delay in (0.2, 0.8):  # after the interpreter starts, while jax imports
+        run_dir = tmp_path / f"run{delay}"
+        proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 75, err[-2000:]
+        assert err.strip().splitlines() == ["stopped by a signal before training started (nothing "
+                                            "to save); run the same command to start"]
+        assert not (run_dir / "checkpoints").exists()
+
+
+def test_nohup_keeps_a_run_going_when_the_terminal_hangs_up(tmp_path):
+    """A SIGHUP the run was started ignoring (nohup) is not taken over: the run trains on. (The
+    same signal without nohup checkpoints and exits 75: the SIGHUP test above.)"""
+    run_dir = tmp_path / "run"
+    status = _run_until(_cmd(run_dir, "checkpoint.every=1000"), run_dir, 2, signal.SIGHUP,
+                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert status == 0 and _saved_steps(run_dir) == [STEPS]
