@@ -91,13 +91,9 @@ def usable_fraction(cfg: Config | None = None) -> float:
     """The share of GPU memory jax's allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION (or its
     new name XLA_CLIENT_MEM_FRACTION) when set, else what the run sets (xla.mem_fraction), else
     jax's default."""
-    name = next((n for n in xla_flags.MEM_FRACTION_VARS if os.environ.get(n)), "")
-    if not name:
-        return cfg.xla.mem_fraction if cfg is not None else DEFAULT_MEM_FRACTION
-    try:
-        return float(os.environ[name])
-    except ValueError:
-        raise ConfigError(f"{name}={os.environ[name]} is not a number") from None
+    if env := xla_flags.env_mem_fraction():
+        return env[1]
+    return cfg.xla.mem_fraction if cfg is not None else DEFAULT_MEM_FRACTION
 
 
 def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxtron import xla_flags
 from jaxtron.cli import EXIT_USAGE, check_run_dir, plural, script_name
 from jaxtron.config import Config, ConfigError, MeshConfig, XlaConfig
 
@@ -73,12 +74,11 @@ def check_allocator(environ: Mapping[str, str]) -> list[str]:
 
 
 def _check_fraction(name: str, value: str) -> list[str]:
-    """A memory fraction that is a number, and not so low that it starves XLA."""
+    """A memory fraction in (0, 1] (as launch.py checks it), not so low that it starves XLA."""
     try:
-        fraction = float(value)
-    except ValueError:
-        return [(f"{name}={value} is not a number and jax refuses to start its GPU backend; "
-                 f"unset {name}")]
+        fraction = xla_flags.mem_fraction(name, value)
+    except ConfigError as e:
+        return [str(e)]
     if fraction >= MIN_MEM_FRACTION:
         return []
     return [(f"{name}={value} lets XLA use {fraction:.0%} of each GPU's memory "

@@ -65,8 +65,13 @@ class MetricsWriter:
         self.eval_jsonl = (run_dir / "eval.jsonl").open("a") if is_main else None
         self.tb = None
         if is_main and tensorboard:
+            import logging
+
             from tensorboardX import SummaryWriter
 
+            # It warns "NaN or Inf found in input tensor" per NaN scalar: twice a skipped step,
+            # which the step's own line already reports.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self.total_steps = total_steps
         self.use_bar = is_main and (progress == "bar" or (progress == "auto"

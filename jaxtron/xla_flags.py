@@ -144,6 +144,52 @@ def check(flags: list[str], sources: dict[str, str] | None = None) -> None:
                       f"{lines[-1] if lines else f'exit status {proc.returncode}'}")
 
 
+def mem_fraction(name: str, value: str) -> float:
+    """A memory-fraction variable's value: a number in (0, 1], as xla.mem_fraction must be."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:  # NaN fails this too
+        raise ConfigError(f"{name}={value} must be a share of each GPU's memory in (0, 1], as "
+                          f"xla.mem_fraction must; set e.g. {name}=0.9, or unset {name} and "
+                          "set xla.mem_fraction")
+    return fraction
+
+
+def env_mem_fraction(environ=os.environ) -> tuple[str, float] | None:
+    """(name, value) of the first MEM_FRACTION_VARS set, checked by `mem_fraction`; or None."""
+    name = next((n for n in MEM_FRACTION_VARS if environ.get(n)), "")
+    return (name, mem_fraction(name, environ[name])) if name else None
+
+
+def start_backend() -> list:
+    """jax.devices(), starting jax's backend (after `apply` and jax.distributed): a backend that
+    cannot start here is a ConfigError naming JAX_PLATFORMS, not jax's traceback."""
+    import jax
+
+    try:
+        return jax.devices()
+    except (RuntimeError, AssertionError) as e:  # AssertionError: cuda asked for, no GPU seen
+        raise ConfigError(_no_backend(str(e))) from None
+
+
+def _no_backend(error: str) -> str:
+    """What to change when jax's backend did not start with `error` (jax's message)."""
+    cause = re.sub(r"\s*\((set JAX_PLATFORMS|you may need)[^)]*\)\.?$", "", error.strip())
+    cause = re.sub(r"^Unable to initialize backend '[^']*': ", "", cause.split("\n")[0])
+    cause = cause.rstrip(".") if len(cause) <= 160 else cause[:157] + "..."
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if not platforms:
+        return (f"jax could not start a backend ({cause or 'no device found'}); set "
+                "JAX_PLATFORMS=cpu to skip a failing plugin, or reinstall: pip install -e .")
+    cause = cause or "no NVIDIA GPU visible"  # jax skips cuda without one, and then has nothing
+    fix = ("pip install -e '.[cuda12]' on a GPU machine, or unset JAX_PLATFORMS"
+           if {"cuda", "gpu"} & set(platforms.replace(" ", "").split(",")) else
+           "unset JAX_PLATFORMS (jax then picks what it finds), or set JAX_PLATFORMS=cpu")
+    return f"JAX_PLATFORMS={platforms}, but no {platforms} backend starts here ({cause}); {fix}"
+
+
 def load_plugins_quietly() -> None:
     """Import jax and load its PJRT plugins now, with stderr silenced on a machine that has the
     CUDA plugin but no NVIDIA driver.
@@ -188,6 +234,7 @@ def apply(cfg_xla: XlaConfig) -> list[str]:
     the variable once, then ignores it.
     """
     env_flags = os.environ.get("XLA_FLAGS", "")
+    env_mem_fraction()  # a bad one, like a bad xla.mem_fraction, stops here in one line
     merged = _merge(cfg_xla, env_flags)
     flags = [flag for flag, _ in merged.values()]
     xla_bridge = sys.modules.get("jax._src.xla_bridge")
@@ -202,6 +249,6 @@ def apply(cfg_xla: XlaConfig) -> list[str]:
         check(flags, {name: source for name, (_, source) in merged.items()})
     if flags or "XLA_FLAGS" in os.environ:
         os.environ["XLA_FLAGS"] = " ".join(flags)
-    if not any(os.environ.get(name) for name in MEM_FRACTION_VARS):
+    if env_mem_fraction() is None:
         os.environ[MEM_FRACTION_VARS[0]] = str(cfg_xla.mem_fraction)  # read at the GPU's start
     return flags

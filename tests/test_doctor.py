@@ -62,7 +62,10 @@ ALLOCATOR = [
      "unset XLA_PYTHON_CLIENT_MEM_FRACTION (the run then sets xla.mem_fraction, 0.9 by default) "
      "or set it to at least 0.5"),
     ({"XLA_CLIENT_MEM_FRACTION": ".2"}, "unset XLA_CLIENT_MEM_FRACTION"),
-    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "most"}, "is not a number"),
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "most"},
+     "most must be a share of each GPU's memory in (0, 1], as xla.mem_fraction must"),
+    ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "2"}, "=2 must be a share of each GPU's memory in (0, 1]"),
+    ({"XLA_CLIENT_MEM_FRACTION": "0"}, "unset XLA_CLIENT_MEM_FRACTION and set xla.mem_fraction"),
     ({"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
      "unset XLA_PYTHON_CLIENT_MEM_FRACTION (the deprecated name)"),
     ({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, "unset XLA_PYTHON_CLIENT_ALLOCATOR"),
@@ -305,6 +308,24 @@ def test_doctor_tool_strict_is_one_line_and_status_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"doctor.py: error: {BLOCKING}"]
     assert "no problems" not in proc.stdout
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: cuda starts here")
+@pytest.mark.parametrize("platforms,reason", [("cuda", "no NVIDIA GPU visible"),
+                                              ("garbage", "is not in the list of known backends")])
+def test_doctor_tool_reports_a_backend_that_cannot_start(tmp_path, platforms, reason):
+    """JAX_PLATFORMS naming a backend that cannot start here is a problem line, not a traceback;
+    the environment's checks still run."""
+    proc = _run("tools/doctor.py", f"run.dir={tmp_path}", JAX_PLATFORMS=platforms,
+                XLA_PYTHON_CLIENT_MEM_FRACTION="2")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    backend, fraction = proc.stdout.splitlines()
+    assert backend.startswith(f"doctor: warning: JAX_PLATFORMS={platforms}, but no {platforms} "
+                              "backend starts here (") and reason in backend
+    assert fraction.startswith("doctor: warning: XLA_PYTHON_CLIENT_MEM_FRACTION=2 must be")
+    strict = _run("tools/doctor.py", "--strict", f"run.dir={tmp_path}", JAX_PLATFORMS=platforms)
+    assert strict.returncode == 2 and len(strict.stderr.splitlines()) == 1
+    assert strict.stderr.startswith(f"doctor.py: error: JAX_PLATFORMS={platforms}, but")
 
 
 def test_doctor_tool_without_problems(tmp_path, capsys):

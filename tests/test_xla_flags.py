@@ -144,3 +144,41 @@ def test_apply_gives_jax_the_configured_memory_share_unless_the_environment_does
                           check=False, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == expected
+
+
+@pytest.mark.parametrize("value", ["2", "0", "-0.5", "most", "nan"])
+def test_an_environment_memory_share_is_checked_like_xla_mem_fraction(monkeypatch, value):
+    """XLA_PYTHON_CLIENT_MEM_FRACTION outside (0, 1] is refused as xla.mem_fraction=2 is: one
+    line naming the variable, launch.py's dry run included."""
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", value)
+    with pytest.raises(ConfigError, match=f"^XLA_CLIENT_MEM_FRACTION={value} must be a share of "
+                                          r"each GPU's memory in \(0, 1\]"):
+        xla_flags.apply(XlaConfig(preset="none"))
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "1")
+    assert xla_flags.env_mem_fraction() == ("XLA_CLIENT_MEM_FRACTION", 1.0)
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env=os.environ | {"XLA_PYTHON_CLIENT_MEM_FRACTION": value})
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [(
+        f"launch.py: error: XLA_PYTHON_CLIENT_MEM_FRACTION={value} must be a share of each GPU's "
+        "memory in (0, 1], as xla.mem_fraction must; set e.g. XLA_PYTHON_CLIENT_MEM_FRACTION=0.9, "
+        "or unset XLA_PYTHON_CLIENT_MEM_FRACTION and set xla.mem_fraction")], proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: cuda starts here")
+@pytest.mark.parametrize("platforms,reason,fix", [
+    ("cuda", "no NVIDIA GPU visible",
+     "pip install -e '.[cuda12]' on a GPU machine, or unset JAX_PLATFORMS"),
+    ("garbage", "Backend 'garbage' is not in the list of known backends", "unset JAX_PLATFORMS"),
+])
+@pytest.mark.parametrize("mode", [("--dry-run",), ("train.steps=1",)])
+def test_a_backend_that_cannot_start_is_one_line(tmp_path, platforms, reason, fix, mode):
+    """JAX_PLATFORMS naming a backend that cannot start here (jax's CUDA plugin without a GPU, a
+    misspelling): one line naming the variable, exit status 2, for a plan and a training run."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *mode, f"run.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                          env=os.environ | {"JAX_PLATFORMS": platforms})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"launch.py: error: JAX_PLATFORMS={platforms}, but no {platforms} "
+                           "backend starts here (") and reason in line and fix in line

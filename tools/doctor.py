@@ -24,9 +24,9 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtron import cli, distributed, doctor
+from jaxtron import cli, distributed, doctor, xla_flags
 from jaxtron.cli import one_line_errors
-from jaxtron.config import load
+from jaxtron.config import ConfigError, load
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -52,6 +52,11 @@ def diagnose(args: argparse.Namespace) -> int:
         return finish(broken, args.strict, show=True)
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    try:
+        xla_flags.start_backend()
+    except ConfigError as e:  # the other checks need a device; the environment's do not
+        environment = doctor.check_launch_blocking(os.environ) + doctor.check_allocator(os.environ)
+        return finish([str(e), *environment], args.strict, show=True)
     import jax
 
     problems = doctor.check_all(cfg, os.environ, devices=args.devices, coordinator=args.coordinator)

@@ -1,0 +1,30 @@
+"""A run through NaN steps: the step lines say so, and nothing else repeats it on stderr
+(tensorboardX warned "NaN or Inf found in input tensor" for each NaN scalar, twice a step)."""
+
+import logging
+
+import jax.numpy as jnp
+
+from jaxtron import config
+from jaxtron import step as step_lib
+from jaxtron.train import train
+
+
+def test_nan_steps_log_no_tensorboard_warnings(tmp_path, monkeypatch, capfd, caplog):
+    real_loss = step_lib.loss_sums
+
+    def loss_sums(*args, **kwargs):
+        total, count = real_loss(*args, **kwargs)
+        return total * jnp.nan, count  # every step's loss, and so its gradient, is NaN
+
+    monkeypatch.setattr(step_lib, "loss_sums", loss_sums)
+    cfg = config.load(["configs/tiny.yaml"], [
+        "train.steps=2", "train.log_every=1", "train.seq_len=64", "optim.warmup_steps=1",
+        "run.tensorboard=true", "run.progress=lines", f"run.dir={tmp_path / 'run'}"])
+    with caplog.at_level(logging.WARNING):
+        rows = train(cfg)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] != r["loss"] for r in rows)
+    assert list((tmp_path / "run" / "tensorboard").iterdir())  # the scalars were still written
+    assert not [r for r in caplog.records if r.name.startswith("tensorboardX")]
+    out, err = capfd.readouterr()
+    assert "update skipped" in out and "NaN or Inf" not in err
