@@ -460,3 +460,54 @@ def test_scale_stdlib_copies(tmp_path):
           f"({tokens / seconds:,.0f} tokens/s, {os.cpu_count()} workers), {len(files) * copies} "
           f"files -> {len(shards)} shards, {sum(p.stat().st_size for p in shards) / 1e6:.1f} MB"
           f"\n{done.stderr[-300:]}")
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_of_documents_reads_as_one_document_per_element(tmp_path, tokenizer, indent):
+    """A `.json` file holding one JSON array of {"text": ...} objects, on one line or
+    pretty-printed, as many datasets ship: each element is a document, the same tokens as the
+    same texts in JSON Lines; an element that is not an object is bad input by its 0-based row."""
+    texts = [f"document {i}: {UNICODE}" for i in range(40)]
+    (tmp_path / "arr.json").write_text(json.dumps([{"text": t} for t in texts] + [7],
+                                                  indent=indent))
+    done = run_tool(tmp_path / "arr.json", "--out", tmp_path / "ds", "--tokenizer", tokenizer,
+                    "--val-fraction", 0)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    assert read_split(tmp_path / "ds", "train") == [tuple(sp.encode(t)) for t in texts]
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert manifest["bad_input"]["examples"] == [
+        {"file": str(tmp_path / "arr.json"), "row": 40, "reason": "no field 'text'"}]
+    assert "arr.json: row 40: no field 'text'" in done.stderr
+    broken = json.dumps([{"text": t} for t in texts], indent=2)  # 122 lines
+    (tmp_path / "broken.json").write_text(broken[:-2] + ",\n  oops\n]")  # on line 122
+    done = run_tool(tmp_path / "broken.json", "--out", tmp_path / "ds2", "--tokenizer", tokenizer,
+                    check=False)
+    assert [line for line in done.stderr.splitlines() if "bad input:" in line] == [
+        f"bad input: {tmp_path / 'broken.json'}:122: not JSON (Expecting value; a JSON array is "
+        "read whole)"], done.stderr
+
+
+def test_a_prepared_dataset_among_the_inputs_is_skipped_with_a_note(tmp_path, tokenizer):
+    """Preparing a directory that holds an earlier dataset (manifest.json, shards, tokenizer)
+    reads only the text beside it, with one note; naming the dataset itself is one error line."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "doc.txt").write_text(UNICODE * 3)
+    run_tool(tmp_path / "raw", "--out", tmp_path / "raw" / "old", "--tokenizer", tokenizer)
+    (tmp_path / "raw" / "loose.arrayrecord").write_bytes(b"\x00\xff" * 10)
+    first = snapshot(tmp_path / "raw" / "old")
+    done = run_tool(tmp_path / "raw", "--out", tmp_path / "new", "--tokenizer", tokenizer)
+    assert "bad input" not in done.stderr, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "note:" in line]
+    assert notes == [f"prepare_data.py: note: skipped {tmp_path / 'raw' / 'old'}: a dataset "
+                     "prepared by jaxtron (its manifest.json)",
+                     f"prepare_data.py: note: skipped 1 .arrayrecord file under {tmp_path / 'raw'} "
+                     "(tokenized data, not text)"]
+    assert snapshot(tmp_path / "new")["manifest.json"] == first["manifest.json"]  # doc.txt alone
+    done = run_tool(tmp_path / "raw" / "old", "--out", tmp_path / "new2", "--tokenizer", tokenizer,
+                    check=False)
+    assert (done.returncode, done.stderr) == (2, (
+        f"prepare_data.py: error: INPUT {tmp_path / 'raw' / 'old'}: a dataset prepared by jaxtron "
+        "(its manifest.json), not text; name the raw text\n"))
+    done = run_tool(f"{tmp_path}/raw/**/*", "--out", tmp_path / "new3", "--tokenizer", tokenizer)
+    assert "bad input" not in done.stderr, done.stderr
+    assert re.search(r"note: skipped [34] files of .* that jaxtron prepared", done.stderr)

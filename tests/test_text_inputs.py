@@ -35,3 +35,17 @@ def test_a_named_pipe_is_bad_input_not_a_wait_for_a_writer(tmp_path):
     reader.start()  # without the check it stays blocked in open(), waiting for a writer
     reader.join(10)
     assert items == [(-1, {}, None, "not a regular file (a pipe or a device)", 0)]
+
+
+def test_a_json_array_over_the_size_read_whole_names_the_conversion(tmp_path, monkeypatch):
+    """A JSON array is parsed whole; past JSON_ARRAY_MAX_BYTES it is one bad item naming the jq
+    command that makes it JSON Lines, never a parse that fills the host's memory."""
+    import text_inputs
+
+    path = tmp_path / "big.json"
+    path.write_text('[{"text": "a"}, {"text": "b"}]')
+    assert [item[2] for item in read_documents(path, "text")] == ["a", "b"]
+    monkeypatch.setattr(text_inputs, "JSON_ARRAY_MAX_BYTES", 16)
+    assert list(read_documents(path, "text")) == [(-1, {}, None, (
+        "one JSON array of 0 MiB, more than the 0 MiB read whole; convert it to JSON Lines: "
+        "jq -c '.[]' big.json > big.jsonl"), 30)]

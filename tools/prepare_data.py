@@ -1,14 +1,15 @@
 """Raw text -> tokenized ArrayRecord shards in the format of docs/data_format.md.
 
-INPUT is a file, a directory (recursed; hidden names skipped) or a glob: `.jsonl`/`.json` hold one
-JSON document per line, `.parquet` one per row (--text-field names the key/column), any other file
-is one plain-text document (tools/text_inputs.py finds and reads them). The unit of work is a run of
+INPUT is a file, a directory (recursed; hidden names and jaxtron's own datasets skipped) or a glob:
+`.jsonl`/`.json` hold one JSON document per line (or one JSON array of them), `.parquet` one per
+row (--text-field names the key/column), any other file is one plain-text document
+(tools/text_inputs.py finds and reads them). The unit of work is a run of
 consecutive files worth about --part-tokens tokens (estimated from their bytes), or one larger file
 alone; units are tokenized in worker processes, each into its own shards, a new part every
 --part-tokens tokens of a split. Safe to interrupt: shards get their names when complete, a unit's
 completion record (.parts/NNNNN.json) is written atomically after all its shards, and a rerun
 redoes only units without one, then rewrites manifest.json from the records. Bad input is reported
-by file and line (0-based row for Parquet), skipped and counted; --strict exits 2 on it.
+by file and line (0-based row for Parquet and JSON arrays), skipped and counted; --strict exits 2 on it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,32 @@
 """The inputs of tools/prepare_data.py: which files INPUTs name, and the documents in each.
 
-A `.jsonl`/`.json` file holds one JSON document per line, a `.parquet` file one per row (the text
-under a key/column), any other file is one plain-text document. Readers never raise on bad input:
+A `.jsonl`/`.json` file holds one JSON document per line, or is one JSON array of them; a
+`.parquet` file holds one per row (the text under a key/column); any other file is one plain-text
+document. jaxtron's own datasets (a directory with its manifest.json, `.arrayrecord` shards) met in
+a walk are skipped with a note. Readers never raise on bad input:
 they yield it as an item with a reason, located by line (1-based) or Parquet row (0-based).
 Imports `jaxtron.config` from the installed package (`pip install -e .`).
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxtron.cli import script_name
 from jaxtron.config import ConfigError
+from jaxtron.prepared import MANIFEST_FORMAT
 
 # (index of the document in its file, where to report it, text, why it is bad, bytes read)
 Item = tuple[int, dict, str | None, str | None, int]
+JSON_ARRAY_MAX_BYTES = 512 << 20  # a JSON array is parsed whole: ~3x its size in memory
+SHARD_SUFFIX = ".arrayrecord"  # tokenized data (a prepared dataset's shards), never text
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ def _why_none(path: Path, out: Path) -> str:
     """Why an INPUT names no file."""
     if absolute(path) == out:
         return "this is the --out directory; name the raw text to tokenize"
+    if _is_dataset(path):
+        return "a dataset prepared by jaxtron (its manifest.json), not text; name the raw text"
     if path.is_dir():
         return "the directory holds no files (names starting with '.' are skipped)"
     return "no such file or directory, or no file matches"
@@ -54,13 +64,20 @@ def _expand(pattern: str, out: Path) -> list[Source]:
     parts = Path(pattern).expanduser().parts
     magic = [i for i, part in enumerate(parts) if glob.has_magic(part)]
     matches = sorted(glob.glob(str(Path(*parts)), recursive=True)) if magic else [str(Path(*parts))]
-    found = []
+    found, ours = [], 0
     for match in map(Path, matches):
         if not (match.exists() or match.is_symlink()) or absolute(match) == out:
+            continue
+        if magic and match.is_file() and (match.name.endswith(SHARD_SUFFIX)
+                                          or _is_dataset(match.parent)):
+            ours += 1
             continue
         root = Path(*parts[: magic[0]]) if magic else match if match.is_dir() else match.parent
         found += [Source(absolute(f), Path(os.path.relpath(f, root)).as_posix())
                   for f in (_walk(match, out) if match.is_dir() else [match])]
+    if ours:
+        _note(f"skipped {ours} file{'s' * (ours > 1)} of {pattern} that jaxtron prepared "
+              "(datasets and their shards, not text)")
     return found
 
 
@@ -70,12 +87,38 @@ def absolute(path: Path) -> Path:
 
 
 def _walk(folder: Path, out: Path) -> list[Path]:
-    """Every file under `folder`, sorted, skipping hidden names and the output directory."""
-    files = []
+    """Every file under `folder`, sorted, skipping hidden names, the output directory and
+    jaxtron's own datasets and shards (each skipped directory, and the shards, in a note)."""
+    files, shards = [], 0
     for parent, dirs, names in os.walk(folder):
+        if _is_dataset(Path(parent)):
+            dirs[:] = []
+            if parent != str(folder):  # one named itself has no files: _why_none says why
+                _note(f"skipped {parent}: a dataset prepared by jaxtron (its manifest.json)")
+            continue
         dirs[:] = sorted(d for d in dirs if d[0] != "." and absolute(Path(parent, d)) != out)
-        files += [Path(parent, name) for name in sorted(names) if name[0] != "."]
+        shards += sum(name.endswith(SHARD_SUFFIX) for name in names)
+        files += [Path(parent, name) for name in sorted(names)
+                  if name[0] != "." and not name.endswith(SHARD_SUFFIX)]
+    if shards:
+        _note(f"skipped {shards} {SHARD_SUFFIX} file{'s' * (shards > 1)} under {folder} "
+              "(tokenized data, not text)")
     return files
+
+
+@functools.cache
+def _is_dataset(folder: Path) -> bool:
+    """Whether `folder` holds a dataset tools/prepare_data.py wrote (its manifest names it)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_bytes())
+        return isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def _note(text: str) -> None:
+    """One line on stderr about input left out."""
+    print(f"{script_name()}: note: {text}", file=sys.stderr)
 
 
 def file_size(path: Path) -> int:
@@ -110,10 +153,38 @@ def _text_docs(path: Path, text_field: str) -> Iterator[Item]:
 
 
 def _jsonl_docs(path: Path, text_field: str) -> Iterator[Item]:
-    """One document per line of a JSON Lines file: the string under `text_field`."""
+    """One document per line of a JSON Lines file (the string under `text_field`), or per
+    element of a file holding one JSON array."""
     with open(path, "rb") as f:
+        start = f.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")  # a UTF-8 BOM too
+        f.seek(0)
+        if start.startswith(b"["):
+            yield from _json_array_docs(f.read, path, text_field)
+            return
         for i, raw in enumerate(f):
             yield i, {"line": i + 1}, *_json_text(raw, text_field), len(raw)
+
+
+def _json_array_docs(read, path: Path, text_field: str) -> Iterator[Item]:
+    """The elements of a file holding one JSON array, each a document ({"row": 0-based})."""
+    size = path.stat().st_size
+    if size > JSON_ARRAY_MAX_BYTES:
+        yield -1, {}, None, (f"one JSON array of {size >> 20} MiB, more than the "
+                             f"{JSON_ARRAY_MAX_BYTES >> 20} MiB read whole; convert it to JSON "
+                             f"Lines: jq -c '.[]' {path.name} > {path.stem}.jsonl"), size
+        return
+    try:
+        values = json.loads(read().decode("utf-8-sig"))
+    except UnicodeDecodeError:  # a ValueError too: catch it first
+        yield -1, {}, None, "invalid UTF-8", size
+        return
+    except json.JSONDecodeError as e:
+        yield -1, {"line": e.lineno}, None, f"not JSON ({e.msg}; a JSON array is read whole)", size
+        return
+    for i, value in enumerate(values):
+        nbytes = size * (i + 1) // len(values) - size * i // len(values)
+        field = value.get(text_field) if isinstance(value, dict) else None
+        yield i, {"row": i}, *_as_text(field, text_field), nbytes
 
 
 def _json_text(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
