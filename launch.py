@@ -86,8 +86,9 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     resolved config; allocate and write nothing."""
     from jaxtron import checkpoint, cli, memory, pipeline
     from jaxtron import config as config_lib
+    from jaxtron import weights
     from jaxtron.optim import make_optimizer
-    from jaxtron.state import make_plan
+    from jaxtron.state import make_plan, resumed_schedule_jump
     from jaxtron.train import check_paths
 
     check_paths(cfg)  # in the order a run checks: paths, layout, data
@@ -106,6 +107,10 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(data_check)
     print(checkpoint.describe_start(Path(cfg.run.dir), cfg.checkpoint.restore,
                                     cfg.checkpoint.weights_only, cfg.train.steps))
+    if steps := weights.complete_steps(Path(cfg.run.dir) / "checkpoints") \
+            if (Path(cfg.run.dir) / "checkpoints").is_dir() else []:
+        if jump := resumed_schedule_jump(weights.read_meta(steps[-1]), cfg):
+            print(f"warning: {jump}")
     terms = memory.estimate(cfg, plan)
     total = sum(terms.values())
     print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from jaxtron.config import OptimConfig
+from jaxtron.config import Config, OptimConfig
 
 # Leaf names that are never weight-decayed: RMSNorm scales and QKV biases.
 NO_DECAY = frozenset({"scale", "bq", "bk", "bv"})
@@ -19,6 +19,25 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=decay,
         end_value=cfg.lr * cfg.min_lr_ratio,
     )
+
+
+def schedule_jump(saved: Config, now: Config, step: int) -> str | None:
+    """Resuming at `step` under another schedule (a raised train.steps, a new optim.lr): the
+    learning rate the checkpoint's schedule gives there and this run's, when they differ by more
+    than 10%, in a warning naming the fields and how to keep the checkpoint's decay."""
+    before = float(lr_schedule(saved.optim, saved.train.steps)(step))
+    after = float(lr_schedule(now.optim, now.train.steps)(step))
+    if abs(after - before) <= 0.1 * max(before, after):
+        return None
+    fields = [("train.steps", saved.train.steps, now.train.steps)] + [
+        (f"optim.{key}", getattr(saved.optim, key), getattr(now.optim, key))
+        for key in ("lr", "warmup_steps", "decay_steps", "min_lr_ratio")]
+    changed = ", ".join(f"{key}={a} -> {b}" for key, a, b in fields if a != b)
+    keep = ""
+    if not saved.optim.decay_steps and now.optim.decay_steps != saved.train.steps:
+        keep = f"; optim.decay_steps={saved.train.steps} keeps the checkpoint's decay"
+    return (f"the learning rate at step {step} jumps from {before:.3g} (the checkpoint's schedule) "
+            f"to {after:.3g} ({changed}){keep}")
 
 
 def decay_mask(params: dict) -> dict:

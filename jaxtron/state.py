@@ -20,9 +20,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxtron import model as model_lib
-from jaxtron import parallel, pipeline
+from jaxtron import parallel, pipeline, weights
 from jaxtron.checkpoint import Checkpoints, restore_from
-from jaxtron.config import Config
+from jaxtron.config import Config, ConfigError
+from jaxtron.optim import schedule_jump
 from jaxtron.model import Transformer, abstract_model, count_params
 
 
@@ -92,6 +93,15 @@ def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings
                    donate_argnums=0)(params)
 
 
+def resumed_schedule_jump(meta: dict, cfg: Config) -> str | None:
+    """optim.schedule_jump between the checkpoint's config (in its meta) and this run's."""
+    try:
+        saved = weights.config_of(meta)
+    except (ConfigError, KeyError):  # an older or foreign meta: nothing to compare
+        return None
+    return schedule_jump(saved, cfg, int(meta["step"]))
+
+
 def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints, batches,
                   info: Callable[[str], None]) -> tuple[dict, int, int]:
     """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
@@ -103,6 +113,8 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
         state = in_layer_order(state, meta, plan, tx, shardings, info)
         info(f"resumed from {ckpt.manager.directory} step {step} "
                      f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
+        if jump := resumed_schedule_jump(meta, cfg):
+            info(f"warning: {jump}")
         return state, step, meta["tokens_seen"]
     if not cfg.checkpoint.restore:
         return init_state(cfg, plan, tx, mesh), 0, 0

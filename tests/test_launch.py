@@ -526,3 +526,25 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
     _assert_one_line_status_2(proc.returncode, proc.stderr, "into the cache /proc/jaxtron-cache (")
     assert "set data.cache_dir (or JAXTRON_CACHE) to a writable directory" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_raising_train_steps_on_resume_warns_of_the_learning_rate_jump(tmp_path, capsys):
+    """A finished run continued with a larger train.steps: a new cosine over the longer run puts
+    the rate back near its peak (3.17e-4 -> 2.98e-3 in one report); the dry run and the run say
+    so, with the setting that keeps the checkpoint's decay."""
+    from jaxtron import config, optim
+
+    run_dir = tmp_path / "run"
+    short = [*SMALL_RUN, "train.steps=4", "optim.warmup_steps=1", f"run.dir={run_dir}"]
+    assert _launch(*short).returncode == 0
+    assert _main(["--dry-run", *short, "train.steps=40"]) == 0
+    warning = ("warning: the learning rate at step 4 jumps from 0.0003 (the checkpoint's "
+               "schedule) to 0.00296 (train.steps=4 -> 40); optim.decay_steps=4 keeps the "
+               "checkpoint's decay")
+    assert warning in capsys.readouterr().out.splitlines()
+    assert _main(["--dry-run", *short, "train.steps=40", "optim.decay_steps=4"]) == 0
+    assert "learning rate" not in capsys.readouterr().out
+    tiny = [launch.DEFAULT_CONFIG]
+    saved, now = config.load(tiny, short[:-1]), config.load(tiny, [*short[:-1], "train.steps=40"])
+    assert optim.schedule_jump(saved, saved, 4) is None
+    assert optim.schedule_jump(saved, now, 4) == warning.removeprefix("warning: ")
