@@ -8,9 +8,12 @@ carry the current mesh's shardings, so no second, unsharded copy of the state is
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 import warnings
@@ -26,6 +29,7 @@ from jaxtron import weights
 from jaxtron.config import CheckpointConfig, ConfigError, ModelConfig
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
+LOCK_FILE = ".jaxtron-run.lock"  # run.dir/<this>: flock'ed by the run's process 0 while it runs
 
 
 class CheckpointSaveError(RuntimeError):
@@ -41,11 +45,17 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, keep_period=cfg.keep_every or None, create=True,
             enable_async_checkpointing=True,
+            # The step directory is made in save() itself: a failure to make it is raised there at
+            # once, where Orbax's default would have the writes wait 300 s for a signal of it.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self.manager = ocp.CheckpointManager(
             (run_dir / "checkpoints").absolute(), options=options,
             item_names=("state", "data", "meta"),
         )
+        self.pending: int | None = None  # the step whose background write is not yet confirmed
+        _quiet_abandoned_reads()  # a failed write's leftovers are as noisy as a failed read's
+        logging.getLogger("absl").addFilter(_orbax_errors)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -61,20 +71,53 @@ class Checkpoints:
     def save(self, step: int, state: dict, batches: grain.DatasetIterator, meta: dict) -> None:
         """Start an async save; `batches` must be positioned at the next batch to train on.
         Raises CheckpointSaveError when Orbax declines to write it (it returns False, for
-        instance for a step at or below one already in the directory)."""
+        instance for a step at or below one already in the directory), when it cannot be
+        started, or when the previous save's background write failed (naming that one)."""
+        self.wait()  # Orbax would wait for it anyway; a failure is the previous step's
+        directory = Path(self.manager.directory)
+        if not directory.is_dir():
+            raise self._failed(step, NotADirectoryError(20, "Not a directory"))
         latest = self.manager.latest_step()
         if latest is not None and latest >= step:
             raise CheckpointSaveError(
                 f"checkpoint {step} was not saved: {self.manager.directory} already holds step "
                 f"{latest}; move that checkpoint aside or set run.dir to a new directory")
-        saved = self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(batches),
-            meta=ocp.args.JsonSave(meta),
-        ))
+        try:
+            saved = self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(batches),
+                meta=ocp.args.JsonSave(meta),
+            ))
+        except Exception as e:  # noqa: BLE001 - one line naming the cause, not Orbax's dump
+            raise self._failed(step, e) from None
         if not saved:
             raise CheckpointSaveError(f"checkpoint {step} was not saved: Orbax declined to "
                                       f"write it to {self.manager.directory}")
+        self.pending = step
+
+    def check(self) -> None:
+        """Raise CheckpointSaveError now if the pending save's background write has already
+        failed (cheap: it waits for nothing), so that a run does not train on for `every` steps
+        past a checkpoint that will never exist."""
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the pending save to be complete on disk; CheckpointSaveError if it failed."""
+        step, self.pending = self.pending, None
+        if step is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the background write failed
+            raise self._failed(step, e) from None
+
+    def _failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+        """The one-line error for a save that did not happen. Writes still in flight may end
+        while the interpreter shuts down: that is silenced once the line is out."""
+        atexit.register(_silence_shutdown)
+        return CheckpointSaveError(f"checkpoint {step} was not saved: "
+                                   f"{save_error(error, Path(self.manager.directory))}")
 
     def restore(self, step: int, abstract_state: Any, shardings: Any) -> tuple[dict, dict]:
         """Read `step`'s state straight into `shardings`, and its metadata."""
@@ -127,9 +170,64 @@ class Checkpoints:
         self.manager.reload()
 
     def close(self) -> None:
-        """Wait for the last async save to be complete on disk."""
-        self.manager.wait_until_finished()
+        """Wait for the last async save to be complete on disk (CheckpointSaveError if not)."""
+        try:
+            self.wait()
+        except CheckpointSaveError:
+            with contextlib.suppress(Exception):  # the failure above is what the user needs
+                self.manager.close()
+            raise
         self.manager.close()
+
+
+_SAVE_CAUSES = ("No space left on device", "Disk quota exceeded", "Permission denied",
+                "Read-only file system", "Not a directory")  # said as "<cause> (<checkpoints dir>)"
+
+
+def save_error(e: BaseException, directory: Path) -> str:
+    """Why a checkpoint write failed, in a few words: a known OS cause and the directory, else
+    the innermost cause's first line (TensorStore's messages hold whole paths and specs)."""
+    inner = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    for cause in _SAVE_CAUSES:  # TensorStore puts the OS's words after a long spec
+        if cause.lower() in str(inner).lower():
+            return f"{cause.lower()} ({directory})"
+    return read_error(e)
+
+
+def _orbax_errors(record: logging.LogRecord) -> bool:
+    """Orbax's ERROR logs of a failed background save (each with a traceback, several per
+    failure): not shown; the failure reaches the loop as one CheckpointSaveError line."""
+    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+class RunDirLock:
+    """An advisory lock on run.dir held for a run's lifetime by its process 0, so that a second
+    run into the same run.dir is refused before it writes anything. flock: the kernel drops the
+    lock when the process ends however it ends, so a killed run's lock file blocks nothing."""
+
+    def __init__(self, run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK_FILE
+        self.file = open(path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "pid ? on host ?"
+            self.file.close()
+            raise ConfigError(f"run.dir {run_dir} is in use by another run ({holder}); wait for "
+                              "it or choose another run.dir") from None
+        self.file.truncate(0)
+        self.file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        """Let the next run in (idempotent)."""
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
 
 
 def read_error(e: BaseException) -> str:
@@ -148,8 +246,10 @@ def _late(error: BaseException | None) -> bool:
 
 
 def _abandoned(error: BaseException | None) -> bool:
-    """An abandoned read's leftovers: its own error, never retrieved, or its late completion."""
-    return "Encountered error while reading" in str(error) or _late(error)
+    """An abandoned read's or write's leftovers: its own error, never retrieved, or its late
+    completion."""
+    text = str(error)
+    return "Encountered error while reading" in text or "Error writing" in text or _late(error)
 
 
 def _quiet_abandoned_reads() -> None:

@@ -27,7 +27,7 @@ from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import cli, distributed, goodput, memory, parallel, pipeline, prepared
 from jaxtron import metrics as metrics_lib
-from jaxtron.checkpoint import Checkpoints, check_start
+from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
@@ -68,8 +68,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
 
     # Run directory and writers: every check above passed.
     is_main = jax.process_index() == 0
+    lock = RunDirLock(run_dir) if is_main else None  # a second run stops here, writing nothing
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
@@ -121,8 +121,16 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                    if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}")
         raise
     finally:
-        _finish(run, run_dir, outcome)
-        log.close()
+        try:
+            _finish(run, run_dir, outcome)
+        except OSError as e:  # a full disk: the error that ended the loop is the one to report
+            if outcome == "done":
+                raise
+            print(f"warning: goodput.json was not updated ({e.strerror})", flush=True)
+        finally:
+            log.close()
+            if lock:
+                lock.release()
 
 
 def check_paths(cfg: Config) -> None:
@@ -348,6 +356,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
             batch = global_batch(next(batches), run.mesh)
         state, pending = run.step_fn(state, batch)
+        run.ckpt.check()  # a background write that failed stops the run now, not `every` steps on
         run.account.last_step = step
         run.profile.after(step, (state, pending))
         tokens_seen += run.cost.tokens
@@ -382,8 +391,12 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                 run.log.write_eval(step, loss)
             last_time += watch.last  # evaluation time is not training step time
         if stop:  # launch.py says it, in one line
+            with watch.time("checkpoint"):
+                run.ckpt.wait()  # "checkpoint saved" only once it is
             why = f"signal {preemption.signal}" if preemption.signal else "a preemption notice"
             raise Preempted(f"preempted by {why} at step {step}")
+    with watch.time("checkpoint"):
+        run.ckpt.wait()  # the last save is on disk before "done" is said
     for phase in ("data", "checkpoint", "eval"):
         run.log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
     final = f"final loss {history[-1]['loss']:.4f}, " if history else ""

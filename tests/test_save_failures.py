@@ -1,0 +1,147 @@
+"""A checkpoint that cannot be written ends the run at once: exit 4, one line naming the cause,
+never "done". And one run.dir holds one run at a time."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grain
+import numpy as np
+import pytest
+
+from jaxtron import config
+from jaxtron.checkpoint import LOCK_FILE, Checkpoints, CheckpointSaveError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _launch(*args: str, **kwargs) -> subprocess.Popen | subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "launch.py"), "train.seq_len=64", "train.eval_every=0",
+               "run.tensorboard=false", "run.progress=lines", *args]
+    if kwargs.pop("background", False):
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+
+
+def _checkpoints(run_dir: Path) -> Checkpoints:
+    cfg = config.load(["configs/tiny.yaml"], [f"run.dir={run_dir}"])
+    return Checkpoints(cfg.checkpoint, run_dir)
+
+
+def _save(ckpt: Checkpoints, step: int) -> None:
+    import jax.numpy as jnp
+
+    ckpt.save(step, {"w": jnp.arange(4.0)}, iter(grain.MapDataset.range(8).to_iter_dataset()),
+              {"step": step})
+
+
+def test_a_checkpoints_directory_replaced_by_a_file_is_one_line(tmp_path):
+    ckpt = _checkpoints(tmp_path)
+    _save(ckpt, 2)
+    ckpt.wait()
+    os.rename(tmp_path / "checkpoints", tmp_path / "old")
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint 4 was not saved: not a directory "
+                                                  rf"\({tmp_path / 'checkpoints'}\)$"):
+        _save(ckpt, 4)
+    ckpt.close()
+
+
+def test_a_step_directory_that_cannot_be_made_fails_at_once(tmp_path, monkeypatch):
+    """Orbax by default makes the step directory in the background while the writes wait up to
+    300 s for a signal that it exists, then time out; here the failure is raised in save()."""
+    from orbax.checkpoint._src.path import atomicity
+
+    async def refused(makedir, tmp_dir, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_dir))
+
+    ckpt = _checkpoints(tmp_path)
+    monkeypatch.setattr(atomicity, "_create_tmp_directory", refused)
+    began = time.monotonic()
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint 4 was not saved: permission denied "
+                                                  rf"\({tmp_path / 'checkpoints'}\)$"):
+        _save(ckpt, 4)
+        ckpt.wait()
+    assert time.monotonic() - began < 30
+    ckpt.close()
+    assert ckpt.steps() == []
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 3 MiB tmpfs: room for a run's files but not for its first checkpoint (~88 MB)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)],
+                      capture_output=True, check=False).returncode != 0:
+        pytest.skip("mounting a small tmpfs is not permitted here")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_ends_the_run_with_status_4_and_one_line(full_disk):
+    """The write fails in the background: reported as the checkpoint that was not saved (not a
+    900-line traceback), no "done" line, and no checkpoint listed."""
+    run_dir = full_disk / "run"
+    proc = _launch("train.steps=3", "train.log_every=1", f"run.dir={run_dir}")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("launch.py: error: checkpoint 3 was not saved: no space left "
+                                   f"on device ({run_dir / 'checkpoints'})")
+    assert "step      3 |" in proc.stdout and "done:" not in proc.stdout
+    assert not (run_dir / "checkpoints" / "3").exists()
+
+
+def test_a_background_write_that_failed_is_caught_by_check_before_the_next_save(full_disk):
+    """check() (called every step) raises once the write has failed, without waiting for one in
+    progress; the loop does not train on to the next checkpoint first."""
+    import jax.numpy as jnp
+
+    ckpt = _checkpoints(full_disk)
+    noise = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2**20), np.float32))
+    ckpt.save(1, {"w": noise}, iter(grain.MapDataset.range(8).to_iter_dataset()),
+              {"step": 1})  # 8 MiB that do not compress: more than the disk holds
+    began = time.monotonic()
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint 1 was not saved: no space left "
+                                                  rf"on device \({full_disk / 'checkpoints'}\)$"):
+        while time.monotonic() - began < 60:
+            ckpt.check()
+            time.sleep(0.05)
+    ckpt.close()
+    assert ckpt.steps() == []
+
+
+def _wait_for_step(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        if " step " in line and " | loss " in line:
+            return
+    raise AssertionError(f"the first run ended: {proc.wait()} {proc.stderr.read()[-2000:]}")
+
+
+def test_a_second_run_into_the_same_run_dir_is_refused_and_a_killed_ones_lock_blocks_nothing(
+        tmp_path):
+    run_dir = tmp_path / "run"
+    first = _launch("train.steps=100000", "checkpoint.every=0", "train.log_every=1",
+                    f"run.dir={run_dir}", background=True)
+    try:
+        _wait_for_step(first)
+        before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+        second = _launch("train.steps=2", f"run.dir={run_dir}")
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.stderr.strip() == (
+            f"launch.py: error: run.dir {run_dir} is in use by another run (pid {first.pid} on "
+            f"host {os.uname().nodename}); wait for it or choose another run.dir")
+        assert not second.stdout
+        after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name in before}
+        assert after.keys() == before.keys() and after["config.yaml"] == before["config.yaml"]
+    finally:
+        first.send_signal(signal.SIGKILL)  # no clean-up: its lock file stays behind
+        first.wait()
+    assert (run_dir / LOCK_FILE).exists()
+    third = _launch("train.steps=1", f"run.dir={run_dir}")
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert "done: step 1" in third.stdout
