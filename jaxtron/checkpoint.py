@@ -25,8 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtron import data as data_lib
-from jaxtron import weights
-from jaxtron.config import CheckpointConfig, ConfigError, ModelConfig
+from jaxtron import prepared, weights
+from jaxtron.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
 LOCK_FILE = ".jaxtron-run.lock"  # run.dir/<this>: flock'ed by the run's process 0 while it runs
@@ -284,18 +284,23 @@ def _silence_shutdown() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
-def check_start(run_dir: Path, model: ModelConfig, restore: str) -> None:
+def check_start(run_dir: Path, model: ModelConfig, restore: str,
+                data: DataConfig | None = None) -> None:
     """Before anything is written: run.dir's newest checkpoint, or else checkpoint.restore, holds
-    this model's arrays (one line naming the fields that differ), and checkpoint.restore names a
-    checkpoint. A refused command leaves run.dir as it was."""
+    this model's arrays (one line naming the fields that differ), its data was tokenized like
+    `data`, and checkpoint.restore names a checkpoint. A refused command leaves run.dir as it was."""
     steps = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
         else []
     if steps:
-        changed = weights.model_changes(weights.read_meta(steps[-1]), model)
+        meta = weights.read_meta(steps[-1])
+        changed = weights.model_changes(meta, model)
         if changed:
             raise ConfigError(f"{run_dir} holds checkpoints of another model "
                               f"({', '.join(changed)}); set run.dir to a new directory, or set "
                               "those fields back")
+        if data is not None and "config" in meta:
+            if change := prepared.tokenizer_change(weights.config_of(meta).data, data):
+                raise ConfigError(change)
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
         _restore_dir(restore, None if steps else model)
 

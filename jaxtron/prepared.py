@@ -127,6 +127,24 @@ def empty_val(path: str) -> str:
             "prepare the dataset again with a larger --val-fraction")
 
 
+def tokenizer_change(saved: DataConfig, now: DataConfig) -> str | None:
+    """A resumed run's datasets against the checkpoint's (both prepared): a ConfigError message
+    when they were tokenized by another tokenizer (the ids would mean other text), else None.
+    Datasets of the checkpoint's that are gone cannot be compared."""
+    if saved.source != "arrayrecord" or now.source != "arrayrecord" or not saved.mixture:
+        return None
+    old = Path(saved.mixture[0].path).expanduser()
+    if not (old / "manifest.json").is_file():
+        return None
+    before = _identity(read_manifest(str(old))["tokenizer"])
+    if before == _identity(read_manifest(now.mixture[0].path)["tokenizer"]):
+        return None
+    return (f"data.mixture path {now.mixture[0].path} was tokenized by another tokenizer than "
+            f"the checkpoint's data ({old}), so its token ids mean other text; resume with data "
+            "of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
+            "checkpoint.weights_only=true to fine-tune from it)")
+
+
 def dataset_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
     """The tokenizer the batches are made with: the datasets' own when source=arrayrecord."""
     if data.source != "arrayrecord":

@@ -138,7 +138,7 @@ def check_paths(cfg: Config) -> None:
     leaves them as they were): run.dir can be a directory; its newest checkpoint, or else
     checkpoint.restore, holds this model; run.compile_cache can be a directory."""
     cli.check_run_dir(cfg.run.dir)
-    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore)
+    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
     if cfg.run.compile_cache:
         cache = Path(cfg.run.compile_cache)
         existing = next(path for path in (cache, *cache.parents) if path.exists())

@@ -485,3 +485,37 @@ def test_packed_batch_logits_equal_each_document_alone(cfg, corpus):
             np.testing.assert_allclose(packed[mask], single[:n], atol=1e-5, rtol=0)
             checked += 1
     assert checked >= 6, checked  # rows of several documents were compared
+
+
+def test_resuming_on_data_of_another_tokenizer_is_refused(datasets, capsys, tmp_path):
+    """The checkpoint's datasets and this run's were tokenized by different tokenizers: the
+    token ids would mean other text, and training went on without a word."""
+    import json
+
+    import launch
+    from jaxtron import config as config_lib
+
+    other = tmp_path / "other"
+    shutil.copytree(datasets["a"], other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = "0" * 64  # as if prepared with another tokenizer
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", "data.source=arrayrecord", "model.vocab_size=8192",
+            "train.eval_every=0"]
+    saved = config_lib.load([launch.DEFAULT_CONFIG], [*args, f"data.mixture=[{{path: "
+                                                              f"{datasets['a']}, weight: 1}}]"])
+    step = run_dir / "checkpoints" / "3"  # what check_start reads of a checkpoint
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "meta").mkdir()
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 3,
+                                                        "config": config_lib.to_yaml(saved)}))
+    same = launch.main(["--dry-run", *args, f"data.mixture=[{{path: {datasets['a']}}}]"])
+    assert same == 0 and "start: resumes from" in capsys.readouterr().out
+    assert launch.main(["--dry-run", *args, f"data.mixture=[{{path: {other}}}]"]) == 2
+    assert capsys.readouterr().err == (
+        f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
+        f"the checkpoint's data ({datasets['a']}), so its token ids mean other text; resume with "
+        "data of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
+        "checkpoint.weights_only=true to fine-tune from it)\n")
