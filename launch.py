@@ -88,7 +88,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     from jaxtron import config as config_lib
     from jaxtron import weights
     from jaxtron.optim import make_optimizer
-    from jaxtron.state import make_plan, resumed_schedule_jump
+    from jaxtron.state import RESTORE_UNUSED, make_plan, resumed_schedule_jump
     from jaxtron.train import check_paths
 
     check_paths(cfg)  # in the order a run checks: paths, layout, data
@@ -111,6 +111,8 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
             if (Path(cfg.run.dir) / "checkpoints").is_dir() else []:
         if jump := resumed_schedule_jump(weights.read_meta(steps[-1]), cfg):
             print(f"warning: {jump}")
+        if cfg.checkpoint.restore:
+            print(f"note: {RESTORE_UNUSED.format(cfg.checkpoint.restore)}")
     terms = memory.estimate(cfg, plan)
     total = sum(terms.values())
     print(f"memory per device, estimated: {_gib(total)}, of which (model.remat={cfg.model.remat}):")

@@ -93,6 +93,10 @@ def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings
                    donate_argnums=0)(params)
 
 
+RESTORE_UNUSED = ("checkpoint.restore={} is not used: run.dir has checkpoints of its own, which "
+                  "come first (restore starts a new run.dir)")
+
+
 def resumed_schedule_jump(meta: dict, cfg: Config) -> str | None:
     """optim.schedule_jump between the checkpoint's config (in its meta) and this run's."""
     try:
@@ -115,6 +119,8 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
                      f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
         if jump := resumed_schedule_jump(meta, cfg):
             info(f"warning: {jump}")
+        if cfg.checkpoint.restore:
+            info(f"note: {RESTORE_UNUSED.format(cfg.checkpoint.restore)}")
         return state, step, meta["tokens_seen"]
     if not cfg.checkpoint.restore:
         return init_state(cfg, plan, tx, mesh), 0, 0

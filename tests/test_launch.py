@@ -544,6 +544,9 @@ def test_raising_train_steps_on_resume_warns_of_the_learning_rate_jump(tmp_path,
     assert warning in capsys.readouterr().out.splitlines()
     assert _main(["--dry-run", *short, "train.steps=40", "optim.decay_steps=4"]) == 0
     assert "learning rate" not in capsys.readouterr().out
+    assert _main(["--dry-run", *short, f"checkpoint.restore={run_dir}"]) == 0  # ignored: say so
+    assert (f"note: checkpoint.restore={run_dir} is not used: run.dir has checkpoints of its own"
+            in capsys.readouterr().out)
     tiny = [launch.DEFAULT_CONFIG]
     saved, now = config.load(tiny, short[:-1]), config.load(tiny, [*short[:-1], "train.steps=40"])
     assert optim.schedule_jump(saved, saved, 4) is None
