@@ -173,11 +173,9 @@ class Checkpoints:
         """Wait for the last async save to be complete on disk (CheckpointSaveError if not)."""
         try:
             self.wait()
-        except CheckpointSaveError:
-            with contextlib.suppress(Exception):  # the failure above is what the user needs
+        finally:
+            with contextlib.suppress(Exception):  # a failure above is what the user needs
                 self.manager.close()
-            raise
-        self.manager.close()
 
 
 _SAVE_CAUSES = ("No space left on device", "Disk quota exceeded", "Permission denied",
@@ -185,15 +183,13 @@ _SAVE_CAUSES = ("No space left on device", "Disk quota exceeded", "Permission de
 
 
 def save_error(e: BaseException, directory: Path) -> str:
-    """Why a checkpoint write failed, in a few words: a known OS cause and the directory, else
-    the innermost cause's first line (TensorStore's messages hold whole paths and specs)."""
+    """Why a checkpoint write failed, in a few words: a known OS cause and the directory (the
+    innermost cause holds the OS's words after a long spec), else read_error's first line."""
     inner = e
     while inner.__cause__ is not None:
         inner = inner.__cause__
-    for cause in _SAVE_CAUSES:  # TensorStore puts the OS's words after a long spec
-        if cause.lower() in str(inner).lower():
-            return f"{cause.lower()} ({directory})"
-    return read_error(e)
+    known = [cause for cause in _SAVE_CAUSES if cause.lower() in str(inner).lower()]
+    return f"{known[0].lower()} ({directory})" if known else read_error(e)
 
 
 def _orbax_errors(record: logging.LogRecord) -> bool:
@@ -246,10 +242,9 @@ def _late(error: BaseException | None) -> bool:
 
 
 def _abandoned(error: BaseException | None) -> bool:
-    """An abandoned read's or write's leftovers: its own error, never retrieved, or its late
-    completion."""
-    text = str(error)
-    return "Encountered error while reading" in text or "Error writing" in text or _late(error)
+    """An abandoned read's or write's leftovers: its error, never retrieved, or late completion."""
+    return any(words in str(error) for words in ("error while reading", "Error writing")) \
+        or _late(error)
 
 
 def _quiet_abandoned_reads() -> None:
@@ -293,6 +288,10 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
         else []
     if steps:
         meta = weights.read_meta(steps[-1])
+        if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
+            raise ConfigError(f"run.dir={run_dir} holds an import (weights only); set run.dir to a "
+                              f"new directory with checkpoint.restore={run_dir} "
+                              "checkpoint.weights_only=true")
         changed = weights.model_changes(meta, model)
         if changed:
             raise ConfigError(f"{run_dir} holds checkpoints of another model "

@@ -318,8 +318,10 @@ def check_values(cfg: Config) -> None:
         raise ConfigError(f"run.progress={cfg.run.progress} is not one of auto, bar, lines")
     traced = cfg.run.profile_steps
     if traced and (len(traced) != 2 or not 0 <= traced[0] <= traced[1] <= t.steps):
+        first = min(10, t.steps // 2)
         raise ConfigError(f"run.profile_steps={list(traced)} must be [first, last] with 0 <= first "
-                          f"<= last <= train.steps={t.steps}, e.g. [10, 12]; [] for no trace")
+                          f"<= last <= train.steps={t.steps}, e.g. [{first}, "
+                          f"{min(first + 2, t.steps)}]; [] for no trace")
     positive = {
         "model.vocab_size": m.vocab_size, "model.num_layers": m.num_layers,
         "model.d_model": m.d_model, "model.num_heads": m.num_heads,

@@ -140,14 +140,22 @@ def reader(path: str | Path) -> tuple[config_lib.Config, dict, Getter]:
 
     def get(param_path: tuple[str, ...], layer: int | None) -> np.ndarray:
         if layer is None:
-            return np.asarray(open_leaf(("params", *param_path)).read().result())
+            return _read(open_leaf(("params", *param_path)), step_dir)
         if meta.get("layout") == LAYERED:
-            return np.asarray(open_leaf(("params", "layer", str(layer), *param_path[1:]))
-                              .read().result())
-        stored = open_leaf(("params", *param_path))
-        return np.asarray(stored[order.index(layer)].read().result())
+            return _read(open_leaf(("params", "layer", str(layer), *param_path[1:])), step_dir)
+        return _read(open_leaf(("params", *param_path))[order.index(layer)], step_dir)
 
     return cfg, meta, get
+
+
+def _read(array: Any, step_dir: Path) -> np.ndarray:
+    """One TensorStore array into memory; a damaged file (truncated, missing) is one line."""
+    try:
+        return np.asarray(array.read().result())
+    except ValueError as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"checkpoint {step_dir} is damaged ({why}); name an older one "
+                          f"(.../checkpoints/<step>)") from None
 
 
 def read_params(path: str | Path) -> tuple[config_lib.Config, dict]:

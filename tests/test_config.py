@@ -210,3 +210,10 @@ def test_a_tilde_in_a_path_is_the_home_directory(monkeypatch, tmp_path):
     assert (cfg.data.cache_dir, cfg.run.compile_cache) == (f"{tmp_path}/cache", f"{tmp_path}/xla")
     assert (cfg.data.mixture[0].path, cfg.data.tokenizer) == (f"{tmp_path}/ds",
                                                               f"{tmp_path}/tok.model")
+
+
+def test_the_profile_steps_example_fits_the_run():
+    """The example used to be [10, 12] whatever train.steps was, the very value just refused."""
+    with pytest.raises(config.ConfigError, match=r"train\.steps=4, e\.g\. \[2, 4\]; \[\] for no "):
+        config.load([], ["run.profile_steps=[10,12]", "train.steps=4"])
+    assert config.load([], ["run.profile_steps=[2,4]", "train.steps=4"]).run.profile_steps == [2, 4]

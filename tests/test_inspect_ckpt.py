@@ -112,3 +112,50 @@ def test_a_closed_pipe_ends_quietly(run_dir):
     proc = subprocess.run(f"{sys.executable} {TOOL} {run_dir} | head -1", shell=True,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.stdout.count("\n") == 1 and proc.stderr == "", proc.stderr
+
+
+def test_a_damaged_checkpoint_read_by_the_tools_is_one_line(run_dir, tmp_path):
+    """generate.py and convert_hf.py export read weights through jaxtron/weights.py: a truncated
+    array file was a 30-line ValueError traceback from TensorStore."""
+    import shutil
+
+    from jaxtron import weights
+    from jaxtron.config import ConfigError
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    files = list((copy / "checkpoints" / "2" / "state").rglob("d/*"))
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=rf"^checkpoint {copy}/checkpoints/2 is damaged \(OUT_OF_"
+                                          r"RANGE: Error reading .*; name an older one"):
+        weights.read_params(copy)
+    weights.read_params(copy / "checkpoints" / "1")  # the older one reads back
+    proc = subprocess.run([sys.executable, str(TOOL.parent / "generate.py"), str(copy),
+                           "--prompt", "x", "--max-new-tokens", "2"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"generate.py: error: checkpoint {copy}/checkpoints/2 is damaged")
+
+
+def test_an_import_used_as_run_dir_is_refused_before_anything_is_written(tmp_path, capsys):
+    """tools/convert_hf.py import writes weights only; as run.dir it read as an unreadable
+    checkpoint, and the advice (move it aside) would have thrown the weights away."""
+    import launch
+    from jaxtron import weights
+
+    imported = tmp_path / "imp"
+    step = imported / "checkpoints" / "0"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "meta").mkdir()
+    cfg = config.load(["configs/tiny.yaml"], [])
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 0, "layout": weights.LAYERED,
+                                                        "config": config.to_yaml(cfg)}))
+    before = sorted(p.name for p in imported.rglob("*"))
+    for dry in (["--dry-run"], []):
+        assert launch.main([*dry, f"run.dir={imported}", "train.steps=2"]) == 2
+        assert capsys.readouterr().err == (
+            f"launch.py: error: run.dir={imported} holds an import (weights only); set run.dir to "
+            f"a new directory with checkpoint.restore={imported} checkpoint.weights_only=true\n")
+    assert sorted(p.name for p in imported.rglob("*")) == before
