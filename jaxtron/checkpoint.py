@@ -55,7 +55,8 @@ class Checkpoints:
         )
         self.pending: int | None = None  # the step whose background write is not yet confirmed
         _quiet_abandoned_reads()  # a failed write's leftovers are as noisy as a failed read's
-        logging.getLogger("absl").addFilter(_orbax_errors)
+        for quiet in (_orbax_errors, _read_only_notes):
+            logging.getLogger("absl").addFilter(quiet)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -385,10 +386,10 @@ def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.
 
 
 def _read_only_notes(record: logging.LogRecord) -> bool:
-    """Orbax's three warnings that a manager we made read-only is read-only: not shown."""
-    text = record.getMessage()
-    return not (text.startswith("CheckpointManagerOptions.read_only=True")
-                or text.startswith("Given directory is read only"))
+    """Orbax's notes that a read-only manager is, or that it removes a failed save's tmp dir."""
+    return not record.getMessage().startswith((
+        "CheckpointManagerOptions.read_only=True", "Given directory is read only",
+        "Attempted to create temporary directory"))
 
 
 def _restore_from(directory: Path, abstract_state: Any, shardings: Any,

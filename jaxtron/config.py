@@ -219,16 +219,17 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
 
 def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
-    layers = [presets.read(Path(f)) for f in files]
-    for item in overrides:
-        layers.append(presets.parse_override(item)[1])
+    layers = [(f"{f}: ", presets.read(Path(f))) for f in files]  # errors name the file
+    layers += [("", presets.parse_override(item)[1]) for item in overrides]
     merged = OmegaConf.structured(Config)
-    for layer in layers:
-        _check_keys(layer, Config, "")
+    for where, layer in layers:
         try:
+            _check_keys(layer, Config, "")
             merged = OmegaConf.merge(merged, layer)
         except oc_errors.ValidationError as e:
-            raise ConfigError(_bad_value(e)) from None
+            raise ConfigError(where + _bad_value(e)) from None
+        except ConfigError as e:
+            raise ConfigError(where + str(e)) from None
     cfg = _home_expanded(OmegaConf.to_object(merged))
     check_values(cfg)
     return cfg

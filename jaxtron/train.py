@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -68,6 +69,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
 
     # Run directory and writers: every check above passed.
     is_main = jax.process_index() == 0
+    fresh = not run_dir.exists()  # made by this start: removed again if it fails before a step
     lock = RunDirLock(run_dir) if is_main else None  # a second run stops here, writing nothing
     if is_main:
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
@@ -131,6 +133,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             log.close()
             if lock:
                 lock.release()
+            if fresh and is_main and outcome != "done" and not run.account.last_step:
+                shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run.dir
 
 
 def check_paths(cfg: Config) -> None:

@@ -217,3 +217,18 @@ def test_the_profile_steps_example_fits_the_run():
     with pytest.raises(config.ConfigError, match=r"train\.steps=4, e\.g\. \[2, 4\]; \[\] for no "):
         config.load([], ["run.profile_steps=[10,12]", "train.steps=4"])
     assert config.load([], ["run.profile_steps=[2,4]", "train.steps=4"]).run.profile_steps == [2, 4]
+
+
+def test_a_wrong_key_or_value_in_a_preset_names_the_file(tmp_path):
+    """With several --config files, 'unknown config key' did not say which one to edit."""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("train:\n  steps: 3\n")
+    bad.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(config.ConfigError, match=rf"^{bad}: unknown config key 'train\.stepz' "
+                                                 r"\(did you mean 'train\.steps'\?\)$"):
+        config.load([good, bad])
+    bad.write_text("train:\n  steps: 3.5\n")
+    with pytest.raises(config.ConfigError, match=rf"^{bad}: train\.steps must be an integer"):
+        config.load([good, bad])
+    with pytest.raises(config.ConfigError, match=r"^unknown config key 'train\.stepz'"):
+        config.load([good], ["train.stepz=3"])  # an override has no file to name

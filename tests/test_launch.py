@@ -304,6 +304,7 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
         _assert_one_line_status_2(proc.returncode, proc.stderr, f"launch.py: error: checkpoint."
                                   f"restore={run_dir}: {run_dir}/checkpoints/1 is unreadable (")
         assert "Error reading" in proc.stderr and "pybind" not in proc.stderr
+        assert not (tmp_path / "new").exists()  # the refused start left no half-made run.dir
 
 
 @pytest.mark.parametrize("overrides,verdict", [
@@ -551,3 +552,14 @@ def test_raising_train_steps_on_resume_warns_of_the_learning_rate_jump(tmp_path,
     saved, now = config.load(tiny, short[:-1]), config.load(tiny, [*short[:-1], "train.steps=40"])
     assert optim.schedule_jump(saved, saved, 4) is None
     assert optim.schedule_jump(saved, now, 4) == warning.removeprefix("warning: ")
+
+
+def test_what_a_failed_save_left_is_removed_without_a_word(tmp_path):
+    """A save that failed leaves `<step>.orbax-checkpoint-tmp`; Orbax removes it at the next
+    save of that step and logged an absl WARNING about it on stderr, even in a run that ends 0."""
+    run_dir = tmp_path / "run"
+    assert _launch(*SMALL_RUN, "checkpoint.every=1", f"run.dir={run_dir}").returncode == 0
+    (run_dir / "checkpoints" / "2.orbax-checkpoint-tmp").mkdir()
+    proc = _launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]

@@ -129,10 +129,7 @@ def test_ctrl_c_during_start_up_stops_before_the_first_step(tmp_path):
         proc.kill()
     assert proc.returncode == 75, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("stopped by a signal before training started")
-    assert not (run_dir / "metrics.jsonl").read_text().strip()  # no step ran
-    assert not (run_dir / "checkpoints").exists() or _saved_steps(run_dir) == []
-    goodput = json.loads((run_dir / "goodput.json").read_text())
-    assert goodput[-1]["outcome"] == "stopped before training", goodput
+    assert not run_dir.exists()  # no step ran: the start made run.dir and removed it again
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
