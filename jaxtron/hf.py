@@ -50,13 +50,32 @@ Getter = Callable[[str], np.ndarray]
 def _weight_files(root: Path) -> list[str]:
     """The safetensors files of a directory, through its index when it has one."""
     if (root / INDEX).is_file():
-        files = sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))
+        files = _indexed_files(root / INDEX)
         absent = [f for f in files if not (root / f).is_file()]
         if absent:
             raise ConfigError(f"{root / INDEX} names {', '.join(absent[:3])}, which is not in "
                               f"{root}; the download is incomplete")
         return files
     return sorted(p.name for p in root.glob("*.safetensors"))
+
+
+def _indexed_files(index: Path) -> list[str]:
+    """The shard files an index's weight_map names; a ConfigError naming the index when it is
+    unreadable, not JSON (an interrupted download) or has no weight_map of names to files."""
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except OSError as err:
+        raise ConfigError(f"cannot read {index} ({err.strerror})") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{index} is not valid JSON ({err}); download it again") from None
+    except (KeyError, TypeError, AttributeError):
+        files = None
+    if not files or not all(isinstance(f, str) and f for f in files):
+        raise ConfigError(f"{index} has no weight_map naming each tensor's shard file; download "
+                          "it again, or remove it to read every *.safetensors file of the "
+                          "directory")
+    return files
 
 
 def _pickled(root: Path, files: list[str]) -> dict[str, np.ndarray]:

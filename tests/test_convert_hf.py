@@ -275,6 +275,32 @@ def test_a_damaged_safetensors_file_is_one_line(tmp_path, capsys, damage, messag
     assert not (tmp_path / "imp").exists()
 
 
+@pytest.mark.parametrize("damage, message", [
+    ("cut", "{i} is not valid JSON (Expecting "),
+    ("no_map", "{i} has no weight_map naming each tensor's shard file; download it again, or "
+     "remove it to read every *.safetensors file of the directory"),
+    ("list", "{i} has no weight_map naming each tensor's shard file"),
+    ("absent", "{i} names model-00009-of-00009.safetensors, which is not in {d}; the download "
+     "is incomplete"),
+])
+def test_a_damaged_index_is_one_line_naming_it(tmp_path, capsys, damage, message):
+    """model.safetensors.index.json cut short by a download, without its weight_map, or naming a
+    shard that is not there: one line naming the index (a JSONDecodeError or KeyError traceback
+    before), and nothing written."""
+    _save("llama2", tmp_path / "hf")
+    index = tmp_path / "hf" / hf.INDEX
+    text = index.read_text()
+    weight_map = json.loads(text)["weight_map"]
+    index.write_text({"cut": text[:len(text) // 2],
+                      "no_map": json.dumps({"metadata": {}}),
+                      "list": json.dumps({"weight_map": list(weight_map)}),
+                      "absent": json.dumps({"weight_map": {
+                          **weight_map, "x": "model-00009-of-00009.safetensors"}})}[damage])
+    err = _one_line(capsys, 2, "import", tmp_path / "hf", tmp_path / "imp")
+    assert err.startswith("convert_hf.py: error: " + message.format(i=index, d=tmp_path / "hf"))
+    assert not (tmp_path / "imp").exists()
+
+
 def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
     """The Hub's tokenizer format travels with the weights: import copies tokenizer.json and its
     config, the preset points data.tokenizer at them, and training on text starts each document
