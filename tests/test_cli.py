@@ -2,6 +2,7 @@
 (argparse's own form, <script> the file run), nothing on stdout, exit status 2. Run as users run
 them, each with a missing file (the command's own check) and an unknown flag (argparse's)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ MISSING = {  # a file that is not there, where each command first reads one
 
 def test_every_command_is_listed():
     scripts = {str(p.relative_to(ROOT)) for p in [ROOT / "launch.py", *ROOT.glob("tools/*.py")]
-               if 'if __name__ == "__main__":' in p.read_text()}
+               if "sys.exit(main())" in p.read_text()}
     assert scripts == set(MISSING)
 
 
@@ -54,3 +55,24 @@ def test_a_python_without_the_dependencies_is_told_to_activate_the_environment()
     assert run.stderr.rstrip().endswith("activate its environment (. .venv/bin/activate) or "
                                         "install them (pip install -e .)")
     assert len(run.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "tools").glob("*.py")))
+def test_a_tool_run_without_the_environment_says_how_to_get_it(script):
+    """`python tools/plot.py --help` with a Python that has not installed jaxtron (here -S: no
+    site-packages) was a `No module named 'jaxtron'` traceback; a module that is no command
+    (text_inputs.py) printed nothing, run with or without the environment."""
+    commands = {Path(s).name for s in MISSING}
+    for python in ([sys.executable, "-S"], [sys.executable]):
+        if script in commands and len(python) == 1:
+            continue  # --help of a command, tested above through its errors
+        run = subprocess.run([*python, str(ROOT / "tools" / script), "--help"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert (run.returncode, run.stdout, run.stderr.count("\n")) == (2, "", 1), run.stderr
+        if script in commands:
+            assert run.stderr == (f"{script}: error: this Python ({sys.executable}) lacks jaxtron; "
+                                  "activate its environment (. .venv/bin/activate) or install it "
+                                  "(pip install -e .)\n")
+        else:
+            assert run.stderr.startswith(f"{script}: error: a module ") and re.search(
+                r"not a command; run .*python tools/\w+\.py --help", run.stderr), run.stderr

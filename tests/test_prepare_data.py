@@ -213,11 +213,13 @@ def test_rerun_with_other_settings_refused(tmp_path, tokenizer, corpus):
     for change, key in ((["--tokenizer", tokenizer, "--val-fraction", 0.5], "val_fraction"),
                         (["--tokenizer", tokenizer, "--text-field", "body"], "text_field"),
                         (["--tokenizer", other], "tokenizer_sha256"),
-                        (["--train-tokenizer", 500], "tokenizer_sha256"),
+                        (["--train-tokenizer", 500], "tokenized with a --tokenizer, not "
+                         "--train-tokenizer 500 --sample-bytes 50000000"),
                         (["--tokenizer", tokenizer, "--part-tokens", 123], "part_tokens")):
         done = run_tool(*inputs[:3], "--out", out, *change, check=False)
-        lines = [line for line in done.stderr.splitlines() if not line.startswith("training")]
-        assert done.returncode == 2 and len(lines) == 1 and key in lines[0], done.stderr
+        # --train-tokenizer is refused before the tokenizer is trained (minutes on a big corpus)
+        assert (done.returncode, done.stderr.count("\n")) == (2, 1) and key in done.stderr, \
+            done.stderr
     done = run_tool(*inputs[1:3], "--out", out, "--tokenizer", tokenizer, check=False)
     assert done.returncode == 2 and "same INPUTs" in done.stderr
     grown, grown_out = tmp_path / "in" / "a.txt", tmp_path / "grown"
@@ -228,6 +230,28 @@ def test_rerun_with_other_settings_refused(tmp_path, tokenizer, corpus):
     done = run_tool(grown.parent, "--out", grown_out, "--tokenizer", tokenizer, check=False)
     assert done.returncode == 2 and "same INPUTs" in done.stderr
     assert f"holds {grown} (4 bytes) where the INPUTs now give {grown} (8 bytes)" in done.stderr
+
+
+def test_a_rerun_compares_the_whole_input_list(tmp_path, tokenizer):
+    """A file added after a finished run's last unit was tokenized into it unnoticed: the records
+    of finished units were the only comparison. Now the whole list is, naming the first file
+    that differs, before the tokenizer is loaded or trained."""
+    files = [tmp_path / "in" / f"{name}.txt" for name in "abcd"]
+    files[0].parent.mkdir()
+    for f in files:
+        f.write_text(f"the text of {f.stem}\n" * 20)
+    out, args = tmp_path / "ds", ["--tokenizer", tokenizer, "--part-tokens", 10]  # a unit a file
+    run_tool(*files[:3], "--out", out, *args)
+    before = snapshot(out, mtimes=True)
+    for inputs, first in ((files, f"no file where the INPUTs now give {files[3]} (280 bytes) "
+                                  "(file 4; 3 files then, 4 now)"),
+                          (files[1:3], f"{files[0]} (280 bytes) where the INPUTs now give "
+                                       f"{files[1]} (280 bytes) (file 1; 3 files then, 2 now)")):
+        done = run_tool(*inputs, "--out", out, *args, check=False)
+        assert (done.returncode, done.stderr.count("\n")) == (2, 1), done.stderr
+        assert done.stderr == (f"prepare_data.py: error: --out {out} holds {first}: rerun with "
+                               "the same INPUTs or a new --out\n")
+    assert snapshot(out, mtimes=True) == before
 
 
 def test_workers_do_not_change_output(tmp_path, tokenizer, corpus):
@@ -287,10 +311,12 @@ def bad_inputs(tmp_path) -> tuple[Path, set[tuple]]:
 def test_bad_input_reported_and_counted(tmp_path, tokenizer, bad_inputs):
     d, expected = bad_inputs
     done = run_tool(d, "--out", tmp_path / "ds", "--tokenizer", tokenizer)
-    reported = {line for line in done.stderr.splitlines() if line.startswith("bad input: /")}
+    reported = [line for line in done.stderr.splitlines() if line.startswith("bad input: /")]
     unreadable = f"bad input: {d / 'broken.txt'}: unreadable file (No such file or directory)"
-    assert reported == {f"bad input: {file}{where}: {reason}" for file, where, reason in expected
-                        } | {unreadable}
+    assert len(reported) == 10 and set(reported) < {  # 10 of 13 printed, then one line
+        f"bad input: {file}{where}: {reason}" for file, where, reason in expected} | {unreadable}
+    assert done.stderr.count("bad input: more is not shown; the closing line counts it by "
+                             "reason, manifest.json lists up to 20 per file\n") == 1
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest["bad_input"]["count"] == len(expected) + 1
     examples = {(e["file"], f":{e['line']}" if "line" in e else f": row {e['row']}" if "row" in e
@@ -324,7 +350,7 @@ def test_strict_stops_on_bad_input(tmp_path, tokenizer, bad_inputs):
 def test_no_good_document_is_an_error_not_an_empty_dataset(tmp_path, tokenizer):
     """Every line bad: one line naming the reasons, exit 2, and no dataset directory left."""
     src = tmp_path / "bad.jsonl"
-    src.write_text('{"txt": "wrong field"}\nnot json\n')
+    src.write_text('{"text": ""}\nnot json\n')
     done = run_tool(src, "--out", tmp_path / "ds", "--tokenizer", tokenizer, check=False)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
@@ -511,3 +537,99 @@ def test_a_prepared_dataset_among_the_inputs_is_skipped_with_a_note(tmp_path, to
     done = run_tool(f"{tmp_path}/raw/**/*", "--out", tmp_path / "new3", "--tokenizer", tokenizer)
     assert "bad input" not in done.stderr, done.stderr
     assert re.search(r"note: skipped [34] files of .* that jaxtron prepared", done.stderr)
+
+
+@pytest.mark.parametrize("name, records, message", [
+    ("docs.jsonl", "".join(json.dumps({"txt": f"doc {i}", "id": i}) + "\n" for i in range(200)),
+     "no record has field 'text' (the first 100 of {f}); the first record's fields: txt, id"),
+    ("docs.json", json.dumps([{"body": "a doc", "id": i} for i in range(3)], indent=1),
+     "no record has field 'text' (the first 3 of {f}); the first record's fields: body, id"),
+    ("rows.parquet", None, "{f} has no column 'text'; its columns: n, txt"),
+])
+def test_a_text_field_no_record_has_is_one_line_naming_the_fields(tmp_path, tokenizer, name,
+                                                                 records, message):
+    """A --text-field the records do not have was 64 `bad input` lines (20 per file), then the
+    error; now one line before any work, naming the fields the first record has."""
+    f = tmp_path / name
+    if records is None:
+        pq.write_table(pa.table({"n": [1, 2], "txt": ["a", "b"]}), f)
+    else:
+        f.write_text(records)
+    for more in ([], ["--train-tokenizer", 300]):  # checked before a tokenizer is trained too
+        done = run_tool(f, "--out", tmp_path / "ds", *more or ["--tokenizer", tokenizer],
+                        check=False)
+        assert done.stderr == (f"prepare_data.py: error: --text-field text: "
+                               f"{message.format(f=f)}\n") and done.returncode == 2
+        assert not (tmp_path / "ds").exists()
+
+
+def test_occasional_bad_lines_are_reported_a_few_then_counted(tmp_path, tokenizer):
+    """Some records without the field are bad input, not a wrong --text-field: reported by line,
+    10 of them, then one line; the closing line counts them all."""
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"text": f"doc {i}"} if i % 2 else {"title": "x"}) + "\n"
+                         for i in range(100)))
+    done = run_tool(f, "--out", tmp_path / "ds", "--tokenizer", tokenizer)
+    lines = done.stderr.splitlines()
+    assert [line for line in lines if line.startswith("bad input: /")] == [
+        f"bad input: {f}:{i}: no field 'text'" for i in range(1, 20, 2)]
+    assert lines[10].startswith("bad input: more is not shown") and not any(
+        line.startswith("bad input:") for line in lines[11:]), lines
+    assert "bad input skipped: 50 (no field 'text': 50)" in lines
+
+
+def test_a_stop_midway_keeps_the_finished_units_and_says_so(tmp_path, tokenizer, corpus):
+    """SIGINT (Ctrl-C) or SIGTERM after some units: one line saying what --out keeps, exit 130,
+    and the rerun finishes it into what one run makes."""
+    inputs, _ = corpus
+    args = [*inputs, "--tokenizer", tokenizer, "--val-fraction", 0.1, "--part-tokens", 3000]
+    run_tool(*args, "--out", tmp_path / "ref", "--workers", 2)
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut),
+                             "--workers", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and len(list(cut.glob(".parts/0*.json"))) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    kept = len(list(cut.glob(".parts/0*.json")))
+    assert proc.returncode == 130 and err.endswith(
+        f"prepare_data.py: stopped by a signal; --out {cut} keeps {kept} finished units but no "
+        "new manifest.json; rerun the same command to finish\n"), err
+    assert "Traceback" not in err and not (cut / "manifest.json").exists()
+    run_tool(*args, "--out", cut, "--workers", 1)
+    assert snapshot(cut) == snapshot(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("when", ["starting", "finishing"])
+def test_a_stop_while_starting_or_finishing_is_one_line(tmp_path, tokenizer, corpus, when):
+    """SIGINT while the modules import (a KeyboardInterrupt traceback, or lost inside an import)
+    or as the run ends (exit status -2 and no line, or the finished dataset removed): one line,
+    exit 130, and either nothing written or the whole dataset; or, once all is done, exit 0."""
+    out = tmp_path / "ds"
+    proc = subprocess.Popen([sys.executable, str(TOOL), *corpus[0], "--tokenizer", str(tokenizer),
+                             "--out", str(out), "--workers", "1"], stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        if when == "starting":
+            time.sleep(0.5)  # Python has started; jax and the rest still import
+        else:
+            while "this run tokenized" not in (line := proc.stderr.readline()):
+                assert line, "the run ended without its closing lines"
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    if when == "starting":
+        assert (proc.returncode, err) == (130, "prepare_data.py: stopped by a signal; nothing "
+                                               "was written\n") and not out.exists()
+    else:
+        assert proc.returncode in (0, 130), err
+        assert err in ("", f"prepare_data.py: stopped by a signal; the dataset in --out {out} "
+                           "was complete (manifest.json written)\n"), err
+        assert read_split(out, "train")  # the finished dataset is kept

@@ -17,6 +17,9 @@ import statistics
 import sys
 import time
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 from jaxtron import cli
 
 

@@ -37,6 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError

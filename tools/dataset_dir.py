@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by mistake: it is no command
+    print("dataset_dir.py: error: a module of tools/prepare_data.py, not a command; run "
+          "python tools/prepare_data.py --help", file=sys.stderr)
+    sys.exit(2)
 
 from jaxtron.config import ConfigError
 from jaxtron.corpus import write_atomic
@@ -49,13 +55,40 @@ def write_if_changed(path: Path, payload: bytes) -> None:
 
 
 def check_run(out: Path, run: dict) -> None:
-    """Refuse to mix outputs of different settings in one directory; else record the settings."""
+    """Refuse to mix outputs of different settings (those of RUN_KEYS that `run` has: all but the
+    tokenizer's before it is loaded or trained), of another way to get the tokenizer, or of other
+    INPUTs in one directory. Checked before any work; nothing is written."""
     previous = read_json(out / PARTS / "run.json")
-    if previous and any((out / PARTS).glob("[0-9]*.json")):
-        for key in RUN_KEYS:
-            if previous.get(key) != run[key]:
-                raise ConfigError(f"--out {out} holds data made with {key}={previous.get(key)}, "
-                                  f"not {run[key]}: rerun with the same arguments or a new --out")
+    if not (previous and any((out / PARTS).glob("[0-9]*.json"))):
+        return
+    for key in RUN_KEYS:
+        if key in run and previous.get(key) != run[key]:
+            raise ConfigError(f"--out {out} holds data made with {key}={previous.get(key)}, "
+                              f"not {run[key]}: rerun with the same arguments or a new --out")
+    if run["trained_with"] and previous.get("trained_with") != run["trained_with"]:
+        then = previous.get("trained_with") or {}
+        raise ConfigError(f"--out {out} holds data tokenized with "
+                          + (f"--train-tokenizer {then['vocab_size']} --sample-bytes "
+                             f"{then['sample_bytes']}" if then else "a --tokenizer") +
+                          f", not --train-tokenizer {run['trained_with']['vocab_size']} "
+                          f"--sample-bytes {run['trained_with']['sample_bytes']}: rerun with the "
+                          "same arguments or a new --out")
+    if "inputs" in previous:
+        _check_inputs(out, previous["inputs"], run["inputs"])
+
+
+def _check_inputs(out: Path, then: list[list], now: list[list]) -> None:
+    """Refuse other INPUT files (or sizes) than the earlier run's, naming the first that differs."""
+    for k, (old, new) in enumerate(itertools.zip_longest(then, now)):
+        if old != new:
+            raise ConfigError(f"--out {out} holds {_label(old)} where the INPUTs now give "
+                              f"{_label(new)} (file {k + 1}; {len(then):,} file"
+                              f"{'s' * (len(then) != 1)} then, {len(now):,} now): rerun with "
+                              "the same INPUTs or a new --out")
+
+
+def record_run(out: Path, run: dict) -> None:
+    """Keep the settings and INPUTs a rerun is checked against (.parts/run.json)."""
     write_if_changed(out / PARTS / "run.json", json.dumps(run, indent=1).encode())
 
 
@@ -84,7 +117,7 @@ def check_record(out: Path, record: dict, unit: Any) -> None:
                               f"{_label(new)}: rerun with the same INPUTs or a new --out")
 
 
-def _label(file: tuple[str, str, int] | None) -> str:
+def _label(file: tuple[str, str, int] | list | None) -> str:
     """A planned file as an error message names it."""
     return f"{file[0]} ({file[2]:,} bytes)" if file else "no file"
 

@@ -24,6 +24,9 @@ import os
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 from jaxtron import cli, distributed, doctor, xla_flags
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, load

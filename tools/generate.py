@@ -24,6 +24,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 from jaxtron import cli, hf, prepared, tokenizer, weights
 from jaxtron.cli import one_line_errors, plural
 from jaxtron.config import ConfigError, ModelConfig

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 import numpy as np
 import yaml
 

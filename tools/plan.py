@@ -24,6 +24,9 @@ import json
 import sys
 from pathlib import Path
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 from jaxtron import aot, cli, planner
 from jaxtron import config as config_lib
 from jaxtron.cli import one_line_errors

@@ -20,6 +20,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import _environment  # noqa: F401
+
 import yaml
 
 from jaxtron import cli

@@ -8,8 +8,12 @@ consecutive files worth about --part-tokens tokens (estimated from their bytes),
 alone; units are tokenized in worker processes, each into its own shards, a new part every
 --part-tokens tokens of a split. Safe to interrupt: shards get their names when complete, a unit's
 completion record (.parts/NNNNN.json) is written atomically after all its shards, and a rerun
-redoes only units without one, then rewrites manifest.json from the records. Bad input is reported
-by file and line (0-based row for Parquet and JSON arrays), skipped and counted; --strict exits 2 on it.
+redoes only units without one, then rewrites manifest.json from the records. Ctrl-C or SIGTERM
+ends with one line saying what --out keeps, exit status 130. A rerun must name the same INPUTs
+and settings (checked before any work). Bad input is reported by file and line (0-based row for
+Parquet and JSON arrays; the first 10 lines, then a count by reason), skipped and counted;
+--strict exits 2 on it. A --text-field that none of the first records has is one error line
+naming the fields they have.
 """
 
 from __future__ import annotations
@@ -28,11 +32,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+EXIT_STOPPED = 130  # stopped by SIGINT (Ctrl-C) or SIGTERM: 128 + SIGINT, as shells report it
+# SIGINT/SIGTERM while the modules below import (a second or two) are only recorded, and main()
+# stops on them: raised inside an import, a KeyboardInterrupt can be caught there and lost, or
+# come while jax's plugins load with stderr silenced (jaxtron.xla_flags).
+_signalled: list[int] = []
+
+if __name__ == "__mp_main__":  # a worker starting: Ctrl-C is the parent's, which ends the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+elif __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(_sig) is not signal.SIG_IGN:  # nohup's choice stays
+            signal.signal(_sig, lambda signum, frame: _signalled.append(signum))
+    import _environment  # noqa: F401
+
 import numpy as np
-from dataset_dir import (PARTS, check_run, load_records, read_json, remove_unlisted,
+from dataset_dir import (PARTS, check_run, load_records, read_json, record_run, remove_unlisted,
                          writable_dir, write_if_changed)
 from text_inputs import (Source, absolute, bad_entry, describe, file_size, find_sources,
-                         read_documents, sample_lines)
+                         missing_field, read_documents, sample_lines)
 from tqdm import tqdm
 
 from jaxtron import cli
@@ -44,8 +62,13 @@ from jaxtron.prepared import (MANIFEST_FORMAT, SPLITS, VAL_RULE, SplitShards,
 from jaxtron.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
 
 BYTES_PER_TOKEN = 4  # sizes units before tokenizing; BPE on English or code gives ~3-5
-MAX_REPORTED = 20  # bad-input lines printed and kept as examples, per input file
+MAX_REPORTED = 20  # bad-input lines kept as examples in the manifest, per input file
+MAX_PRINTED = 10  # bad-input lines printed, in all; the closing line counts the rest by reason
 ENCODE_BATCH_CHARS = 4 << 20  # documents are encoded in batches of about this much text
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM stopped the run; the message says what --out keeps."""
 
 
 class StrictStop(ConfigError):
@@ -250,7 +273,7 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
     context = mp.get_context("spawn")  # never fork a parent that may hold threads
     messages, stop, strict_stop = context.Queue(), context.Event(), None
     threads = max(1, workers // len(todo))  # fewer units than workers: encode with more threads
-    started, documents, tokens, done = time.monotonic(), 0, 0, 0
+    started, documents, tokens, done, printed = time.monotonic(), 0, 0, 0, 0
     initargs = (settings, messages, stop, threads)
     with context.Pool(min(workers, len(todo)), init_worker, initargs) as pool:
         results = {unit.index: pool.apply_async(process_unit, (unit,))
@@ -263,8 +286,11 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
                 # pool: terminating workers mid-task can deadlock Pool.terminate().
                 strict_stop = strict_stop or StrictStop(payload[0])
                 stop.set()
-            elif kind == "bad":
-                bar.write(f"bad input: {payload[0]}", file=sys.stderr)
+            elif kind == "bad" and printed <= MAX_PRINTED:  # a wrong --text-field is one line
+                printed += 1
+                bar.write(f"bad input: {payload[0]}" if printed <= MAX_PRINTED else
+                          "bad input: more is not shown; the closing line counts it by reason, "
+                          f"manifest.json lists up to {MAX_REPORTED} per file", file=sys.stderr)
             if kind == "progress":
                 documents, tokens = documents + payload[0], tokens + payload[1]
                 rate = tokens / max(time.monotonic() - started, 1e-9)
@@ -296,29 +322,54 @@ def counted(n: int, noun: str) -> str:
 
 def prepare(args: argparse.Namespace) -> int:
     """The whole tool; an output directory this run created is removed again when it fails, so a
-    failed first run leaves nothing that looks like a dataset (a resumed one keeps its parts)."""
+    failed first run leaves nothing that looks like a dataset (a resumed one keeps its parts).
+    Stopped by a signal, it keeps the units it finished, for a rerun to go on from."""
     out = writable_dir(absolute(Path(args.out).expanduser()), "--out")
     fresh = not out.exists() or not any(out.iterdir())
     try:
         return _prepare(args, out)
-    except BaseException:
+    except BaseException as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C: no half-done clean-up
+            signal.signal(sig, signal.SIG_IGN)
+        if isinstance(e, KeyboardInterrupt):
+            raise Stopped(left_behind(out, fresh)) from None
         if fresh and out.is_dir():
             shutil.rmtree(out, ignore_errors=True)
         raise
 
 
+def left_behind(out: Path, fresh: bool) -> str:
+    """What a stopped run leaves in `out`: nothing before its first finished unit (a directory it
+    made is removed), else the finished units, which a rerun goes on from."""
+    finished = len(list((out / PARTS).glob("[0-9]*.json"))) if out.is_dir() else 0
+    if fresh and not finished:
+        shutil.rmtree(out, ignore_errors=True)
+        return "nothing was written"
+    if fresh and (out / "manifest.json").is_file():
+        return f"the dataset in --out {out} was complete (manifest.json written)"
+    return (f"--out {out} keeps {counted(finished, 'finished unit')} but no new manifest.json; "
+            "rerun the same command to finish")
+
+
 def _prepare(args: argparse.Namespace, out: Path) -> int:
-    """Inputs -> tokenizer -> units -> shards per unit -> manifest."""
+    """Inputs -> checks of --out -> tokenizer -> units -> shards per unit -> manifest."""
     sources = find_sources(args.inputs, out)
-    tok = obtain_tokenizer(args, sources, out)
-    run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "tokenizer_sha256": tok.sha256,
-           "dtype": "uint16" if tok.get_piece_size() <= 1 << 16 else "int32",
-           "val_fraction": args.val_fraction, "text_field": args.text_field,
-           "part_tokens": args.part_tokens, "trained_with": args.trained_with}
-    check_run(out, run)
-    write_tokenizer(out, tok)
-    units = plan_units(sources, [file_size(s.path) for s in sources], args.part_tokens)
+    sizes = [file_size(s.path) for s in sources]
+    run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "val_fraction": args.val_fraction,
+           "text_field": args.text_field, "part_tokens": args.part_tokens,
+           "trained_with": args.trained_with,
+           "inputs": [[str(s.path), s.rel, n] for s, n in zip(sources, sizes)]}
+    check_run(out, run)  # before a tokenizer is trained (minutes): all but its own settings
+    if wrong_field := missing_field(sources, args.text_field):
+        raise ConfigError(wrong_field)
+    units = plan_units(sources, sizes, args.part_tokens)
     records = load_records(out, units)
+    tok = obtain_tokenizer(args, sources, out)
+    run |= {"tokenizer_sha256": tok.sha256,
+            "dtype": "uint16" if tok.get_piece_size() <= 1 << 16 else "int32"}
+    check_run(out, run)
+    record_run(out, run)
+    write_tokenizer(out, tok)
     bad = [entry for record in records.values() for entry in record["bad_examples"]]
     if args.strict and bad:  # from an earlier run without --strict
         raise StrictStop(describe(bad[0]))
@@ -394,14 +445,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; exit status 0, 2 (bad input: usage, or a bad document under --strict) or
-    130 (interrupted)."""
+    130 (stopped by SIGINT or SIGTERM; the line says what --out keeps)."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a batch system's stop: as Ctrl-C
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, handler in handlers.items():  # a batch system's SIGTERM: as Ctrl-C
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler)
     try:
+        if _signalled:
+            raise KeyboardInterrupt
         return one_line_errors(lambda: prepare(args))
-    except KeyboardInterrupt:
-        print("prepare_data.py: interrupted; rerun the same command to finish", file=sys.stderr)
-        return 130
+    except (Stopped, KeyboardInterrupt) as e:
+        print(f"{cli.script_name()}: stopped by a signal; {str(e) or 'nothing was written'}",
+              file=sys.stderr)
+        return EXIT_STOPPED
+    finally:
+        for sig, handler in handlers.items():
+            # Run as a command, signals are ignored from here on: the work is done or cleaned
+            # up, and one during the interpreter's exit would kill it with no line.
+            signal.signal(sig, signal.SIG_IGN if __name__ == "__main__" else handler)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # run by mistake: it is no command
+    print("text_inputs.py: error: a module of tools/prepare_data.py, not a command; run "
+          "python tools/prepare_data.py --help", file=sys.stderr)
+    sys.exit(2)
+
 from jaxtron.cli import script_name
 from jaxtron.config import ConfigError
 from jaxtron.prepared import MANIFEST_FORMAT
@@ -27,6 +32,7 @@ from jaxtron.prepared import MANIFEST_FORMAT
 Item = tuple[int, dict, str | None, str | None, int]
 JSON_ARRAY_MAX_BYTES = 512 << 20  # a JSON array is parsed whole: ~3x its size in memory
 SHARD_SUFFIX = ".arrayrecord"  # tokenized data (a prepared dataset's shards), never text
+FIELD_CHECK_RECORDS = 100  # records of the first JSON/Parquet input that --text-field is checked on
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,68 @@ def _as_text(value: object, text_field: str) -> tuple[str | None, str | None]:
         return value, None
     except UnicodeError:
         return None, "invalid UTF-8"
+
+
+def missing_field(sources: list[Source], text_field: str) -> str | None:
+    """Why --text-field looks wrong before any work: the first JSON or Parquet input's first
+    records (FIELD_CHECK_RECORDS) are objects none of which has it. The reason names the fields
+    they do have; None where some has it, or the first such file holds no object."""
+    for source in sources:
+        suffix = source.path.suffix.lower()
+        if suffix not in (".jsonl", ".json", ".parquet") or not source.path.is_file():
+            continue
+        try:
+            fields = (_parquet_columns(source.path) if suffix == ".parquet"
+                      else _first_objects(source.path))
+        except (OSError, ValueError):
+            continue  # unreadable: reported as bad input of that file
+        if not fields:
+            continue
+        if any(text_field in f for f in fields):
+            return None
+        first = ", ".join(list(fields[0])[:12]) or "none"
+        if suffix == ".parquet":
+            return (f"--text-field {text_field}: {source.path} has no column '{text_field}'; "
+                    f"its columns: {first}")
+        return (f"--text-field {text_field}: no record has field '{text_field}' (the first "
+                f"{len(fields)} of {source.path}); the first record's fields: {first}")
+    return None
+
+
+def _parquet_columns(path: Path) -> list[list[str]]:
+    """A Parquet file's column names, as the fields of one record."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return [pq.ParquetFile(path).schema_arrow.names]
+    except pa.ArrowException as e:
+        raise ValueError(str(e)) from None
+
+
+def _first_objects(path: Path) -> list[dict]:
+    """The JSON objects among the first records of a JSON Lines file or a JSON array (read from
+    its first MiB: a big array is not parsed whole here)."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 20).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
+    values, decoder = [], json.JSONDecoder()
+    if head.startswith("["):
+        at = 1
+        while len(values) < FIELD_CHECK_RECORDS:
+            while at < len(head) and head[at] in " \t\r\n,":
+                at += 1
+            try:
+                value, at = decoder.raw_decode(head, at)
+            except ValueError:  # the end of the array, or of what was read
+                break
+            values.append(value)
+    else:
+        for line in head.splitlines()[:FIELD_CHECK_RECORDS]:
+            try:
+                values.append(json.loads(line))
+            except ValueError:  # a bad line (reported later), or the last, cut short
+                continue
+    return [v for v in values if isinstance(v, dict)]
 
 
 def bad_entry(source: Source, where: dict, reason: str) -> dict:
