@@ -237,11 +237,11 @@ class BatchIterator(grain.DatasetIterator):
             self._consumed = saved["consumed"]
             return True
         start = saved["start"] + saved["consumed"]
-        was, now = (f"{d['workers']} workers ({_describe(d['pipeline'])})"
-                    for d in (saved, self.layout))
-        warnings.warn(f"data: cannot resume the input exactly: it was saved with {was}, this run "
-                      f"has {now}; resuming deterministically near item {start:,} of the global "
-                      "stream instead", InexactResumeWarning, stacklevel=2)
+        warnings.warn(f"data: {_changes(saved, self.layout)} since the checkpoint: the input "
+                      "cannot resume exactly, and the batches from here on differ from an "
+                      f"uninterrupted run's (the stream restarts near item {start:,}, skipping "
+                      "what the old run held in packing buffers)", InexactResumeWarning,
+                      stacklevel=2)
         self._restart(start)
         return False
 
@@ -259,11 +259,21 @@ class BatchIterator(grain.DatasetIterator):
             self._it.close()
 
 
-def _describe(pipeline: dict | str | None) -> str:
-    """A saved pipeline layout in a warning: `key=value` pairs (older checkpoints kept a string)."""
-    if not isinstance(pipeline, dict):
-        return str(pipeline)
-    return " ".join(f"{key}={value}" for key, value in pipeline.items())
+# A layout field -> the config key that sets it, as a warning names it.
+_KEYS = {"workers": "data.workers", "source": "data.source", "mixture": "data.mixture",
+         "seq_len": "train.seq_len", "batch_size": "train.batch_size", "seed": "train.seed"}
+
+
+def _changes(saved: dict, now: dict) -> str:
+    """The layout fields that differ as `key old -> new` (a pipeline saved as a string by older
+    checkpoints compares as a whole)."""
+    pairs = [("workers", saved.get("workers"), now["workers"])]
+    old, new = saved.get("pipeline"), now["pipeline"]
+    if isinstance(old, dict):
+        pairs += [(key, old.get(key), new.get(key)) for key in dict.fromkeys([*old, *new])]
+    else:
+        pairs.append(("pipeline", old, " ".join(f"{k}={v}" for k, v in new.items())))
+    return ", ".join(f"{_KEYS.get(key, key)} {a} -> {b}" for key, a, b in pairs if a != b)
 
 
 def restore_iterator(it: BatchIterator, saved_state: dict) -> bool:

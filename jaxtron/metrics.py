@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -61,36 +63,58 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, total_steps: int, progress: str, tensorboard: bool,
                  is_main: bool = True):
         self.is_main = is_main
-        self.jsonl = (run_dir / "metrics.jsonl").open("a") if is_main else None
-        self.eval_jsonl = (run_dir / "eval.jsonl").open("a") if is_main else None
+        self.paths = (run_dir / "metrics.jsonl", run_dir / "eval.jsonl")
+        self.jsonl, self.eval_jsonl = (p.open("a") if is_main else None for p in self.paths)
         self.tb = None
-        if is_main and tensorboard:
+        self.tb_dir = run_dir / "tensorboard" if is_main and tensorboard else None
+        if self.tb_dir is not None:
             import logging
-
-            from tensorboardX import SummaryWriter
 
             # It warns "NaN or Inf found in input tensor" per NaN scalar: twice a skipped step,
             # which the step's own line already reports.
             logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         self.total_steps = total_steps
         self.use_bar = is_main and (progress == "bar" or (progress == "auto"
                                                           and sys.stdout.isatty()))
         self.bar = None
 
     def begin(self, start: int) -> None:
-        """The loop starts after step `start`: the bar (if any) counts from there, so its rate and
-        time left are this attempt's, not the resumed steps'."""
+        """The loop starts after step `start`. Rows of later steps, from earlier attempts, are
+        dropped (they are being redone) and TensorBoard hides their events; the bar (if any)
+        counts from `start`, so its rate and time left are this attempt's."""
+        if not self.is_main:
+            return
+        self.jsonl.close()
+        self.eval_jsonl.close()
+        for path in self.paths:
+            drop_after(path, start)
+        self.jsonl, self.eval_jsonl = (path.open("a") for path in self.paths)
+        self._board(purge_step=start + 1)  # nothing is written to TensorBoard before this
         if self.use_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total_steps, initial=start, unit="step",
-                            dynamic_ncols=True)
+            columns, rows = terminal_shape(sys.stderr)
+            self.bar = tqdm(total=self.total_steps, initial=start, unit="step", ncols=columns,
+                            nrows=rows)
+
+    def _board(self, purge_step: int | None = None):
+        """The TensorBoard writer, made on first use; `purge_step` makes TensorBoard hide what
+        earlier event files logged at that step and after (an attempt's redone steps)."""
+        if self.tb is None and self.tb_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=purge_step)
+        return self.tb
 
     def tick(self, step: int) -> None:
         """Step `step` was dispatched: move the bar (no device sync)."""
         if self.bar is not None:
+            self._fit_bar()
             self.bar.update(step - self.bar.n)
+
+    def _fit_bar(self) -> None:
+        """Follow the terminal's size, as tqdm's dynamic_ncols would, but never 0 or less."""
+        self.bar.ncols, self.bar.nrows = terminal_shape(self.bar.fp)
 
     def info(self, message: str) -> None:
         """A plain line on stdout, with the time (above the progress bar if there is one)."""
@@ -108,11 +132,13 @@ class MetricsWriter:
             return
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
-        if self.tb is not None:
+        if self._board() is not None:
             for key, value in row.items():
                 if key != "step" and value is not None:
                     self.tb.add_scalar(f"train/{key}", value, row["step"])
+            self.tb.flush()  # on disk with its JSONL row (tensorboardX holds events up to 120 s)
         if self.bar is not None:
+            self._fit_bar()
             self.bar.update(row["step"] - self.bar.n)
             self.bar.set_postfix_str(
                 f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
@@ -127,14 +153,15 @@ class MetricsWriter:
         row = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
         self.eval_jsonl.write(json.dumps(row) + "\n")
         self.eval_jsonl.flush()
-        if self.tb is not None:
+        if self._board() is not None:
             self.tb.add_scalar("eval/loss", row["eval_loss"], step)
             self.tb.add_scalar("eval/perplexity", row["eval_perplexity"], step)
+            self.tb.flush()
         self.info(f"eval   {step:>6} | loss {loss:.4f} | perplexity {row['eval_perplexity']:.2f}")
 
     def scalar(self, name: str, value: float, step: int) -> None:
         """An extra TensorBoard scalar (timings that are not per-step metrics)."""
-        if self.tb is not None:
+        if self._board() is not None:
             self.tb.add_scalar(name, value, step)
 
     def scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
@@ -150,6 +177,48 @@ class MetricsWriter:
                 f.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def drop_after(path: Path, step: int) -> None:
+    """Drop a JSONL log's rows of steps after `step` (an earlier attempt's, being redone) and a
+    last line a kill cut short; the file is replaced atomically, the other lines kept as they are."""
+    if not path.exists():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            logged = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            logged = None  # not a row: kept, unless a kill cut it short
+        if logged is not None and logged <= step:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+        elif logged is None and line.endswith(b"\n"):
+            kept.append(line)
+    if kept == lines:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(b"".join(kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def terminal_shape(stream) -> tuple[int | None, int | None]:
+    """Columns and rows for the progress bar on `stream`: one less than its terminal's (a full last
+    column wraps), None on a stream that is no terminal (tqdm's defaults). A terminal that reports
+    0x0 (some CI and ssh set-ups; tqdm took it as -1x-1 and drew no bar at all) gets $COLUMNS and
+    $LINES, else 80x24."""
+    try:
+        columns, rows = os.get_terminal_size(stream.fileno())
+    except (AttributeError, ValueError, OSError):
+        return None, None
+    if columns <= 1 or rows <= 1:  # a bar needs a column after the -1
+        fallback = shutil.get_terminal_size()  # $COLUMNS and $LINES, then stdout, then 80x24
+        columns = columns if columns > 1 else fallback.columns
+        rows = rows if rows > 1 else fallback.lines
+    return (columns if columns > 1 else 80) - 1, (rows if rows > 1 else 24) - 1
 
 
 def format_row(row: dict) -> str:

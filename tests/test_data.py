@@ -434,10 +434,30 @@ def test_resume_is_exact(cfg, datasets, case):
     assert state["workers"] == data.workers
     if data.workers:  # a state from 2 workers restored into 0: said plainly, not bit-exact
         single = data_lib.make_batches(dataclasses.replace(data, workers=0), tc, VOCAB)
-        with pytest.warns(data_lib.InexactResumeWarning, match="saved with 2 workers .* has "
-                          "0 workers"):
+        with pytest.warns(data_lib.InexactResumeWarning,
+                          match="^data: data.workers 2 -> 0 since the checkpoint"):
             assert data_lib.restore_iterator(single, state) is False
         next(single)
+    for iterator in (it, resumed):
+        iterator.close()
+
+
+def test_inexact_resume_names_only_what_changed(cfg):
+    """The warning leads with the changed field (config key, old -> new) and what that means for
+    the batches, in one line; the fields that did not change are not named."""
+    saved_with = TrainConfig(batch_size=4, seq_len=64, seed=7)
+    it = data_lib.make_batches(cfg, saved_with, VOCAB)
+    _take(it, 3)
+    state = json.loads(json.dumps(it.get_state()))
+    resumed = data_lib.make_batches(cfg, dataclasses.replace(saved_with, seq_len=128), VOCAB)
+    with pytest.warns(data_lib.InexactResumeWarning) as caught:
+        assert data_lib.restore_iterator(resumed, state) is False
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("data: train.seq_len 64 -> 128 since the checkpoint: the input "
+                              "cannot resume exactly, and the batches from here on differ"), message
+    assert "\n" not in message
+    for unchanged in ("workers", "batch_size", "seed", "source", "mixture"):
+        assert unchanged not in message, message
     for iterator in (it, resumed):
         iterator.close()
 

@@ -1,0 +1,130 @@
+"""The metric writers across attempts and terminals: a resumed run logs each step once, in
+metrics.jsonl, eval.jsonl and TensorBoard, and the progress bar draws on a terminal that reports
+its size as 0x0.
+
+A run killed (SIGKILL) after its last checkpoint N and run again trains N+1.. a second time; the
+rows the killed attempt logged for those steps are dropped when the loop starts again, the rows up
+to N are kept byte for byte, and TensorBoard's purge (a SessionLog.START at N+1) hides the killed
+attempt's events for them.
+"""
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_goodput import SMALL, _tensorboard
+from test_preemption import _run_until, _saved_steps
+
+from jaxtron.metrics import KEYS, MetricsWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _row(step: int, loss: float) -> dict:
+    return dict(zip(KEYS, (step, loss, 3e-4, 0.75, 12345.0, 1.8, None, None)))
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def _attempt(run_dir: Path, start: int, end: int, loss: float) -> None:
+    """One attempt's logging: steps start+1..end, an evaluation every 10 steps."""
+    log = MetricsWriter(run_dir, 40, "lines", tensorboard=True)
+    log.begin(start)
+    for step in range(start + 1, end + 1):
+        log.write(_row(step, loss))
+        if step % 10 == 0:
+            log.write_eval(step, loss)
+    log.close()
+
+
+def test_a_resumed_attempt_replaces_the_rows_of_the_steps_it_redoes(tmp_path, capsys):
+    _attempt(tmp_path, 0, 30, loss=1.0)
+    before = (tmp_path / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 31, "lo')  # the line a kill cut short
+    time.sleep(1.1)  # tensorboardX names event files by the second: attempts are seconds apart
+    _attempt(tmp_path, 20, 40, loss=2.0)  # resumed from the checkpoint at step 20
+
+    rows = (tmp_path / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    assert _steps(tmp_path / "metrics.jsonl") == list(range(1, 41))
+    assert rows[:20] == before[:20]  # the steps up to the checkpoint: untouched
+    assert {json.loads(r)["loss"] for r in rows[20:]} == {2.0}
+    evals = [json.loads(r) for r in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval_loss"]) for r in evals] == [(10, 1.0), (20, 1.0), (30, 2.0),
+                                                             (40, 2.0)]
+    board = _tensorboard(tmp_path)
+    assert board["train/loss"] == [(s, 1.0) for s in range(1, 21)] + [(s, 2.0)
+                                                                      for s in range(21, 41)]
+    assert board["eval/loss"] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
+    assert not list(tmp_path.glob("*.tmp"))
+    capsys.readouterr()
+
+
+def test_killed_and_resumed_run_logs_each_step_once(tmp_path):
+    """The real launch.py, killed after a checkpoint and run again: every file's steps strictly
+    increase, and the rows up to the restored step are the killed attempt's, byte for byte."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=12",
+           "train.eval_every=3", "checkpoint.every=4", f"run.dir={run_dir}"]
+    assert _run_until(cmd, run_dir, 10, signal.SIGKILL) == -signal.SIGKILL
+    restored = max(_saved_steps(run_dir))
+    killed = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    kept = [line for line in killed if json.loads(line)["step"] <= restored]
+    assert len(kept) < len(killed)  # the killed attempt logged steps the next one redoes
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    rows = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    assert _steps(run_dir / "metrics.jsonl") == list(range(1, 13))
+    assert rows[:len(kept)] == kept
+    assert _steps(run_dir / "eval.jsonl") == [3, 6, 9, 12]
+    losses = {json.loads(r)["step"]: json.loads(r)["loss"] for r in rows}
+    board = _tensorboard(run_dir)
+    assert [s for s, _ in board["train/loss"]] == list(range(1, 13))
+    assert all(abs(v - losses[s]) <= 1e-6 * abs(losses[s]) for s, v in board["train/loss"]
+               if s > restored)  # the resumed attempt's values (float32 in the event file)
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: a file descriptor to ask for its size."""
+
+    def fileno(self) -> int:
+        return 2
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _frames(text: str) -> list[str]:
+    return [f for f in text.replace("\n", "\r").split("\r") if f.strip()]
+
+
+def test_progress_bar_on_a_0x0_terminal_is_80_columns(tmp_path, monkeypatch):
+    """A terminal that reports 0x0 (some CI and ssh set-ups) gets an 80-column bar, not none
+    (tqdm took it as -1 columns and -1 rows and drew empty lines); a later real size is followed."""
+    size = [os.terminal_size((0, 0))]
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(os, "get_terminal_size", lambda *args: size[0])
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *args, **kwargs: size[0])
+    log = MetricsWriter(tmp_path, 1000, "bar", tensorboard=False)
+    log.begin(0)
+    log.write(_row(5, 2.5))
+    frames = _frames(sys.stderr.getvalue())
+    assert frames and "5/1000" in frames[-1] and "loss 2.5000" in frames[-1]
+    assert max(len(f) for f in frames) == 79, frames  # one column short: no wrap
+
+    size[0] = os.terminal_size((140, 40))  # the window was resized
+    sys.stderr.seek(0)
+    sys.stderr.truncate()
+    log.write(_row(6, 2.25))
+    (frame,) = _frames(sys.stderr.getvalue())
+    assert "6/1000" in frame and "12,345 tok/s]" in frame and len(frame) <= 139
+    log.close()
