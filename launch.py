@@ -84,7 +84,9 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     checkpoints, checkpoint.restore, run.compile_cache) and print the mesh, parameter count, every
     term of the per-device memory, the total against the device's memory with a verdict, then the
     resolved config; allocate and write nothing."""
-    from jaxtron import checkpoint, cli, memory, pipeline
+    import jax
+
+    from jaxtron import checkpoint, cli, doctor, memory, pipeline
     from jaxtron import config as config_lib
     from jaxtron import weights
     from jaxtron.optim import make_optimizer
@@ -94,6 +96,9 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     check_paths(cfg)  # in the order a run checks: paths, layout, data
     plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
     data_check = _check_data(cfg)
+    no_room = doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes())
+    if no_room and not gpu and num_devices == jax.device_count():  # as a run here refuses it
+        raise config_lib.ConfigError(no_room[0])
     print(f"xla flags: {' '.join(flags) or 'none'}")
     for warning in config_lib.check_warnings(cfg):
         print(f"warning: {warning}")
@@ -105,6 +110,8 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     if plan.pipe:
         print(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
     print(data_check)
+    for line in no_room:  # planned for other machines: their run.dir may have the room
+        print(f"warning: here, {line}")
     print(checkpoint.describe_start(Path(cfg.run.dir), cfg.checkpoint.restore,
                                     cfg.checkpoint.weights_only, cfg.train.steps))
     if steps := weights.complete_steps(Path(cfg.run.dir) / "checkpoints") \
@@ -125,23 +132,25 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
 
 def _check_data(cfg) -> str:
     """The data checks a run makes before compiling (sources, mixture, tokenizer against the
-    vocabulary); one line saying what was checked."""
+    vocabulary; the default corpus's tokenizer is trained and cached if it is not yet); what was
+    checked, and a warning for a vocabulary far larger than the tokenizer's."""
     from jaxtron import prepared
     from jaxtron.cli import plural
-    from jaxtron.config import ConfigError
-    from jaxtron.tokenizer import load_tokenizer
+    from jaxtron.tokenizer import CORPUS_PIECES
 
     prepared.check_dataset(cfg.data, cfg.model.vocab_size)
     prepared.check_eval(cfg.data, cfg.train.eval_every)
+    tok = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # a ConfigError if too small
     if cfg.data.source == "arrayrecord":
-        return f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
-    if not cfg.data.tokenizer:
-        return "data: the standard library's sources, tokenizer trained at model.vocab_size"
-    tok = load_tokenizer(cfg.data, cfg.model.vocab_size)
-    if tok.get_piece_size() > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                          f"tokenizer's {tok.get_piece_size()} tokens; raise it")
-    return f"data: the standard library's sources, {tok.file} of {tok.get_piece_size()} tokens"
+        checked = f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
+    else:
+        made = f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else "trained, cached"
+        if not cfg.data.tokenizer and cfg.model.vocab_size > CORPUS_PIECES:
+            made += f"; at most {CORPUS_PIECES:,} here: give data.tokenizer for more"
+        checked = (f"data: the standard library's sources, a tokenizer of "
+                   f"{tok.get_piece_size():,} pieces ({made})")
+    unused = prepared.unused_vocab(cfg.data, cfg.model)
+    return checked + (f"\nwarning: {unused}" if unused else "")
 
 
 CLOSE_CALL = 0.1  # nearer the limit than this share, the estimate cannot tell: compile it
@@ -161,7 +170,7 @@ def _verdict(terms: dict[str, int], gpu: str | None, cfg, num_devices: int) -> s
     if gpu:
         usable, where = int(aot.capacity_bytes(gpu) * aot.usable_fraction(cfg)), f"one {gpu.upper()}"
     elif local.platform == "cpu" and num_devices == jax.local_device_count():
-        return _host_verdict(total * num_devices, memory.available_host_bytes(), num_devices)
+        return _host_verdict(terms, cfg, num_devices)
     else:
         usable, where = (local.memory_stats() or {}).get("bytes_limit", 0), f"this {local.device_kind}"
     if not usable:
@@ -191,17 +200,34 @@ def _advice(terms: dict[str, int], cfg) -> str:
     return f"mostly state ({named}): shard more (mesh.fsdp, mesh.tensor, mesh.stage){remat}"
 
 
-def _host_verdict(need: int, available: int, num_devices: int) -> str:
-    """CPU devices share this machine's memory: all of them against what is available."""
-    if not available:
+# A CPU program against memory.estimate (GPU buffer sizes), measured here with configs/tiny.yaml
+# at batch 8 and 32 (2.1 and 5.1 GiB peak RSS for 0.84 and 3.0 GiB estimated): 1.37x the estimate
+# plus a process of ~0.95 GiB, about 0.45 GiB more than the dry run's own before compiling.
+HOST_FACTOR, HOST_COMPILE = 1.4, 0.45 * 2**30
+HOST_CLOSE_CALL = 0.25  # nearer than this share of the available memory: run it to know
+
+
+def _host_verdict(terms: dict[str, int], cfg, num_devices: int) -> str:
+    """CPU devices share this machine's memory: all of them, as a CPU program uses it, plus the
+    process, against what is available (counting this process's memory, which a run would
+    have instead)."""
+    from jaxtron import memory
+
+    if not (available := memory.available_host_bytes()):
         return "verdict: no memory limit known here (cpu); add --gpu h100 (or h200) to compare"
+    here = memory.process_bytes()
+    need = HOST_FACTOR * sum(terms.values()) * num_devices + here + HOST_COMPILE
+    available += here
     devices = f"{num_devices} CPU device{'s' if num_devices > 1 else ''}"
-    if need <= available:
-        return (f"verdict: fits: {need / 2**30:.1f} GiB for {devices}, {available / 2**30:.1f} "
-                "GiB available on this machine")
-    return (f"verdict: DOES NOT FIT: {need / 2**30:.1f} GiB for {devices}, "
-            f"{available / 2**30:.1f} GiB available on this machine; run a smaller preset here "
-            "(configs/tiny.yaml), or size it for GPUs with --devices N --gpu h100")
+    said = (f"{need / 2**30:.1f} GiB for {devices} (the estimate x{HOST_FACTOR} as a CPU program "
+            f"uses it, and the process), {available / 2**30:.1f} GiB available on this machine")
+    if need > available:
+        return (f"verdict: DOES NOT FIT: {said}; {_advice(terms, cfg)}; or run a smaller preset "
+                "here (configs/tiny.yaml), or size it for GPUs with --devices N --gpu h100")
+    if need > (1 - HOST_CLOSE_CALL) * available:
+        return (f"verdict: too close to call: {said}; run a few steps (train.steps=3) and watch "
+                f"its memory, or leave room: {_advice(terms, cfg)}")
+    return f"verdict: fits: {said}"
 
 
 class _StartupSignals:
@@ -285,6 +311,9 @@ def run(args: argparse.Namespace) -> int | None:
         xla_flags.start_backend()  # JAX_PLATFORMS naming a backend that cannot start: one line
         dry_run(cfg, args.devices or jax.device_count(), args.gpu, flags)
         return
+    if finished := _finished(cfg):  # run.dir may be read-only by now: write nothing
+        print(finished, flush=True)
+        return None
     check_paths(cfg)  # before the processes join: a refused start writes nothing (train repeats)
     cli.outlive_readers()  # `| head` or a closed terminal must not end a run (metrics: run.dir)
     # Join the other processes (if any) before anything touches a jax device: train() checks
@@ -296,6 +325,22 @@ def run(args: argparse.Namespace) -> int | None:
         return status
     train(cfg)
     return None
+
+
+def _finished(cfg) -> str | None:
+    """'nothing to do' when run.dir's newest checkpoint is at train.steps or past it (and holds
+    this model: check_start), before anything is written; else None."""
+    from jaxtron import weights
+    from jaxtron.checkpoint import check_start
+
+    run_dir = Path(cfg.run.dir)
+    steps = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
+        else []
+    if not steps or int(steps[-1].name) < cfg.train.steps:
+        return None
+    check_start(run_dir, cfg.model, "", cfg.data)
+    return (f"nothing to do: {run_dir} is trained to step {steps[-1].name} (train.steps="
+            f"{cfg.train.steps}); raise train.steps to train on, or set run.dir to a new directory")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -329,7 +374,7 @@ def preflight(cfg, args: argparse.Namespace) -> int:
 
     from jaxtron import doctor
 
-    problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator)
+    problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator, disk=False)
     return doctor.report(problems, args.strict, show=jax.process_index() == 0)
 
 

@@ -44,7 +44,7 @@ class Checkpoints:
         self.damaged_dir = (run_dir / DAMAGED_DIR).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, keep_period=cfg.keep_every or None, create=True,
-            enable_async_checkpointing=True,
+            enable_async_checkpointing=True, cleanup_tmp_directories=True,  # a failed save's
             # The step directory is made in save() itself: a failure to make it is raised there at
             # once, where Orbax's default would have the writes wait 300 s for a signal of it.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
@@ -298,9 +298,9 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
             raise ConfigError(f"{run_dir} holds checkpoints of another model "
                               f"({', '.join(changed)}); set run.dir to a new directory, or set "
                               "those fields back")
-        if data is not None and "config" in meta:
-            if change := prepared.tokenizer_change(weights.config_of(meta).data, data):
-                raise ConfigError(change)
+        if data is not None and "config" in meta and (change := prepared.tokenizer_change(
+                weights.config_of(meta).data, data, model.vocab_size)):
+            raise ConfigError(change)
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
         _restore_dir(restore, None if steps else model)
 

@@ -312,14 +312,10 @@ def _read_token(path: Path) -> str | None:
 
 def checkpoint_bytes(cfg: Config, num_devices: int) -> int:
     """One checkpoint's size: the params and optimizer state, whole (each shard once)."""
-    import jax
-
     from jaxtron.optim import make_optimizer
     from jaxtron.state import make_plan
 
-    plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
-    leaves = jax.tree.leaves((plan.abstract["params"], plan.abstract["opt_state"]))
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    return make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices).checkpoint_bytes()
 
 
 def check_disk(run_dir: str, need: int) -> list[str]:
@@ -342,9 +338,10 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- all of them
 def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = None, *,
               devices: int = 0, coordinator: str | None = None,
-              versions: Mapping[str, str] | None = None) -> list[str]:
-    """Every check; `devices` plans the mesh for that many (default: those found). With several
-    processes a collective: all call it and all get every process's problems, merged."""
+              versions: Mapping[str, str] | None = None, disk: bool = True) -> list[str]:
+    """Every check (`disk`: room for a checkpoint; a run refuses that itself); `devices` plans the
+    mesh for that many (default: those found). With several processes a collective: all call it
+    and all get every process's problems, merged."""
     hosts = Hosts.here() if hosts is None else hosts
     versions = installed_versions() if versions is None else versions
     problems = [*check_launch_blocking(environ), *check_allocator(environ), *check_jaxlib(versions),
@@ -362,7 +359,7 @@ def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = Non
         sizes = parallel.mesh_shape(cfg.mesh, devices or hosts.total)
     if sizes and devices in (0, hosts.total):  # planned for other hosts: their size is unknown
         problems += check_crossing(sizes, hosts.per_host)
-    if sizes and writable:
+    if sizes and writable and disk:
         problems += check_disk(cfg.run.dir, checkpoint_bytes(cfg, math.prod(sizes.values())))
     if len(hosts.devices) == 1:
         return problems

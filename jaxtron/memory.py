@@ -42,6 +42,7 @@ the sum within 15% of the compiled peak, so a change to the step that moves the 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -258,4 +259,13 @@ def available_host_bytes() -> int:
             fields = dict(line.split(":", 1) for line in f)
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
+        return 0
+
+
+def process_bytes() -> int:
+    """This process's resident memory (Linux); 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
         return 0

@@ -16,7 +16,7 @@ import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxtron.config import SOURCES, ConfigError, DataConfig
+from jaxtron.config import SOURCES, ConfigError, DataConfig, ModelConfig
 from jaxtron.corpus import entropy_of, is_held_out
 from jaxtron.tokenizer import SP_FILE, Tokenizer, from_path, load_tokenizer
 
@@ -26,6 +26,7 @@ SPLITS = ("train", "val")
 SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
 VAL_RULE = "sha256"  # is_val's hash, recorded so one output directory never mixes two rules
 MAX_EXAMPLES = 100  # bad-input examples in the manifest
+VOCAB_MULTIPLE = 128  # a vocabulary padded to this keeps the lm_head's matmul tile-aligned
 
 
 def read_manifest(path: str) -> dict:
@@ -75,6 +76,12 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
         if not (entry.weight > 0 and np.isfinite(entry.weight)):
             raise ConfigError(f"data.mixture path {entry.path}: weight={entry.weight} must be a "
                               "positive number")
+    seen = {}
+    for entry in data.mixture:
+        if (where := Path(entry.path).expanduser().resolve()) in seen:
+            raise ConfigError(f"data.mixture lists {where} twice ({seen[where]} and {entry.path}); "
+                              "give it once, with the two weights added")
+        seen[where] = entry.path
     manifests = [read_manifest(entry.path) for entry in data.mixture]
     first, tok = data.mixture[0].path, manifests[0]["tokenizer"]
     for entry, manifest in zip(data.mixture, manifests):
@@ -114,6 +121,22 @@ def check_dataset(data: DataConfig, vocab_size: int) -> None:
         _check_mixture(data, vocab_size)
 
 
+def unused_vocab(data: DataConfig, model: ModelConfig) -> str | None:
+    """A warning when model.vocab_size is far above the tokenizer's pieces: embedding (and
+    output) rows no token id reaches, parameters and lm_head FLOPs spent on nothing."""
+    if data.source == "stdlib" and not data.tokenizer:  # CORPUS_PIECES, said in the data line
+        return None
+    pieces = dataset_tokenizer(data, model.vocab_size).get_piece_size()
+    padded = -(-pieces // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    unused = model.vocab_size - pieces
+    if model.vocab_size <= padded or unused <= model.vocab_size // 100:
+        return None
+    params = unused * model.d_model * (1 if model.tie_embeddings else 2)
+    return (f"model.vocab_size={model.vocab_size} leaves {unused:,} rows that no token id reaches "
+            f"(the tokenizer has {pieces:,} pieces; {params:,} parameters unused): set "
+            f"model.vocab_size={padded} (the next multiple of {VOCAB_MULTIPLE})")
+
+
 def check_eval(data: DataConfig, eval_every: int) -> None:
     """With eval on (train.eval_every > 0), every prepared dataset has val documents."""
     if eval_every > 0 and data.source == "arrayrecord":
@@ -127,28 +150,49 @@ def empty_val(path: str) -> str:
             "prepare the dataset again with a larger --val-fraction")
 
 
-def tokenizer_change(saved: DataConfig, now: DataConfig) -> str | None:
-    """A resumed run's datasets against the checkpoint's (both prepared): a ConfigError message
-    when they were tokenized by another tokenizer (the ids would mean other text), else None.
-    Datasets of the checkpoint's that are gone cannot be compared."""
-    if saved.source != "arrayrecord" or now.source != "arrayrecord" or not saved.mixture:
+def tokenizer_change(saved: DataConfig, now: DataConfig, vocab_size: int) -> str | None:
+    """A resumed run's data against the checkpoint's: a ConfigError message when they were
+    tokenized by another tokenizer (the ids would mean other text), else None. Data of the
+    checkpoint's that is gone cannot be compared."""
+    before, after = _tokenized_by(saved, vocab_size), _tokenized_by(now, vocab_size)
+    if before is None or after is None or before == after:  # what is missing is named later
         return None
-    old = Path(saved.mixture[0].path).expanduser()
-    if not (old / "manifest.json").is_file():
-        return None
-    before = _identity(read_manifest(str(old))["tokenizer"])
-    if before == _identity(read_manifest(now.mixture[0].path)["tokenizer"]):
-        return None
-    return (f"data.mixture path {now.mixture[0].path} was tokenized by another tokenizer than "
-            f"the checkpoint's data ({old}), so its token ids mean other text; resume with data "
-            "of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
+    return (f"{_data_name(now)} was tokenized by another tokenizer than the checkpoint's data "
+            f"({_data_name(saved, short=True)}), so its token ids mean other text; resume with "
+            "data of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
             "checkpoint.weights_only=true to fine-tune from it)")
+
+
+def _tokenized_by(data: DataConfig, vocab_size: int) -> tuple[str, int, int] | None:
+    """The identity of `data`'s tokenizer (sha256, bos, eos); None where it is gone or was
+    never there."""
+    if data.source == "arrayrecord":
+        path = Path(data.mixture[0].path).expanduser() if data.mixture else None
+        if path is None or not (path / "manifest.json").is_file():
+            return None
+        return _identity(read_manifest(str(path))["tokenizer"])
+    if data.tokenizer and not Path(data.tokenizer).expanduser().exists():
+        return None
+    tok = load_tokenizer(data, vocab_size)
+    return tok.sha256, tok.bos_id(), tok.eos_id()
+
+
+def _data_name(data: DataConfig, short: bool = False) -> str:
+    if data.source == "arrayrecord":
+        return data.mixture[0].path if short else f"data.mixture path {data.mixture[0].path}"
+    if data.tokenizer:
+        return f"data.source={data.source} with data.tokenizer={data.tokenizer}"
+    return f"data.source={data.source} (its tokenizer trained at model.vocab_size)"
 
 
 def dataset_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
     """The tokenizer the batches are made with: the datasets' own when source=arrayrecord."""
     if data.source != "arrayrecord":
-        return load_tokenizer(data, vocab_size)
+        tok = load_tokenizer(data, vocab_size)
+        if tok.get_piece_size() > vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
+                              f"{tok.get_piece_size()} pieces; raise it")
+        return tok
     check_dataset(data, vocab_size)
     path = data.mixture[0].path
     return from_path(tokenizer_file(path, read_manifest(path)))

@@ -43,6 +43,11 @@ class Plan:
     def bytes_per_device(self, part: str) -> int:
         return parallel.bytes_per_device(self.abstract[part], self.specs[part], self.mesh_sizes)
 
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint's size: the params and optimizer state, whole (each shard once)."""
+        leaves = jax.tree.leaves((self.abstract["params"], self.abstract["opt_state"]))
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
 
 def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -> Plan:
     """Validate the layout against `num_devices` and derive every shape and sharding."""

@@ -69,6 +69,9 @@ TRAINER_SETTINGS = {
 
 # A tokenizer's files under the names a copy of it gets (a dataset's, a checkpoint's).
 SP_FILE, HF_FILE, HF_CONFIG = "tokenizer.model", "tokenizer.json", "tokenizer_config.json"
+# The default corpus (~13 MB of Python) trains at most ~108k pieces, and a Llama 3 preset asks
+# 128,256: its tokenizer is capped at GPT-2's size, the rows above left for a real tokenizer's.
+CORPUS_PIECES = 50304
 FILE_NAMES = (HF_FILE, HF_CONFIG, SP_FILE)
 DOC_STARTS = ("<|begin_of_text|>", "<s>", "<bos>")  # Llama 3; Llama 2, Mistral; Gemma
 DOC_ENDS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")  # Llama 3; Qwen2, GPT-2; ...
@@ -290,12 +293,13 @@ def _trainer_advice(reason: str, setting: str, more_text: str) -> str:
 
 def load_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
     """`data.tokenizer` if given (anything `from_path` takes), else the default corpus's
-    SentencePiece model (trained once, cached)."""
+    SentencePiece model of model.vocab_size pieces, at most CORPUS_PIECES (trained once, cached)."""
     if data.tokenizer:
         return _load(Path(data.tokenizer).expanduser(), f"data.tokenizer={data.tokenizer}")
     files = corpus.source_files(data)
     settings = repr(sorted(TRAINER_SETTINGS.items())).encode()
     key = hashlib.sha256(corpus.files_digest(files).encode() + settings).hexdigest()[:16]
+    vocab_size = min(vocab_size, CORPUS_PIECES)
     path = corpus.cache_dir(data) / f"tokenizer-{data.source}-{vocab_size}-{key}.model"
     if not path.is_file():
         lines = [line for text in corpus.read_texts(files) for line in text.split("\n") if line]

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import cli, distributed, goodput, memory, parallel, pipeline, prepared
+from jaxtron import cli, distributed, doctor, goodput, memory, parallel, pipeline, prepared
 from jaxtron import metrics as metrics_lib
 from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
 from jaxtron.config import Config, ConfigError
@@ -51,6 +51,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     memory.check_host(plan, devices)  # before anything is allocated
+    if no_room := doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes()):
+        raise ConfigError(no_room[0])  # every save would fail: the first one ends the run
     check_remat(cfg.model, devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices)
     kernel_checked = cfg.model.attention != "xla" and cfg.model.attention_check
@@ -60,6 +62,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     # Input: checked against the model (sources, mixture, tokenizer) before run.dir is written.
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
     prepared.check_eval(cfg.data, cfg.train.eval_every)
+    unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
     # Every process reads the same global batches; global_batch gives each device its shard.
     batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)
     eval_batches = []
@@ -76,7 +79,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
     log.info(f"run: {run_dir} (its resolved config in config.yaml)")
-    for warning in config_lib.check_warnings(cfg):
+    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab])]:
         log.info(f"warning: {warning}")
     log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
     shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())

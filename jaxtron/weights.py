@@ -15,13 +15,16 @@ checkpoint answers at once, without their start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from jaxtron import config as config_lib
 from jaxtron.config import ConfigError
@@ -89,8 +92,6 @@ SHAPED = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "h
 def model_changes(meta: dict, model: config_lib.ModelConfig) -> list[str]:
     """The model fields that give this config other arrays than the checkpoint's, as
     `model.key=saved -> now` (empty when its weights fit; compute settings may change)."""
-    import yaml
-
     try:
         saved = config_lib.ModelConfig(**{k: v for k, v in
                                           yaml.safe_load(meta["config"])["model"].items()
@@ -103,11 +104,25 @@ def model_changes(meta: dict, model: config_lib.ModelConfig) -> list[str]:
 
 
 def config_of(meta: dict) -> config_lib.Config:
-    """The run config a checkpoint was saved with (its meta's YAML, read through the schema)."""
+    """The run config a checkpoint was saved with (its meta's YAML, read through the schema);
+    keys the schema no longer has (a checkpoint of an older version) are left out."""
+    tree = _known(yaml.safe_load(meta["config"]) or {}, config_lib.Config)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        f.write(meta["config"])
+        f.write(yaml.safe_dump(tree))
         f.flush()
-        return config_lib.load([f.name])
+        try:
+            return config_lib.load([f.name])
+        except ConfigError as e:
+            raise ConfigError(str(e).replace(f.name, "the checkpoint's config")) from None
+
+
+def _known(tree: Any, schema: type) -> Any:
+    """`tree` without the keys `schema` (a config dataclass) has not."""
+    if not isinstance(tree, dict):
+        return tree
+    hints = typing.get_type_hints(schema)
+    return {k: _known(v, hints[k]) if dataclasses.is_dataclass(hints[k]) else v
+            for k, v in tree.items() if k in hints}
 
 
 def _open_leaf(step_dir: Path) -> Callable[[tuple[str, ...]], Any]:

@@ -539,3 +539,62 @@ def test_resuming_on_data_of_another_tokenizer_is_refused(datasets, capsys, tmp_
         f"the checkpoint's data ({datasets['a']}), so its token ids mean other text; resume with "
         "data of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
         "checkpoint.weights_only=true to fine-tune from it)\n")
+
+
+def test_a_dataset_twice_in_a_mixture_is_refused(datasets, cfg):
+    """The same dataset listed twice (once through a relative path) is one dataset of the two
+    weights summed; listed twice, it was read as two."""
+    twice = mixture(datasets, cfg.cache_dir, ("a", 1.0), ("b", 1.0))
+    twice.mixture.append(DatasetEntry(datasets["a"] + "/./", 2.0))
+    with pytest.raises(ConfigError, match=r"data.mixture lists .*/a twice \(.*/a and .*/a/\./\); "
+                                          "give it once, with the two weights added"):
+        prepared.check_dataset(twice, VOCAB)
+
+
+@pytest.mark.parametrize("vocab_size,unused", [(VOCAB, None), (VOCAB + 64, None),
+                                               (VOCAB + 100, 100), (2 * VOCAB, VOCAB)])
+def test_a_vocabulary_far_above_the_tokenizers_is_a_warning(datasets, cfg, vocab_size, unused):
+    """Rows of the embedding and the lm_head that no token id reaches: 1% or a pad to a multiple
+    of 128 is fine, more is named with the size that fits."""
+    model = ModelConfig(vocab_size=vocab_size, d_model=64)
+    warning = prepared.unused_vocab(mixture(datasets, cfg.cache_dir, ("a", 1.0)), model)
+    if unused is None:
+        assert warning is None
+    else:
+        assert warning == (f"model.vocab_size={vocab_size} leaves {unused:,} rows that no token id "
+                           f"reaches (the tokenizer has {VOCAB:,} pieces; {unused * 128:,} "
+                           f"parameters unused): set model.vocab_size={VOCAB} (the next multiple "
+                           "of 128)")
+
+
+def test_a_resume_that_changes_data_source_compares_the_tokenizers(datasets, capsys, tmp_path):
+    """A run trained on data.source=stdlib (its tokenizer trained at model.vocab_size) resumed
+    on prepared datasets: allowed when they were tokenized by that same tokenizer, refused when
+    by another (the source changed, and the ids were compared with nothing)."""
+    import json
+
+    import launch
+    from jaxtron import config as config_lib
+
+    other = tmp_path / "other"
+    shutil.copytree(datasets["a"], other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = "0" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", "model.vocab_size=8192", "train.eval_every=0"]
+    saved = config_lib.load([launch.DEFAULT_CONFIG], args)
+    step = run_dir / "checkpoints" / "3"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "meta").mkdir()
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 3,
+                                                        "config": config_lib.to_yaml(saved)}))
+    prepared_args = [*args, "data.source=arrayrecord"]
+    same = launch.main(["--dry-run", *prepared_args, f"data.mixture=[{{path: {datasets['a']}}}]"])
+    assert same == 0 and "start: resumes from" in capsys.readouterr().out
+    assert launch.main(["--dry-run", *prepared_args, f"data.mixture=[{{path: {other}}}]"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
+        "the checkpoint's data (data.source=stdlib (its tokenizer trained at model.vocab_size)), "
+        "so its token ids mean other text")

@@ -2,6 +2,7 @@
 never "done". And one run.dir holds one run at a time."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,28 +73,68 @@ def test_a_step_directory_that_cannot_be_made_fails_at_once(tmp_path, monkeypatc
     assert ckpt.steps() == []
 
 
+def _tmpfs(where: Path, size: str) -> Path:
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                      capture_output=True, check=False).returncode != 0:
+        pytest.skip("mounting a small tmpfs is not permitted here")
+    return where
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 3 MiB tmpfs: room for a run's files but not for its first checkpoint (~88 MB)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)],
-                      capture_output=True, check=False).returncode != 0:
-        pytest.skip("mounting a small tmpfs is not permitted here")
-    yield where
-    subprocess.run(["umount", str(where)], check=True)
+    yield _tmpfs(tmp_path / "small", "3m")
+    subprocess.run(["umount", str(tmp_path / "small")], check=True)
 
 
-def test_a_full_disk_ends_the_run_with_status_4_and_one_line(full_disk):
-    """The write fails in the background: reported as the checkpoint that was not saved (not a
-    900-line traceback), no "done" line, and no checkpoint listed."""
+@pytest.fixture
+def filling_disk(tmp_path):
+    """A 100 MiB tmpfs: room for one checkpoint of tiny (88,108,040 bytes) until it fills."""
+    yield _tmpfs(tmp_path / "fills", "100m")
+    subprocess.run(["umount", str(tmp_path / "fills")], check=True)
+
+
+def test_a_run_dir_without_room_for_one_checkpoint_is_refused_before_training(full_disk):
+    """Every save would fail: refused in one line before a step is trained (it trained until
+    the first save, then stopped with 4), and nothing is left in run.dir."""
     run_dir = full_disk / "run"
     proc = _launch("train.steps=3", "train.log_every=1", f"run.dir={run_dir}")
-    assert proc.returncode == 4, proc.stderr[-3000:]
-    assert proc.stderr.strip() == ("launch.py: error: checkpoint 3 was not saved: no space left "
-                                   f"on device ({run_dir / 'checkpoints'})")
-    assert "step      3 |" in proc.stdout and "done:" not in proc.stdout
-    assert not (run_dir / "checkpoints" / "3").exists()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.fullmatch(rf"launch.py: error: run.dir {run_dir} has 0.00 GiB \([\d,]+ bytes\) free "
+                        r"on its filesystem, less than one checkpoint \(0.08 GiB \(88,108,040 "
+                        r"bytes\): params \+ optimizer state\), so the first save fails; free "
+                        r"space there or point run.dir at a larger filesystem", proc.stderr.strip())
+    assert " | loss " not in proc.stdout and not run_dir.exists()
+    dry = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--dry-run",
+                          f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True,
+                         check=False)
+    assert dry.returncode == 2 and dry.stderr == proc.stderr
+
+
+def test_a_disk_that_fills_during_the_run_ends_it_with_status_4_and_one_line(filling_disk):
+    """The write fails in the background: reported as the checkpoint that was not saved (not a
+    900-line traceback), no "done" line, and no checkpoint listed."""
+    run_dir = filling_disk / "run"
+    proc = _launch("train.steps=100000", "checkpoint.every=0", "train.log_every=1",
+                   f"run.dir={run_dir}", background=True)
+    _wait_for_step(proc)
+    with open(filling_disk / "filler", "wb") as f:  # another program takes the room
+        f.truncate(0)
+        f.write(os.urandom(99 * 2**20))
+    proc.send_signal(signal.SIGTERM)  # a checkpoint, then 75: here it cannot be written
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 4, err[-3000:]
+    assert re.fullmatch(r"launch.py: error: checkpoint \d+ was not saved: no space left on device "
+                        rf"\({run_dir / 'checkpoints'}\)", err.strip()), err[-3000:]
+    assert "done:" not in out
+    (left,) = (run_dir / "checkpoints").iterdir()  # the failed save's part, removed at a restart
+    assert left.name.endswith(".orbax-checkpoint-tmp")
+    ckpt, began = _checkpoints(run_dir), time.monotonic()  # removes it in the background
+    while left.exists() and time.monotonic() - began < 30:
+        time.sleep(0.1)
+    ckpt.close()
+    assert not left.exists()
 
 
 def test_a_background_write_that_failed_is_caught_by_check_before_the_next_save(full_disk):
