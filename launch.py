@@ -311,7 +311,9 @@ def run(args: argparse.Namespace) -> int | None:
         xla_flags.start_backend()  # JAX_PLATFORMS naming a backend that cannot start: one line
         dry_run(cfg, args.devices or jax.device_count(), args.gpu, flags)
         return
-    if finished := _finished(cfg):  # run.dir may be read-only by now: write nothing
+    if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
+        distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
+    if finished := _finished(cfg):  # run.dir may be read-only by now: write nothing (each process)
         print(finished, flush=True)
         return None
     check_paths(cfg)  # before the processes join: a refused start writes nothing (train repeats)
