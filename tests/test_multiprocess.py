@@ -54,11 +54,17 @@ def _env() -> dict:
     return env
 
 
-def _start(run_dir: Path, logs: Path, name: str, *overrides: str) -> list[subprocess.Popen]:
-    """Both processes of one run; their output goes to logs/<name>-<i>.txt."""
-    port, env = _free_port(), _env()
+def _start(run_dir: Path, logs: Path, name: str, *overrides: str,
+           pythonpath: dict[int, Path] | None = None) -> list[subprocess.Popen]:
+    """Both processes of one run; their output goes to logs/<name>-<i>.txt. `pythonpath` gives
+    a process a directory to import first (a sitecustomize.py that breaks something there)."""
+    port = _free_port()
     procs = []
     for i in range(PROCESSES):
+        env = _env()
+        if i in (pythonpath or {}):
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath[i]),
+                                                              env.get("PYTHONPATH")]))
         log = (logs / f"{name}-{i}.txt").open("w")
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
@@ -201,6 +207,43 @@ def test_killed_process_stops_the_other(runs):
     assert second["stopped_after"] < DEAD_PEER_LIMIT_S, second["stopped_after"]
     print(f"process 0 exited {second['code']} {second['stopped_after']:.1f} s after process 1 "
           "was killed")
+
+
+FULL_DISK = """
+import errno
+import orbax.checkpoint as ocp
+
+def _no_space(self, step, *args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", str(self.directory))
+
+ocp.CheckpointManager.save = _no_space
+"""
+
+
+def test_a_save_that_fails_on_one_process_ends_both(tmp_path):
+    """Process 1 cannot write its part of checkpoint 2 (its disk is full): it stops with status 4
+    and one line (it was held 30 s at jax.distributed's shutdown barrier, then aborted with -6
+    and a C++ stack); process 0, left waiting for it, stops with 4 too, naming the checkpoint;
+    no checkpoint 2 is listed."""
+    run_dir, logs, patched = tmp_path / "run", tmp_path / "logs", tmp_path / "site"
+    logs.mkdir()
+    patched.mkdir()
+    (patched / "sitecustomize.py").write_text(FULL_DISK)
+    procs = _start(run_dir, logs, "save", "train.steps=3", pythonpath={1: patched})
+    try:
+        codes = _wait(procs, timeout=400 + DEAD_PEER_LIMIT_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = [(logs / f"save-{i}.txt").read_text() for i in range(PROCESSES)]
+    assert codes[1] == 4, out[1][-3000:]
+    errors = [line for line in out[1].splitlines() if "error" in line.lower()]
+    assert errors == ["launch.py: error: checkpoint 2 was not saved: no space left on device "
+                      f"({run_dir / 'checkpoints'})"], out[1][-3000:]
+    assert codes[0] == 4 and "done:" not in out[0], out[0][-3000:]  # its save's barrier failed
+    assert out[0].splitlines()[-1].startswith("launch.py: error: checkpoint 2 was not saved: ")
+    assert not (run_dir / "checkpoints" / "2").exists()
 
 
 @pytest.fixture
