@@ -93,10 +93,12 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     from jaxtron.state import RESTORE_UNUSED, make_plan, resumed_schedule_jump
     from jaxtron.train import check_paths
 
-    check_paths(cfg)  # in the order a run checks: paths, layout, data
+    if not (finished := _finished(cfg)):  # a finished run writes nothing: any storage will do
+        check_paths(cfg)  # in the order a run checks: paths, layout, data
+        _check_unlocked(Path(cfg.run.dir))
     plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
     data_check = _check_data(cfg)
-    no_room = doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes())
+    no_room = [] if finished else doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes())
     if no_room and not gpu and num_devices == jax.device_count():  # as a run here refuses it
         raise config_lib.ConfigError(no_room[0])
     print(f"xla flags: {' '.join(flags) or 'none'}")
@@ -112,12 +114,14 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(data_check)
     for line in no_room:  # planned for other machines: their run.dir may have the room
         print(f"warning: here, {line}")
-    print(checkpoint.describe_start(Path(cfg.run.dir), cfg.checkpoint.restore,
-                                    cfg.checkpoint.weights_only, cfg.train.steps))
+    print(f"start: {finished}" if finished else checkpoint.describe_start(
+        Path(cfg.run.dir), cfg.checkpoint.restore, cfg.checkpoint.weights_only, cfg.train.steps))
     if steps := weights.complete_steps(Path(cfg.run.dir) / "checkpoints") \
             if (Path(cfg.run.dir) / "checkpoints").is_dir() else []:
         if jump := resumed_schedule_jump(weights.read_meta(steps[-1]), cfg):
             print(f"warning: {jump}")
+        if not finished and (inexact := _resume_warning(steps[-1], cfg)):
+            print(f"warning: {inexact}")
         if cfg.checkpoint.restore:
             print(f"note: {RESTORE_UNUSED.format(cfg.checkpoint.restore)}")
     terms = memory.estimate(cfg, plan)
@@ -128,6 +132,34 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(_verdict(terms, gpu, cfg, num_devices))
     print("resolved config:")
     print(config_lib.to_yaml(cfg), end="")
+
+
+def _check_unlocked(run_dir: Path) -> None:
+    """A run in progress in run.dir (its lock, checkpoint.RunDirLock, tested without taking it)
+    is refused as a second run would be."""
+    import fcntl
+
+    from jaxtron.checkpoint import IN_USE, LOCK_FILE
+    from jaxtron.config import ConfigError
+
+    if (run_dir / LOCK_FILE).is_file():
+        with open(run_dir / LOCK_FILE) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                raise ConfigError(IN_USE.format(run_dir, f.read().strip())) from None
+
+
+def _resume_warning(step_dir: Path, cfg) -> str | None:
+    """The warning a run gives when the checkpoint's input position cannot be resumed exactly
+    with this config's data layout (jaxtron/data.py); None when it can, or was not saved."""
+    from jaxtron import data
+
+    try:
+        saved = data.saved_iterator_state(step_dir / "data", 0, 1)
+    except (OSError, ValueError):
+        return None
+    return data.resume_warning(saved, data.layout_of(cfg.data, cfg.train))
 
 
 def _check_data(cfg) -> str:

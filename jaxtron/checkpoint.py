@@ -30,6 +30,7 @@ from jaxtron.config import CheckpointConfig, ConfigError, DataConfig, ModelConfi
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
 LOCK_FILE = ".jaxtron-run.lock"  # run.dir/<this>: flock'ed by the run's process 0 while it runs
+IN_USE = "run.dir {} is in use by another run ({}); wait for it or choose another run.dir"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -214,8 +215,7 @@ class RunDirLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "pid ? on host ?"
             self.file.close()
-            raise ConfigError(f"run.dir {run_dir} is in use by another run ({holder}); wait for "
-                              "it or choose another run.dir") from None
+            raise ConfigError(IN_USE.format(run_dir, holder)) from None
         self.file.truncate(0)
         self.file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
         self.file.flush()

@@ -210,6 +210,8 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"'{path}' is a section; set its keys, e.g. {path}.<key>=...")
             _check_keys(value, sub, path + ".")
+        elif sub is bool and not isinstance(value, bool):  # OmegaConf takes yes, off, 1 too
+            raise ConfigError(f"{path} must be true or false, got {value}")
         elif typing.get_origin(sub) is list and dataclasses.is_dataclass(typing.get_args(sub)[0]):
             if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
                 raise ConfigError(f"'{path}' is a list of mappings, e.g. {path}=[{{path: ...}}]")
@@ -220,7 +222,12 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
 def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
     layers = [(f"{f}: ", presets.read(Path(f))) for f in files]  # errors name the file
-    layers += [("", presets.parse_override(item)[1]) for item in overrides]
+    parsed = [presets.parse_override(item) for item in overrides]
+    keys = [key for key, _ in parsed]
+    if twice := next((key for key in keys if keys.count(key) > 1), None):
+        given = ", ".join(item for item in overrides if item.partition("=")[0].strip() == twice)
+        raise ConfigError(f"{twice} is given twice on the command line ({given}); give it once")
+    layers += [("", tree) for _, tree in parsed]
     merged = OmegaConf.structured(Config)
     for where, layer in layers:
         try:

@@ -44,8 +44,9 @@ def write_atomic(path: Path, payload: bytes) -> None:
         if tmp:
             Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):
+            why = "it is a file" if path.parent.is_file() else e.strerror
             raise ConfigError(f"cannot write {path.name} into the cache {path.parent} "
-                              f"({e.strerror}); set data.cache_dir (or JAXTRON_CACHE) to a "
+                              f"({why}); set data.cache_dir (or JAXTRON_CACHE) to a "
                               "writable directory with space") from None
         raise
 

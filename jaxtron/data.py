@@ -230,19 +230,14 @@ class BatchIterator(grain.DatasetIterator):
 
     def restore(self, saved: dict) -> bool:
         """Exact when `saved` has this layout; else warn and skip ahead about as far (False)."""
-        if {k: saved.get(k) for k in self.layout} == self.layout:
+        if (warning := resume_warning(saved, self.layout)) is None:
             if saved["start"] != self._start:
                 self._restart(saved["start"])
             self._it.set_state(saved["grain"])
             self._consumed = saved["consumed"]
             return True
-        start = saved["start"] + saved["consumed"]
-        warnings.warn(f"data: {_changes(saved, self.layout)} since the checkpoint: the input "
-                      "cannot resume exactly, and the batches from here on differ from an "
-                      f"uninterrupted run's (the stream restarts near item {start:,}, skipping "
-                      "what the old run held in packing buffers)", InexactResumeWarning,
-                      stacklevel=2)
-        self._restart(start)
+        warnings.warn(warning, InexactResumeWarning, stacklevel=2)
+        self._restart(saved["start"] + saved["consumed"])
         return False
 
     def _restart(self, start: int) -> None:
@@ -264,6 +259,24 @@ _KEYS = {"workers": "data.workers", "source": "data.source", "mixture": "data.mi
          "seq_len": "train.seq_len", "batch_size": "train.batch_size", "seed": "train.seed"}
 
 
+def resume_warning(saved: dict, layout: dict) -> str | None:
+    """Why a saved input position (a checkpoint's) cannot be resumed exactly with `layout`, the
+    fields that changed first; None when it can."""
+    if {k: saved.get(k) for k in layout} == layout:
+        return None
+    return (f"data: {_changes(saved, layout)} since the checkpoint: the input cannot resume "
+            "exactly, and the batches from here on differ from an uninterrupted run's (the "
+            f"stream restarts near item {saved['start'] + saved['consumed']:,}, skipping what "
+            "the old run held in packing buffers)")
+
+
+def _shown(value) -> str:
+    """A layout value as a config would say it: a mixture as `path (weight), ...`."""
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{path} ({weight:g})" for path, weight in value) + "]"
+    return str(value)
+
+
 def _changes(saved: dict, now: dict) -> str:
     """The layout fields that differ as `key old -> new` (a pipeline saved as a string by older
     checkpoints compares as a whole)."""
@@ -273,7 +286,8 @@ def _changes(saved: dict, now: dict) -> str:
         pairs += [(key, old.get(key), new.get(key)) for key in dict.fromkeys([*old, *new])]
     else:
         pairs.append(("pipeline", old, " ".join(f"{k}={v}" for k, v in new.items())))
-    return ", ".join(f"{_KEYS.get(key, key)} {a} -> {b}" for key, a, b in pairs if a != b)
+    return ", ".join(f"{_KEYS.get(key, key)} {_shown(a)} -> {_shown(b)}" for key, a, b in pairs
+                     if a != b)
 
 
 def restore_iterator(it: BatchIterator, saved_state: dict) -> bool:
@@ -296,13 +310,16 @@ def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int) -> Batch
     process reads the same ones, so results and resume do not depend on the process count."""
     stream = _stream(data, train.seq_len, vocab_size, train.seed)
     build = functools.partial(_batches, stream, train=train, workers=data.workers)
-    # The fields the batches depend on, as plain JSON values: a checkpoint stores them, and a
-    # restore compares them field by field with this run's.
+    return BatchIterator(build, stream.count, layout_of(data, train))
+
+
+def layout_of(data: DataConfig, train: TrainConfig) -> dict:
+    """The fields the batches depend on, as plain JSON values: a checkpoint stores them, and a
+    restore compares them field by field with this run's."""
     pipeline = {"source": data.source,
                 "mixture": [[entry.path, entry.weight] for entry in data.mixture],
                 "seq_len": train.seq_len, "batch_size": train.batch_size, "seed": train.seed}
-    layout = {"workers": data.workers, "pipeline": pipeline}
-    return BatchIterator(build, stream.count, layout)
+    return {"workers": data.workers, "pipeline": pipeline}
 
 
 def make_eval_batches(data: DataConfig, train: TrainConfig,

@@ -93,7 +93,8 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
         if num_devices % fixed:
             raise ConfigError(
                 f"mesh axes other than {free[0]} multiply to {fixed}, which does not divide the "
-                f"{num_devices} devices; change the mesh sizes"
+                f"{num_devices} device{'' if num_devices == 1 else 's'} here; change the mesh "
+                "sizes, or plan for a cluster with --dry-run --devices N"
             )
         sizes[free[0]] = num_devices // fixed
     product = math.prod(sizes.values())

@@ -159,10 +159,30 @@ def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
     ("train.steps=0x10", "train.steps must be an integer, got 0x10"),  # YAML 1.1: 16
     ("train.steps=1:30", "train.steps must be an integer, got 1:30"),  # YAML 1.1: 90
     ("run.progress=off", "run.progress=off is not one of auto, bar, lines"),  # YAML 1.1: false
+    # OmegaConf turns these strings into booleans for a bool field; the README says they are text
+    ("run.tensorboard=off", "run.tensorboard must be true or false, got off"),
+    ("model.tie_embeddings=yes", "model.tie_embeddings must be true or false, got yes"),
+    ("model.tie_embeddings=1", "model.tie_embeddings must be true or false, got 1"),
 ])
 def test_yaml_1_1_numbers_and_booleans_are_not_guessed(override, message):
     with pytest.raises(config.ConfigError, match=re.escape(message)):
         config.load([], [override])
+
+
+def test_a_yes_in_a_preset_is_not_true(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model:\n  tie_embeddings: yes\n")
+    with pytest.raises(config.ConfigError, match=r"p\.yaml: model\.tie_embeddings must be true or "
+                                                 r"false, got yes$"):
+        config.load([preset])
+
+
+def test_an_override_given_twice_is_an_error():
+    """The last one won without a word, as a key given twice in a preset did."""
+    with pytest.raises(config.ConfigError, match=re.escape(
+            "train.steps is given twice on the command line (train.steps=5, train.steps=6); "
+            "give it once")):
+        config.load([], ["train.steps=5", "train.batch_size=8", "train.steps=6"])
 
 
 def test_decimal_numbers_and_true_false_read_as_written(tmp_path):

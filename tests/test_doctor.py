@@ -257,7 +257,7 @@ def test_planned_for_other_devices_gives_no_hsdp_advice(tmp_path, capsys):
 
     assert tool.main(["--devices", "16", f"run.dir={tmp_path}"]) == 0  # 8 devices here
     assert capsys.readouterr().out == (
-        "doctor: warning: the mesh is planned for 16 devices (--devices) but 8 devices found (8 "
+        "doctor.py: warning: the mesh is planned for 16 devices (--devices) but 8 devices found (8 "
         "per host x 1 host); run on 16 devices or plan for 8\n")
 
 
@@ -320,9 +320,9 @@ def test_doctor_tool_reports_a_backend_that_cannot_start(tmp_path, platforms, re
                 XLA_PYTHON_CLIENT_MEM_FRACTION="2")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
     backend, fraction = proc.stdout.splitlines()
-    assert backend.startswith(f"doctor: warning: JAX_PLATFORMS={platforms}, but no {platforms} "
+    assert backend.startswith(f"doctor.py: warning: JAX_PLATFORMS={platforms}, but no {platforms} "
                               "backend starts here (") and reason in backend
-    assert fraction.startswith("doctor: warning: XLA_PYTHON_CLIENT_MEM_FRACTION=2 must be")
+    assert fraction.startswith("doctor.py: warning: XLA_PYTHON_CLIENT_MEM_FRACTION=2 must be")
     strict = _run("tools/doctor.py", "--strict", f"run.dir={tmp_path}", JAX_PLATFORMS=platforms)
     assert strict.returncode == 2 and len(strict.stderr.splitlines()) == 1
     assert strict.stderr.startswith(f"doctor.py: error: JAX_PLATFORMS={platforms}, but")
@@ -332,7 +332,7 @@ def test_doctor_tool_without_problems(tmp_path, capsys):
     from tools import doctor as tool
 
     assert tool.main([f"run.dir={tmp_path}"]) == 0
-    assert capsys.readouterr().out == "doctor: no problems found\n"
+    assert capsys.readouterr().out == "doctor.py: no problems found\n"
     assert tool.main(["--strict", "mesh.fsdp=3"]) == 2
     assert "doctor.py: error: mesh (data=1, stage=1, fsdp=3, tensor=1) has 3 devices" in (
         capsys.readouterr().err)

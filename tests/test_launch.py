@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -601,7 +602,7 @@ def test_a_checkpoint_of_an_older_config_schema_still_resumes(tmp_path, capsys):
     assert f"start: resumes from {run_dir}/checkpoints/3 (step 3 of" in capsys.readouterr().out
 
 
-def test_a_finished_run_is_nothing_to_do_and_writes_nothing(tmp_path, capsys):
+def test_a_finished_run_is_nothing_to_do_and_writes_nothing(tmp_path, capsys, monkeypatch):
     """Started again at or past train.steps: one line and status 0 before anything is written
     (on storage made read-only once the run finished, it was refused as unwritable), still
     after checking that run.dir holds this model."""
@@ -624,3 +625,51 @@ def test_a_finished_run_is_nothing_to_do_and_writes_nothing(tmp_path, capsys):
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
     assert launch.main([f"run.dir={run_dir}", "train.steps=3", "model.num_layers=2"]) == 2
     assert "holds checkpoints of another model" in capsys.readouterr().err
+    from jaxtron import cli
+
+    def read_only(path, key="run.dir"):
+        raise config_lib.ConfigError(f"{key}={path} cannot be written (Read-only file system)")
+
+    monkeypatch.setattr(cli, "check_run_dir", read_only)  # the storage, read-only by now
+    for dry in ([], ["--dry-run"]):  # the dry run says what the run does
+        assert launch.main([*dry, f"run.dir={run_dir}", "train.steps=3"]) == 0
+        out = capsys.readouterr().out
+        assert (f"start: nothing to do: {run_dir} is trained to step 3" in out if dry
+                else out.startswith("nothing to do: "))
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+def test_the_dry_run_refuses_a_run_dir_in_use_and_warns_of_an_inexact_resume(tmp_path, capsys):
+    """What a run says at start, the dry run says: a run.dir locked by a run in progress is
+    refused (the dry run said 'from scratch'), and a changed data layout is named (it printed
+    nothing)."""
+    import json
+
+    from jaxtron import config as config_lib
+    from jaxtron import data
+    from jaxtron.checkpoint import RunDirLock
+
+    run_dir = tmp_path / "run"
+    lock = RunDirLock(run_dir)
+    try:
+        assert launch.main(["--dry-run", f"run.dir={run_dir}"]) == 2
+        assert capsys.readouterr().err == (f"launch.py: error: run.dir {run_dir} is in use by "
+                                           f"another run (pid {os.getpid()} on host "
+                                           f"{socket.gethostname()}); wait for it or choose "
+                                           "another run.dir\n")
+    finally:
+        lock.release()
+    saved = config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={run_dir}"])
+    step = run_dir / "checkpoints" / "3"
+    for item in ("state", "meta", "data"):
+        (step / item).mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 3,
+                                                        "config": config_lib.to_yaml(saved)}))
+    position = {"grain": {}, "start": 0, "consumed": 35, **data.layout_of(saved.data, saved.train)}
+    (step / "data" / "process_0-of-1.json").write_text(json.dumps(position))
+    assert launch.main(["--dry-run", f"run.dir={run_dir}"]) == 0
+    assert "warning: data:" not in capsys.readouterr().out
+    assert launch.main(["--dry-run", f"run.dir={run_dir}", "train.seq_len=128"]) == 0
+    assert ("warning: data: train.seq_len 256 -> 128 since the checkpoint: the input cannot "
+            "resume exactly") in capsys.readouterr().out

@@ -12,7 +12,7 @@ fsdp or tensor groups spanning hosts, and run.dir (a directory it can write, sha
 hosts, with room for a checkpoint). Several processes join as launch.py's do, and process 0 prints
 every process's problems.
 
-Output: one line per problem, `doctor: warning: ...` naming the fix, or `doctor: no problems
+Output: one line per problem, `doctor.py: warning: ...` naming the fix, or `doctor.py: no problems
 found`; exit status 0. With --strict: `doctor.py: error: ...` lines on stderr and exit status 2.
 Bad input (config, flags): one line on stderr, exit status 2.
 """
@@ -68,9 +68,9 @@ def diagnose(args: argparse.Namespace) -> int:
 
 def finish(problems: list[str], strict: bool, show: bool) -> int:
     """Print the problems (or that there are none); the exit status."""
-    status = doctor.report(problems, strict, "doctor: ", show)
+    status = doctor.report(problems, strict, "doctor.py: ", show)
     if show and not problems:
-        print("doctor: no problems found")
+        print("doctor.py: no problems found")
     return status
 
 
