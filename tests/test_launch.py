@@ -673,3 +673,15 @@ def test_the_dry_run_refuses_a_run_dir_in_use_and_warns_of_an_inexact_resume(tmp
     assert launch.main(["--dry-run", f"run.dir={run_dir}", "train.seq_len=128"]) == 0
     assert ("warning: data: train.seq_len 256 -> 128 since the checkpoint: the input cannot "
             "resume exactly") in capsys.readouterr().out
+
+
+def test_an_unfinished_prepared_dataset_says_to_rerun_prepare_data(tmp_path, capsys):
+    """prepare_data stopped midway keeps its finished parts (.parts/) and has no manifest yet:
+    named as unfinished, not as a manifest that cannot be read."""
+    (tmp_path / "ds" / ".parts").mkdir(parents=True)
+    rc = _main(["--dry-run", f"run.dir={tmp_path / 'run'}", "data.source=arrayrecord",
+                f"data.mixture=[{{path: {tmp_path / 'ds'}, weight: 1}}]"])
+    _assert_one_line_status_2(rc, capsys.readouterr().err,
+                              f"data.mixture path {tmp_path / 'ds'} is an unfinished "
+                              "tools/prepare_data.py output (no manifest.json yet); rerun the "
+                              "same command to finish it")
