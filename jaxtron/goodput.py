@@ -16,7 +16,10 @@ the attempts; the time between attempts (a job queue) is not counted.
 
 The parts come from the loop's metrics.Stopwatch spans and two clock readings (loop start, loop
 end); nothing here syncs with the device. run.dir/goodput.json holds one record per attempt,
-written atomically when the attempt ends: done, preempted or failed (not after SIGKILL).
+written atomically at each log row and checkpoint save (outcome "running") and again when the
+attempt ends: done, preempted or failed. An attempt that ended without its exit (SIGKILL, the OOM
+killer, a lost host) keeps its account as of its last row or save, and the next attempt marks it
+"killed"; its steps after the checkpoint the next one resumes from count as redone.
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ def process_start() -> float:
 class Attempt:
     """The wall-time account of this attempt, read off the loop's Stopwatch."""
 
-    def __init__(self, watch: Stopwatch, started: float):
+    def __init__(self, watch: Stopwatch, started: float, run_dir: Path | None = None,
+                 warn: Callable[[str], None] = print):
         self.watch = watch
-        self.started = started
+        self.started = started  # also the attempt's key in goodput.json
+        self.run_dir, self.warn = run_dir, warn  # where persist() writes (None: nowhere)
         self.origin = time.perf_counter() - (time.time() - started)  # `started`, perf_counter clock
         self.resumed_from: int | None = None  # the step the state was restored at (0: fresh)
         self.last_step: int | None = None  # the last step the loop dispatched
@@ -74,6 +79,13 @@ class Attempt:
     def saved(self, step: int) -> None:
         """A checkpoint of `step` is being saved, `step` finished: note the step time to here."""
         self.step_s_at[str(step)] = self.step_seconds()
+        self.persist()
+
+    def persist(self) -> None:
+        """Write the account so far into goodput.json as a "running" attempt (replaced by the
+        record at exit): an attempt killed before its exit still counts, as of this call."""
+        if self.run_dir is not None and self.loop_start is not None:
+            append(self.run_dir, self.record("running"), self.warn)
 
     def end_loop(self) -> None:
         """The loop is over (done, preempted or failed); later checkpoint waits are the exit's."""
@@ -114,8 +126,14 @@ def load(run_dir: Path, warn: Callable[[str], None]) -> list[dict]:
 
 
 def append(run_dir: Path, record: dict, warn: Callable[[str], None]) -> list[dict]:
-    """Add `record` to run_dir/goodput.json atomically (written whole, then renamed over)."""
-    records = load(run_dir, warn) + [record]
+    """Add `record` to run_dir/goodput.json atomically (written whole, then renamed over), in
+    place of its attempt's earlier record (the same "started"). Another attempt still marked
+    "running" ended without its exit (run.dir's lock lets one run at a time): now "killed"."""
+    records = [r for r in load(run_dir, warn) if r["started"] != record["started"]]
+    for earlier in records:
+        if earlier["outcome"] == "running":
+            earlier["outcome"] = "killed"
+    records.append(record)
     path = run_dir / FILE
     tmp = path.with_name(f".{FILE}.tmp")
     tmp.write_text(json.dumps(records, indent=1) + "\n")

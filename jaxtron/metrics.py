@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ PEAK_TFLOPS = (
 )
 
 KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "tflops_per_device", "mfu")
+BAR_DROPS = ("ms", "lr", "grad_norm", "tok")  # what the progress bar drops first when narrow
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -77,6 +79,7 @@ class MetricsWriter:
         self.use_bar = is_main and (progress == "bar" or (progress == "auto"
                                                           and sys.stdout.isatty()))
         self.bar = None
+        self.logged = 0  # the last logged step
 
     def begin(self, start: int) -> None:
         """The loop starts after step `start`. Rows of later steps, from earlier attempts, are
@@ -91,11 +94,10 @@ class MetricsWriter:
         self.jsonl, self.eval_jsonl = (path.open("a") for path in self.paths)
         self._board(purge_step=start + 1)  # nothing is written to TensorBoard before this
         if self.use_bar:
-            from tqdm import tqdm
-
             columns, rows = terminal_shape(sys.stderr)
-            self.bar = tqdm(total=self.total_steps, initial=start, unit="step", ncols=columns,
-                            nrows=rows)
+            self.bar = _step_bar(total=self.total_steps, initial=start, unit="step",
+                                 ncols=columns, nrows=rows)
+        self.logged = start
 
     def _board(self, purge_step: int | None = None):
         """The TensorBoard writer, made on first use; `purge_step` makes TensorBoard hide what
@@ -139,12 +141,31 @@ class MetricsWriter:
             self.tb.flush()  # on disk with its JSONL row (tensorboardX holds events up to 120 s)
         if self.bar is not None:
             self._fit_bar()
+            steps, seconds = self.bar.trained
+            self.bar.trained = (steps + row["step"] - self.logged,
+                                seconds + row["step_time"] * (row["step"] - self.logged))
             self.bar.update(row["step"] - self.bar.n)
-            self.bar.set_postfix_str(
-                f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
-                f"{row['step_time'] * 1e3:.0f} ms/step | {row['tokens_per_sec']:,.0f} tok/s")
+            self.bar.set_postfix_str(self._postfix(row))
         else:
             self.info(format_row(row))
+        self.logged = row["step"]
+
+    def _postfix(self, row: dict) -> str:
+        """The row's fields that fit beside the bar (left 4 columns or more), the least telling
+        dropped first: ms/step (the bar shows s/step), lr, grad_norm, tok/s; none is cut
+        mid-number (tqdm cuts a line past the terminal's width)."""
+        fields = {"loss": f"loss {row['loss']:.4f}", "lr": f"lr {row['lr']:.2e}",
+                  "grad_norm": f"grad_norm {row['grad_norm']:.3f}",
+                  "ms": f"{row['step_time'] * 1e3:.0f} ms/step",
+                  "tok": f"{row['tokens_per_sec']:,.0f} tok/s"}
+        for dropped in range(len(fields)):
+            kept = [v for k, v in fields.items() if k not in BAR_DROPS[:dropped]]
+            postfix = " | ".join(kept)
+            meter = self.bar.format_meter(**{**self.bar.format_dict, "ncols": None,
+                                             "postfix": postfix})  # its bar is 10 columns
+            if self.bar.ncols is None or len(meter) - 10 + 4 <= self.bar.ncols:
+                break
+        return postfix
 
     def write_eval(self, step: int, loss: float) -> None:
         """Record one evaluation on the held-out split: loss (nats) and perplexity."""
@@ -203,6 +224,25 @@ def drop_after(path: Path, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _step_bar(**kwargs):
+    """A tqdm bar whose final rate (drawn at close) is the logged steps' own, from their rows'
+    step_time, rather than tqdm's steps over elapsed time, which counts evaluations, checkpoint
+    waits and the run's end (a 2.3 s step showed as 3.9 s/step)."""
+    from tqdm import tqdm
+
+    class StepBar(tqdm):
+        trained = (0, 0.0)  # steps and seconds of the rows logged so far
+
+        @property
+        def format_dict(self) -> dict:
+            values = super().format_dict
+            if values["rate"] is None and self.trained[1] > 0:  # at close: no moving average
+                values["rate"] = self.trained[0] / self.trained[1]
+            return values
+
+    return StepBar(**kwargs)
 
 
 def terminal_shape(stream) -> tuple[int | None, int | None]:
@@ -266,7 +306,8 @@ class Stopwatch:
     """Accumulates wall time of named phases (compile, data wait, checkpoint, eval); the goodput
     account (jaxtron/goodput.py) is built from these totals."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
         self.totals: dict[str, float] = {}
         self.last = 0.0  # duration of the most recent span
 
@@ -274,9 +315,35 @@ class Stopwatch:
     def time(self, name: str):
         """Time the enclosed block as `name`; also when it raises (a preemption or an error
         mid-phase still counts in the account)."""
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
-            self.last = time.perf_counter() - start
+            self.last = self.clock() - start
             self.totals[name] = self.totals.get(name, 0.0) + self.last
+
+
+class StepWindow:
+    """The training time of the steps since the last logged row: their wall time less the
+    Stopwatch's spans that are not training (checkpoint saves, evaluations, the profiler). The loop
+    waits for the last step's device work before each such span, so that work stays in its row."""
+
+    NOT_TRAINING = ("checkpoint", "eval", "profile")
+
+    def __init__(self, watch: Stopwatch, step: int):
+        self.watch = watch
+        self._open(step)
+
+    def _not_training(self) -> float:
+        return sum(self.watch.totals.get(name, 0.0) for name in self.NOT_TRAINING)
+
+    def _open(self, step: int) -> None:
+        self.step, self.start, self.excluded = step, self.watch.clock(), self._not_training()
+
+    def close(self, step: int) -> float:
+        """Seconds per step over steps after the last row's to `step` (call once `step` has
+        finished); the next window opens now."""
+        seconds = self.watch.clock() - self.start - (self._not_training() - self.excluded)
+        per_step = seconds / (step - self.step)
+        self._open(step)
+        return per_step

@@ -99,7 +99,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     # State: restored from the latest checkpoint, else born sharded; the step compiled once.
     run = RunContext(mesh, Checkpoints(cfg.checkpoint, run_dir), log, batches, eval_batches,
                      metrics_lib.StepCost.of(cfg, devices))
-    run.account = goodput.Attempt(run.watch, started)
+    run.account = goodput.Attempt(run.watch, started, run_dir if is_main else None, log.info)
     run.profile = Profile(cfg.run, run_dir, log, run.watch)
     outcome = "done"
     try:
@@ -355,7 +355,7 @@ def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> Non
 def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: int) -> list[dict]:
     """Steps start+1 .. train.steps: feed, step, checkpoint, evaluate, log."""
     steps, watch, batches, preemption = cfg.train.steps, run.watch, run.batches, run.preemption
-    history, last_time, last_step, previous = [], time.perf_counter(), start, None
+    history, previous, window = [], None, metrics_lib.StepWindow(watch, start)
     run.account.start_loop(start)
     run.log.begin(start)
     for step in range(start + 1, steps + 1):
@@ -374,12 +374,10 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
         run.log.tick(step)
         if step % cfg.train.log_every == 0 or step == steps:
             fetched = jax.device_get(pending)  # host sync point
-            now = time.perf_counter()
-            row = metrics_lib.make_row(step, fetched, (now - last_time) / (step - last_step),
-                                       run.cost)
+            row = metrics_lib.make_row(step, fetched, window.close(step), run.cost)
             history.append(row)
             run.log.write(row)
-            last_time, last_step = now, step
+            run.account.persist()  # goodput.json holds this attempt also if it is killed
         if run.ckpt.due(step, steps) or stop:
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
@@ -391,12 +389,11 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                 run.ckpt.save(step, state, batches, meta)
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
                          "(the write goes on in the background)")
-            last_time += watch.last  # blocking on a save is not training step time
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps):
-            with watch.time("eval"):
+            jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
+            with watch.time("eval"):  # not a step's time (StepWindow leaves it out)
                 loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh)
                 run.log.write_eval(step, loss)
-            last_time += watch.last  # evaluation time is not training step time
         if stop:  # launch.py says it, in one line
             with watch.time("checkpoint"):
                 run.ckpt.wait()  # "checkpoint saved" only once it is

@@ -120,3 +120,40 @@ def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
     assert board["goodput/attempts"] == [(8, 2.0)]
     assert board["goodput/redone_steps"] == [(8, float(stopped - 3))]
     assert board["goodput/goodput"][-1] == (8, pytest.approx(summary["goodput"], rel=1e-6))
+
+
+def test_killed_then_resumed_run_accounts_both_attempts(tmp_path):
+    """A run killed by SIGKILL (no exit code runs) still has its account in goodput.json, as of
+    its last log row, marked "killed" by the next attempt; resumed from checkpoint 4 (the later
+    ones removed), its steps after 4 count as redone (the summary said 1 attempt, 0 redone)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=40", "train.eval_every=0",
+           "checkpoint.every=4", f"run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # killed once checkpoint 4 is on disk (its write is asynchronous) and step 6 logged
+        deadline, metrics = time.time() + 300, run_dir / "metrics.jsonl"
+        while time.time() < deadline and proc.poll() is None:
+            if (run_dir / "checkpoints" / "4").is_dir() and metrics.exists() and any(
+                    json.loads(line)["step"] >= 6 for line in metrics.read_text().splitlines()
+                    if line.endswith("}")):
+                proc.kill()
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    (killed,) = json.loads((run_dir / goodput.FILE).read_text())
+    assert killed["outcome"] == "running" and killed["last_step"] >= 6
+    for step in _saved_steps(run_dir):
+        if step > 4:
+            shutil.rmtree(run_dir / "checkpoints" / str(step))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    first, second = json.loads((run_dir / goodput.FILE).read_text())
+    assert first == {**killed, "outcome": "killed"}
+    assert (second["outcome"], second["resumed_from"], second["last_step"]) == ("done", 4, 40)
+    summary = goodput.summarize([first, second])
+    redone = first["seconds"]["step"] - first["step_s_at"]["4"]
+    assert summary["redone_steps"] == first["last_step"] - 4 and summary["attempts"] == 2
+    assert summary["redone_s"] == pytest.approx(redone) and redone > 0
+    assert "in 2 attempts" in proc.stdout and f"{first['last_step'] - 4} steps)" in proc.stdout

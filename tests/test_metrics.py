@@ -13,15 +13,20 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import pytest
 from test_goodput import SMALL, _tensorboard
 from test_preemption import _run_until, _saved_steps
 
-from jaxtron.metrics import KEYS, MetricsWriter
+from jaxtron import config
+from jaxtron import train as train_lib
+from jaxtron.metrics import KEYS, MetricsWriter, StepWindow, Stopwatch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,3 +133,100 @@ def test_progress_bar_on_a_0x0_terminal_is_80_columns(tmp_path, monkeypatch):
     (frame,) = _frames(sys.stderr.getvalue())
     assert "6/1000" in frame and "12,345 tok/s]" in frame and len(frame) <= 139
     log.close()
+
+
+def test_step_window_is_the_rows_steps_less_checkpoints_and_evaluations():
+    """Fake clock: a row's seconds per step leave out the spans that are not training (the data
+    wait stays: a data-bound run is that slow), over exactly the steps since the last row."""
+    now = [100.0]
+    watch = Stopwatch(clock=lambda: now[0])
+    window = StepWindow(watch, 4)  # resumed after step 4
+    for phase, seconds in (("data", 0.5), ("eval", 7.0), ("checkpoint", 3.0), ("profile", 1.0)):
+        with watch.time(phase):
+            now[0] += seconds
+    now[0] += 2.5  # the steps' dispatch and device work, seen at the row's sync
+    assert window.close(6) == (0.5 + 2.5) / 2
+    now[0] += 4.0
+    with watch.time("eval"):
+        now[0] += 9.0
+    assert window.close(10) == 4.0 / 4
+
+
+def _slowed(compile_step, seconds: float):
+    """train.compile_step whose step's device work takes `seconds` more (a host callback that
+    sleeps, inside the program: every output of the step is ready only after it)."""
+
+    def sleep_then(loss):
+        time.sleep(seconds)
+        return loss
+
+    def compile_slow(*args):
+        step = compile_step(*args)
+
+        def slow(state, batch):
+            state, out = step(state, batch)
+            loss = jax.pure_callback(sleep_then, jax.ShapeDtypeStruct((), out["loss"].dtype),
+                                     out["loss"])
+            return state, {**out, "loss": loss}
+
+        return jax.jit(slow, donate_argnums=0)
+
+    return compile_slow
+
+
+def test_a_rows_step_time_is_its_steps_without_the_evaluation(tmp_path, monkeypatch, capsys):
+    """An evaluation after step 5, between the rows of steps 4 and 6, first waits for step 5's
+    device work; that wait is step 5's time, so step 6's row is two steps' time like the others
+    (it was counted as evaluation: the row showed half the step time, twice the tok/s). Steps
+    slowed by 0.4 s (a sleep on the device's side) make the rows' times steady."""
+    monkeypatch.setattr(train_lib, "compile_step", _slowed(train_lib.compile_step, 0.4))
+    small = [o for o in SMALL if not o.startswith("train.log_every")]
+    cfg = config.load(["configs/tiny.yaml"], [*small, "train.steps=8", "train.log_every=2",
+                                              "train.eval_every=5", "train.eval_batches=1",
+                                              f"run.dir={tmp_path / 'run'}"])
+    rows = train_lib.train(cfg)
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    times = [row["step_time"] for row in rows]
+    median = statistics.median(times)
+    assert min(times) >= 0.4 and all(median / 1.5 < t < median * 1.5 for t in times), times
+    for row in rows:
+        assert row["tokens_per_sec"] == pytest.approx(8 * 32 / row["step_time"])
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert logged == rows
+    capsys.readouterr()
+
+
+def _bar(tmp_path, monkeypatch, columns: int) -> MetricsWriter:
+    """A progress bar on a terminal `columns` wide."""
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(os, "get_terminal_size", lambda *args: os.terminal_size((columns, 24)))
+    log = MetricsWriter(tmp_path, 1000, "bar", tensorboard=False)
+    log.begin(0)
+    return log
+
+
+def test_progress_bar_drops_fields_that_do_not_fit_rather_than_cut_them(tmp_path, monkeypatch):
+    """At 80 columns the bar showed `... | grad_norm 2.` (tqdm cuts the line at the terminal's
+    width): the fields that do not fit are left out, the least telling first."""
+    log = _bar(tmp_path, monkeypatch, 80)
+    log.write(_row(5, 2.5))
+    frame = _frames(sys.stderr.getvalue())[-1]
+    assert len(frame) == 79 and frame.endswith(", loss 2.5000 | 12,345 tok/s]"), frame
+    monkeypatch.setattr(os, "get_terminal_size", lambda *args: os.terminal_size((121, 24)))
+    log.write(_row(6, 2.25))  # wide enough for every field
+    frame = _frames(sys.stderr.getvalue())[-1]
+    assert frame.endswith("loss 2.2500 | lr 3.00e-04 | grad_norm 0.750 | 1800 ms/step | "
+                          "12,345 tok/s]"), frame
+    log.close()
+
+
+def test_progress_bar_ends_with_the_rows_step_rate(tmp_path, monkeypatch):
+    """The bar's last draw gave steps over its elapsed time (3.88 s/step where the rows said 2.29:
+    evaluations, checkpoint waits and the run's end counted as steps): it is the rows' rate."""
+    log = _bar(tmp_path, monkeypatch, 100)
+    for step, step_time in ((2, 1.8), (4, 2.2)):
+        log.tick(step)
+        log.write({**_row(step, 2.5), "step_time": step_time})
+    time.sleep(0.2)  # the bar's elapsed time holds more than its steps
+    log.close()
+    assert "2.00s/step" in _frames(sys.stderr.getvalue())[-1]
