@@ -190,8 +190,10 @@ def _forward(cfg: ModelConfig, params, tokens, positions, segment_ids):
     return model(tokens, positions, segment_ids)
 
 
-def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
-    """A config.json for `cfg` (the inverse of `config_from_hf`)."""
+def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None = None) -> dict:
+    """A config.json for `cfg` (the inverse of `config_from_hf`). `context`: its
+    max_position_embeddings, the longest sequence the model is meant for (the length it was
+    trained at); by default the Llama 3 scaling's original length, else 2048."""
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"model_type '{model_type}' is not one of {', '.join(ARCHITECTURES)}")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -207,7 +209,8 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama") -> dict:
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_size, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": max(cfg.rope_original_max_len, 2048),
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": context or (cfg.rope_original_max_len
+                                               if cfg.rope_scaling_factor > 0 else 2048),
         "attention_bias": cfg.qkv_bias and model_type == "qwen2", "mlp_bias": False,
         "torch_dtype": cfg.param_dtype,
         **_window(cfg, model_type),
@@ -237,14 +240,16 @@ def _hf_specs(cfg: ModelConfig, dtype) -> dict[str, tuple[tuple[int, ...], np.dt
 
 
 def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np.ndarray],
-                     out_dir: str | Path, model_type: str = "llama", dtype: Any = None) -> Path:
+                     out_dir: str | Path, model_type: str = "llama", dtype: Any = None,
+                     context: int | None = None) -> Path:
     """Write config.json and safetensors shards of at most SHARD_BYTES (with an index when there
     are several), asking `get(our path, layer or None)` for one tensor at a time, so that only
-    one is in memory. `dtype`: the files' dtype (default cfg.param_dtype)."""
+    one is in memory. `dtype`: the files' dtype (default cfg.param_dtype); `context`: see
+    hf_config."""
     if cfg.qkv_bias != (model_type == "qwen2"):
         raise ConfigError(f"model.qkv_bias={cfg.qkv_bias} does not fit model_type '{model_type}'"
                           " (QKV biases are Qwen2's)")
-    config = hf_config(cfg, model_type)
+    config = hf_config(cfg, model_type, context)
     dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -270,10 +275,11 @@ def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np
 
 
 def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
-                    model_type: str = "llama", dtype: Any = None) -> Path:
+                    model_type: str = "llama", dtype: Any = None,
+                    context: int | None = None) -> Path:
     """Write `params` (our pure nested dict) as a Hugging Face directory (see write_pretrained)."""
     def get(path: ParamPath, layer: int | None) -> np.ndarray:
         value = functools.reduce(lambda node, key: node[key], path, params)
         return value if layer is None else value[layer]
 
-    return write_pretrained(cfg, get, out_dir, model_type, dtype)
+    return write_pretrained(cfg, get, out_dir, model_type, dtype, context)

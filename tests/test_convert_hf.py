@@ -180,6 +180,22 @@ def test_a_pipeline_run_exports_to_transformers_and_fine_tunes_back_on_another_m
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, rows
 
 
+def test_export_states_the_context_the_run_trained_at(pipeline_run, tmp_path, capsys):
+    """config.json's max_position_embeddings is the run's train.seq_len (it said 8192 for a model
+    trained at 64), so importing it back fine-tunes at 64 tokens, not 2048 (~18.7 GiB for the
+    tiny model)."""
+    assert _convert("export", pipeline_run, tmp_path / "hf") == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())[
+        "max_position_embeddings"] == 64
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    assert "preset: model.dtype=float32, train.seq_len=64;" in capsys.readouterr().out
+    preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
+    assert preset.train.seq_len == 64
+    assert _convert("export", tmp_path / "imp", tmp_path / "hf2") == 0  # and back: still 64
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())[
+        "max_position_embeddings"] == 64
+
+
 def test_an_import_restores_only_as_weights(tmp_path):
     _save("llama2", tmp_path / "hf")
     assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
@@ -309,7 +325,8 @@ def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
 
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
+                         tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE,
+                         max_position_embeddings=131072)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     build_bpe(tmp_path / "hf", LLAMA3, {"bos_token": "<|begin_of_text|>",
@@ -327,6 +344,9 @@ def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
                         "train.steps=2", f"run.dir={tmp_path / 'run'}"]) == 0
     assert _convert("export", tmp_path / "run", tmp_path / "out") == 0
     assert tokenizer_lib.from_path(tmp_path / "out").sha256 == tok.sha256
+    # fine-tuned at 64 tokens, it is still the 131,072-token model it was imported as
+    assert json.loads((tmp_path / "out" / "config.json").read_text())[
+        "max_position_embeddings"] == 131072
 
 
 def test_a_windowed_mistral_imports_with_its_window_as_the_sequence_bound(tmp_path):

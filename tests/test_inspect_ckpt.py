@@ -159,3 +159,29 @@ def test_an_import_used_as_run_dir_is_refused_before_anything_is_written(tmp_pat
             f"launch.py: error: run.dir={imported} holds an import (weights only); set run.dir to "
             f"a new directory with checkpoint.restore={imported} checkpoint.weights_only=true\n")
     assert sorted(p.name for p in imported.rglob("*")) == before
+
+
+def test_a_damaged_checkpoint_is_listed_as_damaged_and_exits_1(run_dir, tmp_path):
+    """A truncated data file of the newest checkpoint was listed as complete (exit 0); the next
+    run found it unreadable (OUT_OF_RANGE) and moved it aside."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    files = list((copy / "checkpoints" / "2" / "state").rglob("d/*"))
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:1000])
+    name = biggest.relative_to(copy / "checkpoints" / "2")
+    for path in (copy, copy / "checkpoints" / "2"):
+        result = _inspect(path)
+        assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert re.match(rf"inspect_ckpt.py: error: checkpoint {copy}/checkpoints/2 is damaged "
+                        rf"\({name} holds 1,000 bytes; the checkpoint needs [\d,]+\); a resume "
+                        r"moves it aside and starts from step 1$", result.stderr), result.stderr
+    out = _inspect(copy).stdout
+    assert out.startswith(f"{copy / 'checkpoints'}: 2 complete checkpoints, 1 of them damaged\n")
+    assert re.search(r"^  step +1  loss \S+$", out, re.MULTILINE)
+    assert re.search(rf"^  step +2  damaged \({name} holds 1,000 bytes; ", out, re.MULTILINE)
+    biggest.unlink()
+    assert f"({name} is missing; the checkpoint needs" in _inspect(copy).stderr
+    assert _inspect(copy / "checkpoints" / "1").returncode == 0  # the older one is whole

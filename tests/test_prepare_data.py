@@ -633,3 +633,57 @@ def test_a_stop_while_starting_or_finishing_is_one_line(tmp_path, tokenizer, cor
         assert err in ("", f"prepare_data.py: stopped by a signal; the dataset in --out {out} "
                            "was complete (manifest.json written)\n"), err
         assert read_split(out, "train")  # the finished dataset is kept
+
+
+def test_an_out_holding_other_files_is_refused_before_any_work(tmp_path, tokenizer):
+    """--out holding a.txt got shards written beside it, exit 0 (launch.py refuses such a
+    run.dir); what the tool writes itself (a rerun, write_atomic's temporaries) is no refusal."""
+    (tmp_path / "doc.txt").write_text("some text\n" * 100)
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "a.txt").write_text("keep")
+    (out / "notes").mkdir()
+    done = run_tool(tmp_path / "doc.txt", "--out", out, "--tokenizer", tokenizer, check=False)
+    assert (done.returncode, done.stderr) == (2, (
+        f"prepare_data.py: error: --out {out} already holds a.txt and 1 more, which "
+        "tools/prepare_data.py did not write; name a new or empty directory\n"))
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt", "notes"]
+    (out / "a.txt").unlink()
+    (out / "notes").rmdir()
+    run_tool(tmp_path / "doc.txt", "--out", out, "--tokenizer", tokenizer)
+    (out / ".manifest.json.x1y2.tmp").write_text("")  # writes killed midway
+    (out / ".train-00000-00001.arrayrecord.tmp").write_text("")
+    run_tool(tmp_path / "doc.txt", "--out", out, "--tokenizer", tokenizer)  # a rerun is fine
+
+
+def test_a_rerun_names_other_inputs_before_settings_that_do_not_apply(tmp_path, tokenizer):
+    """A dataset of .txt files (--text-field does not apply to them) rerun with a .jsonl and
+    --text-field content said 'holds data made with text_field=text, not content'."""
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("plain text\n" * 50)
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"content": f"doc {i}"}) + "\n" for i in range(20)))
+    out = tmp_path / "d3"
+    run_tool(tmp_path / "txt", "--out", out, "--tokenizer", tokenizer)
+    done = run_tool(jsonl, "--text-field", "content", "--out", out, "--tokenizer", tokenizer,
+                    check=False)
+    assert (done.returncode, done.stderr.count("\n")) == (2, 1), done.stderr
+    assert done.stderr.startswith(f"prepare_data.py: error: --out {out} holds "
+                                  f"{tmp_path / 'txt' / 'a.txt'} (550 bytes) where the INPUTs now "
+                                  f"give {jsonl} ("), done.stderr
+    before = snapshot(out)
+    # the same .txt inputs with another --text-field: nothing it applies to, nothing to refuse
+    run_tool(tmp_path / "txt", "--text-field", "content", "--out", out, "--tokenizer", tokenizer)
+    assert snapshot(out) == before
+
+
+def test_an_unfinished_output_is_told_apart_from_a_dataset(tmp_path, tokenizer, corpus):
+    """A preparation stopped before its manifest.json is recognizable (.parts without
+    manifest.json), so a reader can say 'rerun the same command' instead of 'cannot read'."""
+    from dataset_dir import unfinished
+
+    out = tmp_path / "ds"
+    run_tool(corpus[0][0], "--out", out, "--tokenizer", tokenizer)
+    assert not unfinished(out) and not unfinished(tmp_path)
+    (out / "manifest.json").unlink()
+    assert unfinished(out)

@@ -111,6 +111,7 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
         run_cfg = weights.config_of({"config": text})  # the preset loads through the schema
         meta = {"step": 0, "tokens_seen": 0, "config": text, "source": str(source.absolute()),
                 "hf_model_type": config_json["model_type"],
+                "hf_max_position_embeddings": config_json.get("max_position_embeddings"),
                 "layer_order": list(range(cfg.num_layers))}
         layers = (hf_mapping.nest({path[1:]: value for path, value  # path[0] is "layers"
                                    in hf_mapping.layer_params(get, cfg, i).items()})
@@ -138,13 +139,30 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     tok = tokenizer_lib.from_path(tokenizer) if tokenizer else _run_tokenizer(cfg, meta)
     _fresh_dir(out)
     try:
-        hf.write_pretrained(cfg.model, get, out, kind, dtype)
+        hf.write_pretrained(cfg.model, get, out, kind, dtype, _trained_context(cfg, meta))
         note = f"tokenizer: {_write_tokenizer(tok, out)}" if tok else "no tokenizer (pass --tokenizer)"
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; "
           f"{note}")
+
+
+def _trained_context(cfg, meta: dict) -> int:
+    """config.json's max_position_embeddings: the context the model was trained at (the run's
+    train.seq_len), or the imported model's own when longer (fine-tuning Llama 3 at 2048 keeps
+    its 131,072), or Llama 3 scaling's original length. An import keeps its number in its meta;
+    a run that fine-tuned one finds it through checkpoint.restore."""
+    known = [cfg.train.seq_len, meta.get("hf_max_position_embeddings")]
+    if cfg.model.rope_scaling_factor > 0:
+        known.append(cfg.model.rope_original_max_len)
+    if cfg.checkpoint.restore and meta.get("layout") != weights.LAYERED:
+        try:
+            known.append(weights.read_meta(weights.locate(cfg.checkpoint.restore)[1])
+                         .get("hf_max_position_embeddings"))
+        except (ConfigError, OSError):
+            pass  # the import was moved or removed: the run's own length stands
+    return max(n for n in known if isinstance(n, int) and n > 0)
 
 
 def _run_tokenizer(cfg, meta: dict) -> tokenizer_lib.Tokenizer | None:

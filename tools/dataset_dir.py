@@ -19,8 +19,11 @@ if __name__ == "__main__":  # run by mistake: it is no command
 from jaxtron.config import ConfigError
 from jaxtron.corpus import write_atomic
 from jaxtron.prepared import SHARD_NAME
+from jaxtron.tokenizer import FILE_NAMES
 
 PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
+MANIFEST = "manifest.json"  # written last: a directory with PARTS and without it is unfinished
+FIELD_SUFFIXES = (".jsonl", ".json", ".parquet")  # the inputs --text-field applies to
 RUN_KEYS = ("format", "val_rule", "tokenizer_sha256", "dtype", "val_fraction", "text_field",
             "part_tokens")
 
@@ -40,6 +43,32 @@ def writable_dir(path: Path, what: str) -> Path:
     return path
 
 
+def _ours(name: str) -> bool:
+    """A name this tool writes into --out: shards, the manifest, PARTS, tokenizer files, and
+    write_atomic's temporary `.<name>.<random>.tmp` of any of them."""
+    if SHARD_NAME.match(name):  # its own temporaries included
+        return True
+    if name.startswith(".") and name.endswith(".tmp"):
+        name = name[1:].rsplit(".", 2)[0]
+    return name in (MANIFEST, PARTS, *FILE_NAMES)
+
+
+def check_ours(out: Path) -> None:
+    """Refuse an --out holding files this tool did not write (its shards would land among
+    them, and its clean-up could remove them); checked before any work."""
+    foreign = sorted(p.name for p in out.iterdir() if not _ours(p.name)) if out.is_dir() else []
+    if foreign:
+        more = f" and {len(foreign) - 1:,} more" if len(foreign) > 1 else ""
+        raise ConfigError(f"--out {out} already holds {foreign[0]}{more}, which "
+                          "tools/prepare_data.py did not write; name a new or empty directory")
+
+
+def unfinished(path: Path) -> bool:
+    """A prepare_data output that was stopped before its manifest.json (Ctrl-C, SIGTERM, a crash):
+    rerunning the same command finishes it."""
+    return (path / PARTS).is_dir() and not (path / MANIFEST).is_file()
+
+
 def read_json(path: Path) -> dict | None:
     """A JSON file's content, or None if it is missing or unreadable."""
     try:
@@ -54,15 +83,26 @@ def write_if_changed(path: Path, payload: bytes) -> None:
         write_atomic(path, payload)
 
 
+def uses_text_field(inputs: list[list]) -> bool:
+    """Whether --text-field applies to any of run.json's INPUTs ([path, rel, bytes]): JSON or
+    Parquet; run.json records None for it otherwise."""
+    return any(Path(f[0]).suffix.lower() in FIELD_SUFFIXES for f in inputs)
+
+
 def check_run(out: Path, run: dict) -> None:
-    """Refuse to mix outputs of different settings (those of RUN_KEYS that `run` has: all but the
-    tokenizer's before it is loaded or trained), of another way to get the tokenizer, or of other
-    INPUTs in one directory. Checked before any work; nothing is written."""
+    """Refuse to mix outputs of other INPUTs, of different settings (those of RUN_KEYS that `run`
+    has: all but the tokenizer's before it is loaded or trained; text_field only where an input
+    is JSON or Parquet) or of another way to get the tokenizer in one directory. The INPUTs are
+    compared first: with other files, a setting that applies to them is no clue. Checked before
+    any work; nothing is written."""
     previous = read_json(out / PARTS / "run.json")
     if not (previous and any((out / PARTS).glob("[0-9]*.json"))):
         return
+    if "inputs" in previous:
+        _check_inputs(out, previous["inputs"], run["inputs"])
+    fields = uses_text_field(run["inputs"])
     for key in RUN_KEYS:
-        if key in run and previous.get(key) != run[key]:
+        if key in run and previous.get(key) != run[key] and (key != "text_field" or fields):
             raise ConfigError(f"--out {out} holds data made with {key}={previous.get(key)}, "
                               f"not {run[key]}: rerun with the same arguments or a new --out")
     if run["trained_with"] and previous.get("trained_with") != run["trained_with"]:
@@ -73,8 +113,6 @@ def check_run(out: Path, run: dict) -> None:
                           f", not --train-tokenizer {run['trained_with']['vocab_size']} "
                           f"--sample-bytes {run['trained_with']['sample_bytes']}: rerun with the "
                           "same arguments or a new --out")
-    if "inputs" in previous:
-        _check_inputs(out, previous["inputs"], run["inputs"])
 
 
 def _check_inputs(out: Path, then: list[list], now: list[list]) -> None:

@@ -6,8 +6,10 @@
 
 Prints the step, the saved metadata (loss, tokens seen, save time, the model section of the config),
 every array of the `state` item with its shape, dtype and bytes (from Orbax's metadata: nothing is
-read but the small metadata files) and totals. A path that is not a checkpoint: one line on stderr,
-exit status 2. Only files and Orbax are used, not jaxtron's config schema, so checkpoints written
+read but the small metadata files) and totals. Each listed checkpoint's files are checked against
+the sizes its OCDBT tree records: a truncated or missing one marks it damaged, and a damaged
+checkpoint shown ends in one line on stderr, exit status 1. A path that is not a checkpoint: one
+line on stderr, exit status 2. Only files and Orbax are used, not jaxtron's config schema, so checkpoints written
 under older or newer schemas still read.
 """
 
@@ -28,7 +30,7 @@ import yaml
 from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.weights import complete_steps, locate, read_meta
+from jaxtron.weights import complete_steps, damage, locate, read_meta
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
@@ -78,14 +80,19 @@ def mesh_summary(sharding: Any) -> str | None:
     return " ".join(f"{n}={int(s)}" for n, s in zip(names, np.asarray(shape).ravel()))
 
 
-def print_listing(checkpoints_dir: Path) -> None:
-    """Every complete checkpoint with its loss."""
+def print_listing(checkpoints_dir: Path) -> dict[Path, str]:
+    """Every complete checkpoint with its loss, or why its arrays cannot be read; returns the
+    damaged ones with that reason."""
     steps = complete_steps(checkpoints_dir)
-    print(f"{checkpoints_dir.absolute()}: {cli.plural(len(steps), 'complete checkpoint')}")
+    damaged = {step_dir: why for step_dir in steps if (why := damage(step_dir))}
+    note = f", {len(damaged)} of them damaged" if damaged else ""
+    print(f"{checkpoints_dir.absolute()}: {cli.plural(len(steps), 'complete checkpoint')}{note}")
     for step_dir in steps:
-        loss = read_meta(step_dir).get("loss")
-        print(f"  step {int(step_dir.name):>8}  loss {loss!r}")
+        status = (f"damaged ({damaged[step_dir]})" if step_dir in damaged
+                  else f"loss {read_meta(step_dir).get('loss')!r}")
+        print(f"  step {int(step_dir.name):>8}  {status}")
     print()
+    return damaged
 
 
 def print_checkpoint(step_dir: Path) -> None:
@@ -133,12 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     return one_line_errors(lambda: inspect(args.path))
 
 
-def inspect(path: Path) -> None:
-    """Print the listing (for a run or checkpoints directory), then the checkpoint itself."""
+def inspect(path: Path) -> int:
+    """Print the listing (for a run or checkpoints directory), then the checkpoint itself; exit
+    status 1 when that checkpoint's files are damaged (a restore would fail on it)."""
     listing, step_dir = locate(path)
-    if listing is not None:
-        print_listing(listing)
+    damaged = print_listing(listing) if listing is not None else {}
+    why = damaged.get(step_dir, damage(step_dir) if listing is None else None)
     print_checkpoint(step_dir)
+    if not why:
+        return 0
+    older = [p for p in complete_steps(step_dir.parent) if p not in damaged and p != step_dir
+             and int(p.name) < int(step_dir.name)]
+    fallback = (f"a resume moves it aside and starts from step {older[-1].name}" if older
+                else "no older undamaged checkpoint is left")
+    print(f"{cli.script_name()}: error: checkpoint {step_dir} is damaged ({why}); {fallback}",
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

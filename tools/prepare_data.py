@@ -47,8 +47,8 @@ elif __name__ == "__main__":  # first: a Python without jaxtron gets one line na
     import _environment  # noqa: F401
 
 import numpy as np
-from dataset_dir import (PARTS, check_run, load_records, read_json, record_run, remove_unlisted,
-                         writable_dir, write_if_changed)
+from dataset_dir import (PARTS, check_ours, check_run, load_records, read_json, record_run,
+                         remove_unlisted, uses_text_field, writable_dir, write_if_changed)
 from text_inputs import (Source, absolute, bad_entry, describe, file_size, find_sources,
                          missing_field, read_documents, sample_lines)
 from tqdm import tqdm
@@ -353,12 +353,13 @@ def left_behind(out: Path, fresh: bool) -> str:
 
 def _prepare(args: argparse.Namespace, out: Path) -> int:
     """Inputs -> checks of --out -> tokenizer -> units -> shards per unit -> manifest."""
+    check_ours(out)
     sources = find_sources(args.inputs, out)
     sizes = [file_size(s.path) for s in sources]
+    inputs = [[str(s.path), s.rel, n] for s, n in zip(sources, sizes)]
     run = {"format": MANIFEST_FORMAT, "val_rule": VAL_RULE, "val_fraction": args.val_fraction,
-           "text_field": args.text_field, "part_tokens": args.part_tokens,
-           "trained_with": args.trained_with,
-           "inputs": [[str(s.path), s.rel, n] for s, n in zip(sources, sizes)]}
+           "text_field": args.text_field if uses_text_field(inputs) else None,
+           "part_tokens": args.part_tokens, "trained_with": args.trained_with, "inputs": inputs}
     check_run(out, run)  # before a tokenizer is trained (minutes): all but its own settings
     if wrong_field := missing_field(sources, args.text_field):
         raise ConfigError(wrong_field)
