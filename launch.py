@@ -382,8 +382,10 @@ def _finished(cfg) -> str | None:
     from jaxtron.checkpoint import check_start
 
     run_dir = Path(cfg.run.dir)
-    steps = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
-        else []
+    try:
+        steps = weights.complete_steps(run_dir / "checkpoints")
+    except OSError:  # none yet, or a path check_paths names (too long, under a file)
+        return None
     if not steps or int(steps[-1].name) < cfg.train.steps:
         return None
     check_start(run_dir, cfg.model, "", cfg.data)

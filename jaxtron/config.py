@@ -222,12 +222,7 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
 def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
     layers = [(f"{f}: ", presets.read(Path(f))) for f in files]  # errors name the file
-    parsed = [presets.parse_override(item) for item in overrides]
-    keys = [key for key, _ in parsed]
-    if twice := next((key for key in keys if keys.count(key) > 1), None):
-        given = ", ".join(item for item in overrides if item.partition("=")[0].strip() == twice)
-        raise ConfigError(f"{twice} is given twice on the command line ({given}); give it once")
-    layers += [("", tree) for _, tree in parsed]
+    layers += [("", presets.parse_override(item)[1]) for item in overrides]  # the last one wins
     merged = OmegaConf.structured(Config)
     for where, layer in layers:
         try:
