@@ -369,6 +369,16 @@ def check_warnings(cfg: Config) -> list[str]:
         found.append(f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}: "
                      f"the run ends during warm-up, before the learning rate reaches "
                      f"optim.lr={o.lr}; lower optim.warmup_steps (or raise train.steps)")
+    if 0 < o.decay_steps <= o.warmup_steps:
+        found.append(f"optim.decay_steps={o.decay_steps} is not past optim.warmup_steps="
+                     f"{o.warmup_steps} (it counts the warm-up): the learning rate drops from "
+                     f"optim.lr to its minimum in one step after the warm-up; raise it")
+    elif o.decay_steps > t.steps:
+        found.append(f"optim.decay_steps={o.decay_steps} is more than train.steps={t.steps}: the "
+                     "run ends before the cosine decay does (meant if a later run goes on); 0 decays over "
+                     "train.steps")
+    if o.lr == 0:
+        found.append("optim.lr=0: the weights never change; set the peak learning rate")
     return found
 
 

@@ -87,7 +87,9 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     if bad:
         raise ConfigError(f"mesh.{bad[0]}={sizes[bad[0]]} must be a positive size or -1")
     if len(free) > 1:
-        raise ConfigError(f"only one mesh axis may be -1, got {', '.join('mesh.' + a for a in free)}")
+        raise ConfigError(f"only one mesh axis may be -1, got {', '.join('mesh.' + a for a in free)} "
+                          f"(one may come from the preset); give the others a size, e.g. "
+                          f"mesh.{[a for a in free if a != 'data'][0]}=1")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if num_devices % fixed:

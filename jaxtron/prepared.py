@@ -150,7 +150,8 @@ def check_eval(data: DataConfig, eval_every: int) -> None:
 
 def empty_val(path: str) -> str:
     return (f"data.mixture path {path}: the val split is empty; set train.eval_every=0, or "
-            "prepare the dataset again with a larger --val-fraction")
+            "prepare the dataset again with a larger --val-fraction (with more documents: a "
+            "plain text file is one)")
 
 
 def tokenizer_change(saved: DataConfig, now: DataConfig, vocab_size: int) -> str | None:
@@ -223,9 +224,10 @@ def mixture_summary(data: DataConfig) -> str:
     for entry in data.mixture:
         s = read_manifest(entry.path)["splits"]
         entropy = s["train"].get("unigram_entropy")
-        parts.append(f"{entry.path} (weight {entry.weight:g}): {s['train']['documents']:,} "
-                     f"documents, {s['train']['tokens']:,} tokens, {s['val']['documents']:,} "
-                     "held out" + (f", unigram entropy {entropy:.3f} nats" if entropy else ""))
+        docs, train, val = s["train"]["documents"], s["train"]["tokens"], s["val"]["documents"]
+        parts.append(f"{entry.path} (weight {entry.weight:g}): {docs:,} document"
+                     f"{'' if docs == 1 else 's'}, {train:,} tokens, {val:,} held out"
+                     + (f", unigram entropy {entropy:.3f} nats" if entropy else ""))
     return "data: " + "; ".join(parts)
 
 

@@ -28,6 +28,7 @@ from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron import cli, distributed, doctor, goodput, memory, parallel, pipeline, prepared
 from jaxtron import metrics as metrics_lib
+from jaxtron import weights
 from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import check_remat
@@ -146,6 +147,13 @@ def check_paths(cfg: Config) -> None:
     checkpoint.restore, holds this model; run.compile_cache can be a directory."""
     cli.check_run_dir(cfg.run.dir)
     check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
+    ckpts, c = Path(cfg.run.dir) / "checkpoints", cfg.checkpoint
+    if c.restore and not c.weights_only and not (ckpts.is_dir() and weights.complete_steps(ckpts)):
+        at = weights.read_meta(restored := weights.locate(c.restore)[1]).get("step", -1)
+        if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
+            raise ConfigError(f"checkpoint.restore={c.restore} is at step {at}, not before "
+                              f"train.steps={cfg.train.steps}; raise train.steps, or fine-tune "
+                              f"from its weights with checkpoint.weights_only=true ({restored})")
     if cfg.run.compile_cache:
         cache = Path(cfg.run.compile_cache)
         existing = next(path for path in (cache, *cache.parents) if path.exists())

@@ -181,3 +181,18 @@ def test_of_an_override_given_twice_the_last_one_wins():
     """As later files override earlier ones: a base command with a setting appended."""
     cfg = config.load([], ["train.steps=5", "train.batch_size=8", "train.steps=6"])
     assert (cfg.train.steps, cfg.train.batch_size) == (6, 8)
+
+
+@pytest.mark.parametrize("overrides,warning", [
+    (["optim.warmup_steps=4", "optim.decay_steps=2"],
+     "optim.decay_steps=2 is not past optim.warmup_steps=4 (it counts the warm-up): the learning "
+     "rate drops from optim.lr to its minimum in one step after the warm-up; raise it"),
+    (["train.steps=200", "optim.decay_steps=1000"],
+     "optim.decay_steps=1000 is more than train.steps=200: the run ends before the cosine decay "
+     "does (meant if a later run goes on); 0 decays over train.steps"),
+    (["optim.lr=0"], "optim.lr=0: the weights never change; set the peak learning rate"),
+])
+def test_a_schedule_that_is_probably_not_meant_is_a_warning(overrides, warning):
+    """Each was accepted without a word (the learning rate fell off a cliff after warm-up)."""
+    assert config.check_warnings(config.load([], ["train.steps=200", *overrides])) == [warning]
+    assert config.check_warnings(config.load([], ["train.steps=200", "optim.warmup_steps=10"])) == []

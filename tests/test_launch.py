@@ -685,3 +685,29 @@ def test_an_unfinished_prepared_dataset_says_to_rerun_prepare_data(tmp_path, cap
                               f"data.mixture path {tmp_path / 'ds'} is an unfinished "
                               "tools/prepare_data.py output (no manifest.json yet); rerun the "
                               "same command to finish it")
+
+
+def test_a_whole_state_restore_at_or_past_train_steps_is_refused(tmp_path, capsys):
+    """It started, said 'nothing to do' and exited 0, leaving a run.dir with nothing trained."""
+    import json
+
+    from jaxtron import config as config_lib
+
+    source = tmp_path / "source"
+    saved = config_lib.to_yaml(config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={source}"]))
+    step = source / "checkpoints" / "3"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "meta").mkdir()
+    (step / "meta" / "metadata").write_text(json.dumps({"step": 3, "config": saved}))
+    run_dir = tmp_path / "run"
+    for dry in ([], ["--dry-run"]):
+        rc = _main([*dry, f"run.dir={run_dir}", f"checkpoint.restore={source}", "train.steps=3"])
+        _assert_one_line_status_2(rc, capsys.readouterr().err, (
+            f"checkpoint.restore={source} is at step 3, not before train.steps=3; raise "
+            "train.steps, or fine-tune from its weights with checkpoint.weights_only=true "
+            f"({step})"))
+        assert not run_dir.exists()
+    assert _main(["--dry-run", f"run.dir={run_dir}", f"checkpoint.restore={source}",
+                  "train.steps=3", "checkpoint.weights_only=true"]) == 0
+    capsys.readouterr()

@@ -52,14 +52,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue (needs the tokenizer in PATH)")
     source.add_argument("--tokens", type=token_ids, help="token ids to continue, e.g. 1,2,3")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="tokens to generate at most (default 64; an end-of-text stops sooner)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
                         help="0 (default): greedy; > 0: sample from softmax(logits / T)")
     parser.add_argument("--top-k", type=int, default=0, metavar="K",
                         help="sample among the K most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="then among the fewest whose probability reaches P, in (0, 1]")
-    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="the sampling seed (default 0; the same seed, the same text)")
     return parser.parse_args(argv)
 
 
