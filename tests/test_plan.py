@@ -170,6 +170,16 @@ def test_find_shows_where_named_layouts_rank_and_why(capsys):
     assert lines[found[1] + 1].startswith("   below '")  # the second is compared with the first
 
 
+def test_a_find_part_no_layout_name_has_is_refused_before_planning(capsys):
+    """'XX9' could never match: it printed the ranking, then 'no layout has all of these parts'
+    with status 0."""
+    rc = plan_tool.main(["--config", str(TINY), "--gpus", "8", "--find", "TP1 XX9"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
+    assert err == ("plan.py: error: --find TP1 XX9: 'XX9' is not a layout part (TP8, PP2, gpipe, "
+                   "circular, R2, FSDP16, DP2, M8, remat=full, grad_sum=whole)\n")
+
+
 def test_json_under_a_file_is_refused_before_planning(tmp_path, capsys):
     (tmp_path / "runs").write_text("a file, not a directory")
     rc = plan_tool.main(["--config", str(TINY), "--gpus", "8", "--json",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -93,6 +94,17 @@ def _line(layout: planner.Layout) -> str:
             f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts})")
 
 
+FIND_PART = r"(TP|PP|R|FSDP|DP|M)\d+|gpipe|circular|remat=\w+|grad_sum=\w+"  # Layout.name's
+
+
+def check_find(queries: list[str]) -> None:
+    """Each --find part is one a layout's name can have."""
+    for query in queries:
+        if bad := [p for p in query.split() if not re.fullmatch(FIND_PART, p)]:
+            raise ConfigError(f"--find {query}: '{bad[0]}' is not a layout part (TP8, PP2, "
+                              "gpipe, circular, R2, FSDP16, DP2, M8, remat=full, grad_sum=whole)")
+
+
 def print_found(ranked: list[planner.Layout], queries: list[str], usable: int) -> None:
     """For each query, the best layout whose name has all its parts, in rank order, each with
     why it loses to the one found above it (the first: to #1)."""
@@ -131,6 +143,7 @@ def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespa
 
 def run(args: argparse.Namespace) -> None:
     _check(args)
+    check_find(args.find)
     if args.json:
         cli.writable_file(args.json, "--json")
     cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
