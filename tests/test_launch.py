@@ -224,6 +224,14 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
                         "model.vocab_size=512", f"run.dir={run_dir}2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vocab" in err[0]
+    # The dry run says how many times the run reads the data over (it said nothing).
+    have = manifest["splits"]["train"]["tokens"]
+    assert launch.main(["--dry-run", "data.source=arrayrecord", f"data.mixture=[{{path: {out}}}]",
+                        "model.vocab_size=1024", "train.steps=1000", "train.batch_size=8",
+                        "train.seq_len=64", f"run.dir={run_dir}3"]) == 0
+    assert (f"data: 1 prepared dataset checked; the run reads 512,000 tokens, "
+            f"{512_000 / have:,.1f} times their {have:,} (each dataset repeats as its weight "
+            "says)") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])
