@@ -124,6 +124,16 @@ def _main(args: list[str]) -> int:
         return e.code
 
 
+def _fake_checkpoint(run_dir: Path, step: int, config_yaml: str) -> Path:
+    """What the start-up checks read of a checkpoint (its metadata), without arrays."""
+    path = run_dir / "checkpoints" / str(step)
+    (path / "state").mkdir(parents=True)
+    (path / "state" / "_METADATA").write_text("{}")
+    (path / "meta").mkdir()
+    (path / "meta" / "metadata").write_text(json.dumps({"step": step, "config": config_yaml}))
+    return path
+
+
 def _assert_one_line_status_2(rc: int, err: str, message: str) -> None:
     """Exit status 2 and a stderr of exactly one line that contains `message`."""
     assert rc == 2, err
@@ -381,7 +391,8 @@ def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch)
     assert "verdict: fits: " in out and need < 0.75 * 20.5 * 2**30
     monkeypatch.setattr(memory, "available_host_bytes", lambda: int(need / 0.9) - 2**29)
     assert launch.main(args) == 0
-    assert ("verdict: too close to call: " in (out := capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert ("verdict: too close to call: " in out
             and "run a few steps (train.steps=3) and watch its memory, or leave room: " in out
             and "raise train.microbatches (now 1)" in out), out
     assert launch.main(["--dry-run", "--devices", "16", "mesh.fsdp=16"]) == 0  # not this machine
@@ -392,9 +403,9 @@ def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch)
     (["data.source=web"], "data.source=web is not one of stdlib, arrayrecord"),
     (["data.source=arrayrecord", "data.mixture=[{path: /nowhere, weight: 1}]"], "/nowhere"),
     (["data.source=arrayrecord", "data.mixture=[{path: /nowhere, weight: 0}]"], "weight=0"),
-    (["model.vocab_size=100"], "cannot train a tokenizer with model.vocab_size=100: too few "
-                               "pieces for the sample's characters and the 256 byte pieces; use "
-                               "model.vocab_size=354 or more"),
+    (["model.vocab_size=100"], ("cannot train a tokenizer with model.vocab_size=100: too few "
+                                "pieces for the sample's characters and the 256 byte pieces; use "
+                                "model.vocab_size=354 or more")),
 ])
 def test_dry_run_checks_the_data(capsys, tmp_path, overrides, message):
     """The dry run stops on the data mistakes the real run would stop on."""
@@ -594,18 +605,12 @@ def test_what_a_failed_save_left_is_removed_without_a_word(tmp_path):
 def test_a_checkpoint_of_an_older_config_schema_still_resumes(tmp_path, capsys):
     """A checkpoint whose saved config has a key this version dropped: its config is read without
     that key (the run's own config decides), not refused as an unknown key of a temporary file."""
-    import json
-
     from jaxtron import config as config_lib
 
     run_dir = tmp_path / "run"
     saved = config_lib.to_yaml(config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={run_dir}"]))
     saved = saved.replace("xla:\n", "xla:\n  collective_matmul: true\n", 1)
-    step = run_dir / "checkpoints" / "3"
-    (step / "state").mkdir(parents=True)
-    (step / "state" / "_METADATA").write_text("{}")
-    (step / "meta").mkdir()
-    (step / "meta" / "metadata").write_text(json.dumps({"step": 3, "config": saved}))
+    _fake_checkpoint(run_dir, 3, saved)
     assert launch.main(["--dry-run", f"run.dir={run_dir}"]) == 0, capsys.readouterr().err
     assert f"start: resumes from {run_dir}/checkpoints/3 (step 3 of" in capsys.readouterr().out
 
@@ -614,17 +619,11 @@ def test_a_finished_run_is_nothing_to_do_and_writes_nothing(tmp_path, capsys, mo
     """Started again at or past train.steps: one line and status 0 before anything is written
     (on storage made read-only once the run finished, it was refused as unwritable), still
     after checking that run.dir holds this model."""
-    import json
-
     from jaxtron import config as config_lib
 
     run_dir = tmp_path / "run"
     saved = config_lib.to_yaml(config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={run_dir}"]))
-    step = run_dir / "checkpoints" / "3"
-    (step / "state").mkdir(parents=True)
-    (step / "state" / "_METADATA").write_text("{}")
-    (step / "meta").mkdir()
-    (step / "meta" / "metadata").write_text(json.dumps({"step": 3, "config": saved}))
+    _fake_checkpoint(run_dir, 3, saved)
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     assert launch.main([f"run.dir={run_dir}", "train.steps=3"]) == 0
     assert capsys.readouterr().out == (f"nothing to do: {run_dir} is trained to step 3 "
@@ -651,8 +650,6 @@ def test_the_dry_run_refuses_a_run_dir_in_use_and_warns_of_an_inexact_resume(tmp
     """What a run says at start, the dry run says: a run.dir locked by a run in progress is
     refused (the dry run said 'from scratch'), and a changed data layout is named (it printed
     nothing)."""
-    import json
-
     from jaxtron import config as config_lib
     from jaxtron import data
     from jaxtron.checkpoint import RunDirLock
@@ -668,12 +665,8 @@ def test_the_dry_run_refuses_a_run_dir_in_use_and_warns_of_an_inexact_resume(tmp
     finally:
         lock.release()
     saved = config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={run_dir}"])
-    step = run_dir / "checkpoints" / "3"
-    for item in ("state", "meta", "data"):
-        (step / item).mkdir(parents=True)
-    (step / "state" / "_METADATA").write_text("{}")
-    (step / "meta" / "metadata").write_text(json.dumps({"step": 3,
-                                                        "config": config_lib.to_yaml(saved)}))
+    step = _fake_checkpoint(run_dir, 3, config_lib.to_yaml(saved))
+    (step / "data").mkdir()
     position = {"grain": {}, "start": 0, "consumed": 35, **data.layout_of(saved.data, saved.train)}
     (step / "data" / "process_0-of-1.json").write_text(json.dumps(position))
     assert launch.main(["--dry-run", f"run.dir={run_dir}"]) == 0
@@ -697,17 +690,11 @@ def test_an_unfinished_prepared_dataset_says_to_rerun_prepare_data(tmp_path, cap
 
 def test_a_whole_state_restore_at_or_past_train_steps_is_refused(tmp_path, capsys):
     """It started, said 'nothing to do' and exited 0, leaving a run.dir with nothing trained."""
-    import json
-
     from jaxtron import config as config_lib
 
     source = tmp_path / "source"
     saved = config_lib.to_yaml(config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={source}"]))
-    step = source / "checkpoints" / "3"
-    (step / "state").mkdir(parents=True)
-    (step / "state" / "_METADATA").write_text("{}")
-    (step / "meta").mkdir()
-    (step / "meta" / "metadata").write_text(json.dumps({"step": 3, "config": saved}))
+    step = _fake_checkpoint(source, 3, saved)
     run_dir = tmp_path / "run"
     for dry in ([], ["--dry-run"]):
         rc = _main([*dry, f"run.dir={run_dir}", f"checkpoint.restore={source}", "train.steps=3"])
