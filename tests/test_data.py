@@ -366,7 +366,7 @@ def test_the_dry_run_refuses_an_empty_val_split_as_the_run_would(datasets, capsy
     err = capsys.readouterr().err
     assert err == (f"launch.py: error: data.mixture path {datasets['c']}: the val split is empty; "
                    "set train.eval_every=0, or prepare the dataset again with a larger "
-                   "--val-fraction\n")
+                   "--val-fraction (with more documents: a plain text file is one)\n")
     assert launch.main([*data, "train.eval_every=0"]) == 0
 
 

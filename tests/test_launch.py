@@ -318,8 +318,8 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
     assert "Error reading" in warning and "pybind" not in warning and len(warning) < 400, warning
     assert len(proc.stdout.splitlines()) < 15, proc.stdout
     for weights_only in ("false", "true"):  # the same checkpoint named by checkpoint.restore
-        proc = _launch(*SMALL_RUN, f"checkpoint.restore={run_dir}", f"run.dir={tmp_path / 'new'}",
-                       f"checkpoint.weights_only={weights_only}")
+        proc = _launch(*SMALL_RUN, "train.steps=3", f"checkpoint.restore={run_dir}",
+                       f"run.dir={tmp_path / 'new'}", f"checkpoint.weights_only={weights_only}")
         _assert_one_line_status_2(proc.returncode, proc.stderr, f"launch.py: error: checkpoint."
                                   f"restore={run_dir}: {run_dir}/checkpoints/1 is unreadable (")
         assert "Error reading" in proc.stderr and "pybind" not in proc.stderr
