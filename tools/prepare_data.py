@@ -33,17 +33,27 @@ from pathlib import Path
 from typing import Any
 
 EXIT_STOPPED = 130  # stopped by SIGINT (Ctrl-C) or SIGTERM: 128 + SIGINT, as shells report it
-# SIGINT/SIGTERM while the modules below import (a second or two) are only recorded, and main()
-# stops on them: raised inside an import, a KeyboardInterrupt can be caught there and lost, or
-# come while jax's plugins load with stderr silenced (jaxtron.xla_flags).
+# SIGINT/SIGTERM are recorded, and raise one KeyboardInterrupt only while the work runs
+# (`_working`): while the modules below import (raised inside an import it can be caught there and
+# lost, or come while jax's plugins load with stderr silenced), once manifest.json is written, and
+# during the interpreter's exit, where a raise is a traceback from a destructor or no line at all.
 _signalled: list[int] = []
+_working: list[bool] = []
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _signalled.append(signum)
+    if _working:
+        _working.clear()  # one KeyboardInterrupt: a second Ctrl-C cannot cut the clean-up short
+        raise KeyboardInterrupt
+
 
 if __name__ == "__mp_main__":  # a worker starting: Ctrl-C is the parent's, which ends the pool
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 elif __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     for _sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(_sig) is not signal.SIG_IGN:  # nohup's choice stays
-            signal.signal(_sig, lambda signum, frame: _signalled.append(signum))
+            signal.signal(_sig, _on_signal)
     import _environment  # noqa: F401
 
 import numpy as np
@@ -280,6 +290,8 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
                    for unit in sorted(todo, key=lambda unit: -unit.size)}  # biggest first
         while done < len(results):
             kind, *payload = messages.get()
+            if _signalled and not strict_stop:  # its KeyboardInterrupt was lost in a destructor
+                raise KeyboardInterrupt
             done += kind == "done"
             if kind == "bad" and settings.strict:
                 # Stop every unit at its next document and let them all end before leaving the
@@ -329,8 +341,7 @@ def prepare(args: argparse.Namespace) -> int:
     try:
         return _prepare(args, out)
     except BaseException as e:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C: no half-done clean-up
-            signal.signal(sig, signal.SIG_IGN)
+        _working.clear()  # a second Ctrl-C: no half-done clean-up
         if isinstance(e, KeyboardInterrupt):
             raise Stopped(left_behind(out, fresh)) from None
         if fresh and out.is_dir():
@@ -389,6 +400,7 @@ def _prepare(args: argparse.Namespace, out: Path) -> int:
         raise ConfigError(f"no documents to train on: {summary(manifest, ordered, 0, 0)}"
                           .replace("\n", "; ") + "; fix the inputs (or --text-field) and rerun")
     write_if_changed(out / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    _working.clear()  # the dataset is complete: a signal from here on is recorded, not raised
     new_tokens = sum(f["tokens"] for unit in todo for f in records[unit.index]["files"])
     print(summary(manifest, ordered, new_tokens, seconds), file=sys.stderr)
     if not manifest["splits"]["val"]["documents"]:
@@ -446,14 +458,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tool; exit status 0, 2 (bad input: usage, or a bad document under --strict) or
-    130 (stopped by SIGINT or SIGTERM; the line says what --out keeps)."""
+    130 (stopped by SIGINT or SIGTERM before the dataset was complete; the line says what --out
+    keeps)."""
     args = parse_args(argv)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig, handler in handlers.items():  # a batch system's SIGTERM: as Ctrl-C
         if handler is not signal.SIG_IGN:
-            signal.signal(sig, signal.default_int_handler)
+            signal.signal(sig, _on_signal)
     try:
-        if _signalled:
+        _working.append(True)
+        if _signalled:  # one came while the modules imported, or before the line above
+            _working.clear()
             raise KeyboardInterrupt
         return one_line_errors(lambda: prepare(args))
     except (Stopped, KeyboardInterrupt) as e:
@@ -461,11 +476,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_STOPPED
     finally:
+        _working.clear()
         for sig, handler in handlers.items():
-            # Run as a command, signals are ignored from here on: the work is done or cleaned
-            # up, and one during the interpreter's exit would kill it with no line.
+            # Run as a command, signals are ignored from here on: the interpreter's exit sets a
+            # Python handler back to the default, so one landing there would kill it, no line.
             signal.signal(sig, signal.SIG_IGN if __name__ == "__main__" else handler)
-
 
 if __name__ == "__main__":
     sys.exit(main())
