@@ -208,17 +208,19 @@ def tool():
     return import_tool(TOOL)
 
 
-def _word_tokenizer(path: Path) -> None:
+def _word_tokenizer(path: Path, bos: bool = True) -> None:
     """A tokenizer.json over the tiny vocabulary: ids 3.. are the words w3.., <s> 1 and </s> 2
     (the BOS and EOS a Llama tokenizer has, BOS put before a prompt by the post-processor as
-    Llama's tokenizer.json does), and text is the words with spaces between."""
+    Llama's tokenizer.json does; none with bos=False, as Qwen2's), and text is the words with
+    spaces between."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", 1)])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", 1)])
     tok.save(str(path / "tokenizer.json"))
 
 
@@ -243,6 +245,26 @@ def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_pat
     assert tool.main([str(imported), "--tokens", "1,17,42,99,5", "--max-new-tokens", "12"]) == 0
     ids = [int(i) for i in capsys.readouterr().out.split(",")]
     assert ids == gen.generate(cfg, params, [1, 17, 42, 99, 5], 12)
+
+
+def test_cli_empty_prompt_starts_at_bos_or_is_one_line(case, tool, tmp_path, capsys):
+    """--prompt "" is BOS alone where the tokenizer adds one (transformers' greedy from [1]);
+    with a tokenizer that adds none it is no tokens: one line (it was 'the prompt must be a
+    non-empty list of token ids, not shape (0,) of float64')."""
+    model, path, _, _ = case
+    for bos in (True, False):
+        hf_dir = tmp_path / f"hf{bos}"
+        shutil.copytree(path, hf_dir)
+        _word_tokenizer(hf_dir, bos)
+        status = tool.main([str(hf_dir), "--prompt", "", "--max-new-tokens", "6"])
+        out, err = capsys.readouterr()
+        if bos:
+            want = _hf_greedy(model, [1], 6, eos=2)
+            assert (status, out) == (0, " ".join("</s>" if i == 2 else f"w{i}" for i in want)
+                                     + "\n"), err
+        else:
+            assert (status, out, err) == (2, "", "generate.py: error: --prompt '' encodes to no "
+                                                 "tokens; give some text\n")
 
 
 @pytest.mark.parametrize("args, match", [

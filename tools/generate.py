@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> None:
     model = load(args.path)
     tok = model.open_tokenizer() if args.prompt is not None else None
     prompt = tok.encode_prompt(args.prompt) if tok else args.tokens
+    if not len(prompt):  # a tokenizer that adds no BOS: nothing to continue from
+        raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens; give some text")
     prompt_array(model.cfg, prompt)  # ids the model has, before their count
     _check_length(model, len(prompt), args.max_new_tokens)
     eos = model.eos_ids or ([tok.eos_id()] if tok else None)
