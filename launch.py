@@ -116,8 +116,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
         print(f"warning: here, {line}")
     print(f"start: {finished}" if finished else checkpoint.describe_start(
         Path(cfg.run.dir), cfg.checkpoint.restore, cfg.checkpoint.weights_only, cfg.train.steps))
-    if steps := weights.complete_steps(Path(cfg.run.dir) / "checkpoints") \
-            if (Path(cfg.run.dir) / "checkpoints").is_dir() else []:
+    if steps := weights.run_checkpoints(Path(cfg.run.dir)):
         if jump := resumed_schedule_jump(weights.read_meta(steps[-1]), cfg):
             print(f"warning: {jump}")
         if not finished and (inexact := _resume_warning(steps[-1], cfg)):
@@ -388,10 +387,7 @@ def _finished(cfg) -> str | None:
     from jaxtron.checkpoint import check_start
 
     run_dir = Path(cfg.run.dir)
-    try:
-        steps = weights.complete_steps(run_dir / "checkpoints")
-    except OSError:  # none yet, or a path check_paths names (too long, under a file)
-        return None
+    steps = weights.run_checkpoints(run_dir)
     if not steps or int(steps[-1].name) < cfg.train.steps:
         return None
     check_start(run_dir, cfg.model, "", cfg.data)

@@ -285,8 +285,7 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
     """Before anything is written: run.dir's newest checkpoint, or else checkpoint.restore, holds
     this model's arrays (one line naming the fields that differ), its data was tokenized like
     `data`, and checkpoint.restore names a checkpoint. A refused command leaves run.dir as it was."""
-    steps = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
-        else []
+    steps = weights.run_checkpoints(run_dir)
     if steps:
         meta = weights.read_meta(steps[-1])
         if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
@@ -308,8 +307,7 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
 def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:
     """Where a run would start, for the dry run (check_start has checked the model): the newest
     checkpoint in run.dir, else checkpoint.restore's, else nothing."""
-    found = weights.complete_steps(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() \
-        else []
+    found = weights.run_checkpoints(run_dir)
     if found:
         step = int(weights.read_meta(found[-1]).get("step", found[-1].name))
         left = ("nothing left to train: raise train.steps to go on" if step >= steps else

@@ -147,8 +147,8 @@ def check_paths(cfg: Config) -> None:
     checkpoint.restore, holds this model; run.compile_cache can be a directory."""
     cli.check_run_dir(cfg.run.dir)
     check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
-    ckpts, c = Path(cfg.run.dir) / "checkpoints", cfg.checkpoint
-    if c.restore and not c.weights_only and not (ckpts.is_dir() and weights.complete_steps(ckpts)):
+    c = cfg.checkpoint
+    if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
         at = weights.read_meta(restored := weights.locate(c.restore)[1]).get("step", -1)
         if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
             raise ConfigError(f"checkpoint.restore={c.restore} is at step {at}, not before "

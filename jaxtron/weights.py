@@ -46,6 +46,16 @@ def complete_steps(checkpoints_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name))
 
 
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """A run directory's complete checkpoints, oldest first; none where run.dir has no
+    checkpoints directory or cannot be read (too long a path, a file on the way: the run's own
+    path checks name those)."""
+    try:
+        return complete_steps(run_dir / "checkpoints")
+    except OSError:
+        return []
+
+
 def locate(path: str | Path) -> tuple[Path | None, Path]:
     """(the checkpoints directory `path` names, None for a single checkpoint; the checkpoint it
     means: itself, or the newest complete one of a checkpoints or run directory)."""
