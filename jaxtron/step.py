@@ -6,7 +6,7 @@ global batch as sharded arrays, the same for every process layout.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -126,9 +126,18 @@ def compile_eval(plan: Plan, mesh: Mesh, chunk: int = 0):
     )
 
 
-def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh) -> float:
-    """Mean next-token loss over the held-out batches (the same batches every time)."""
-    sums = jax.device_get([eval_fn(params, global_batch(b, mesh)) for b in eval_batches])
+def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh,
+             stopped: Callable[[], bool] = lambda: False) -> float | None:
+    """Mean next-token loss over the held-out batches (the same batches every time); None when
+    `stopped()` turns true first (checked per batch, with at most 8 batches in flight)."""
+    sums = []
+    for batch in eval_batches:
+        if stopped():
+            return None
+        sums.append(eval_fn(params, global_batch(batch, mesh)))
+        if len(sums) > 8:
+            jax.block_until_ready(sums[-9])
+    sums = jax.device_get(sums)
     total = sum(float(s) for s, _ in sums)
     count = sum(int(n) for _, n in sums)
     return total / max(count, 1)

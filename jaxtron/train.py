@@ -3,12 +3,12 @@
 `train(cfg)` reads top to bottom: mesh and plan (every check, before anything is allocated), run
 directory and writers, input, state (restored or born sharded), the step compiled once, the loop;
 at exit, the attempt's goodput account (jaxtron/goodput.py). Around it: a profiler trace of
-run.profile_steps, and JAX's persistent compilation cache in run.compile_cache.
+run.profile_steps, and JAX's persistent compilation cache in run.compile_cache
+(jaxtron/compile_cache.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -20,13 +20,12 @@ from typing import Callable
 
 import jax
 from jax.experimental import multihost_utils
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import cli, distributed, doctor, goodput, memory, parallel, pipeline, prepared
+from jaxtron import cli, compile_cache, distributed, doctor, goodput, memory, parallel, pipeline, prepared
 from jaxtron import metrics as metrics_lib
 from jaxtron import weights
 from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
@@ -45,7 +44,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     check_paths(cfg)  # a refused start writes nothing
     if started is None:
         started = max(goodput.process_start(), goodput.previous_end(run_dir))
-    use_compile_cache(cfg.run.compile_cache)  # before anything compiles
+    compile_cache.use(cfg.run.compile_cache)  # before anything compiles
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
     cfg = attention_lib.configure(cfg, devices[0].platform)
@@ -112,7 +111,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                 return []
             run.preemption.before_training()
             log.info("compiling the train step (Ctrl-C stops here without saving)")
-            with run.watch.time("compile"), _compile_cache_events() as events:
+            with run.watch.time("compile"), compile_cache.events() as events:
                 lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
                 run.step_fn = _compiled(lowered, run.preemption)
             cache = ""  # whether run.compile_cache had it, if it is on
@@ -164,37 +163,18 @@ def check_paths(cfg: Config) -> None:
         cli.check_run_dir(cfg.run.compile_cache, "run.compile_cache")
 
 
-def use_compile_cache(directory: str) -> None:
-    """Turn on JAX's persistent compilation cache in `directory` ("" leaves JAX's own settings):
-    a restart loads each compiled program instead of compiling it again. JAX keys an entry on the
-    program's HLO (its shardings, so the mesh), compile options, devices, jaxlib and XLA_FLAGS:
-    a changed mesh or XLA flag compiles anew (tests/test_run_tools.py checks both)."""
-    if not directory:
-        return
-    if jax.config.jax_compilation_cache_dir != directory:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        compilation_cache.reset_cache()  # one opened earlier in this process, on another directory
-    # Every program, however quick to compile: a restart then compiles nothing (the init, eval and
-    # step programs are a handful of entries, the step's the only large one).
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-@contextlib.contextmanager
-def _compile_cache_events():
-    """A list that gathers the persistent compilation cache's "hits" (a program loaded) and
-    "misses" (compiled and stored) while open, from JAX's monitoring events."""
-    events = []
-
-    def listen(event: str, **kwargs) -> None:
-        if event.startswith("/jax/compilation_cache/cache_"):
-            events.append(event.rsplit("_", 1)[1])
-
-    jax.monitoring.register_event_listener(listen)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_listener(listen)
+def _evaluate(run: RunContext, step: int, state: dict) -> bool:
+    """Evaluate and log; True when a signal came meanwhile (one process: the evaluation is left
+    unfinished, for the stop to save now rather than after every eval batch)."""
+    jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
+    signalled = lambda: run.preemption.signal is not None and jax.process_count() == 1  # noqa
+    with run.watch.time("eval"):  # not a step's time (StepWindow leaves it out)
+        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh, signalled)
+    if loss is None:
+        run.log.info(f"evaluation at step {step} left unfinished: a signal came")
+    else:
+        run.log.write_eval(step, loss)
+    return loss is None
 
 
 def _compiled(lowered, preemption: Preemption) -> Callable:
@@ -386,6 +366,9 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
             history.append(row)
             run.log.write(row)
             run.account.persist()  # goodput.json holds this attempt also if it is killed
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps) \
+                and not stop:  # a stop saves at once: preemption's grace is seconds
+            stop = _evaluate(run, step, state)
         if run.ckpt.due(step, steps) or stop:
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
@@ -397,11 +380,6 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                 run.ckpt.save(step, state, batches, meta)
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
                          "(the write goes on in the background)")
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps):
-            jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
-            with watch.time("eval"):  # not a step's time (StepWindow leaves it out)
-                loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh)
-                run.log.write_eval(step, loss)
         if stop:  # launch.py says it, in one line
             with watch.time("checkpoint"):
                 run.ckpt.wait()  # "checkpoint saved" only once it is

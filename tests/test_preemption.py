@@ -98,6 +98,18 @@ def test_sighup_from_a_closed_terminal_saves_the_step_like_sigterm(tmp_path):
     assert _saved_steps(run_dir) == [logged] and 3 <= logged < STEPS
 
 
+def test_a_signal_during_an_evaluation_saves_that_step_without_finishing_it(tmp_path):
+    """SIGINT once step 2's row is written, as its (long) evaluation starts: the evaluation is
+    left unfinished and step 2 saved, exit 75. Before, every eval batch ran first (a preemption's
+    grace period gone; with train.eval_batches=100000 a SIGTERM waited for minutes), then the
+    stop came at step 3."""
+    run_dir = tmp_path / "run"
+    cmd = _cmd(run_dir, "checkpoint.every=1000", "train.eval_every=2", "train.eval_batches=4000")
+    assert _run_until(cmd, run_dir, 2, signal.SIGINT) == 75
+    assert _saved_steps(run_dir) == [2]
+    assert (run_dir / "eval.jsonl").read_text() == ""  # step 2's evaluation never finished
+
+
 def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path):
     """`python launch.py | head -2`: the run goes on to its last step and saves it, exit 0 (its
     metrics are in run.dir); before, the first print after head exited ended it, exit 0 and no
