@@ -237,10 +237,6 @@ def _advice(terms: dict[str, int], cfg) -> str:
     return f"mostly state ({named}): shard more (mesh.fsdp, mesh.tensor, mesh.stage){remat}"
 
 
-# A CPU program against memory.estimate (GPU buffer sizes), measured here with configs/tiny.yaml
-# at batch 8 and 32 (2.1 and 5.1 GiB peak RSS for 0.84 and 3.0 GiB estimated): 1.37x the estimate
-# plus a process of ~0.95 GiB, about 0.45 GiB more than the dry run's own before compiling.
-HOST_FACTOR, HOST_COMPILE = 1.4, 0.45 * 2**30
 HOST_CLOSE_CALL = 0.25  # nearer than this share of the available memory: run it to know
 
 
@@ -253,11 +249,12 @@ def _host_verdict(terms: dict[str, int], cfg, num_devices: int) -> str:
     if not (available := memory.available_host_bytes()):
         return "verdict: no memory limit known here (cpu); add --gpu h100 (or h200) to compare"
     here = memory.process_bytes()
-    need = HOST_FACTOR * sum(terms.values()) * num_devices + here + HOST_COMPILE
+    need = memory.host_need(sum(terms.values()), num_devices, here)
     available += here
     devices = f"{num_devices} CPU device{'s' if num_devices > 1 else ''}"
-    said = (f"{need / 2**30:.1f} GiB for {devices} (the estimate x{HOST_FACTOR} as a CPU program "
-            f"uses it, and the process), {available / 2**30:.1f} GiB available on this machine")
+    said = (f"{need / 2**30:.1f} GiB for {devices} (the estimate x{memory.HOST_FACTOR} as a CPU "
+            f"program uses it, and the process), {available / 2**30:.1f} GiB available on this "
+            "machine")
     if need > available:
         return (f"verdict: DOES NOT FIT: {said}; {_advice(terms, cfg)}; or run a smaller preset "
                 "here (configs/tiny.yaml), or size it for GPUs with --devices N --gpu h100")

@@ -50,7 +50,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     cfg = attention_lib.configure(cfg, devices[0].platform)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
-    memory.check_host(plan, devices)  # before anything is allocated
+    memory.check_host(plan, devices, cfg)  # before anything is allocated
     if no_room := doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes()):
         raise ConfigError(no_room[0])  # every save would fail: the first one ends the run
     check_remat(cfg.model, devices[0])

@@ -111,10 +111,31 @@ def test_a_state_larger_than_this_machine_is_one_line_before_anything_is_allocat
     from jaxtron import train as train_lib
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)
+    monkeypatch.setattr(memory, "process_bytes", lambda: 0)
     cfg = config.load([], ["train.steps=1", f"run.dir={tmp_path / 'run'}"])
-    with pytest.raises(config.ConfigError, match=r"needs [\d.]+ GiB on this machine's CPU "
-                                                 r"devices and 0.0 GiB is available"):
+    with pytest.raises(config.ConfigError, match=r"needs about [\d.]+ GiB of this machine's "
+                                                 r"memory on 8 CPU devices and 0.0 GiB is"):
         train_lib.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_step_larger_than_this_machine_is_refused_as_the_dry_run_says(tmp_path, monkeypatch,
+                                                                         capsys):
+    """The run agrees with the dry run's DOES NOT FIT on CPU devices: refused in one line before
+    anything is written. Before, only the state alone was checked (here a few MiB), so the run
+    compiled and the out-of-memory killer ended it without a word (exit 137, a run.dir left)."""
+    import launch
+    from jaxtron import train as train_lib
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 3 * 2**30)
+    monkeypatch.setattr(memory, "process_bytes", lambda: 2**29)
+    big = ["train.batch_size=64", "train.seq_len=512", f"run.dir={tmp_path / 'run'}"]
+    assert launch.main(["--dry-run", *big]) == 0
+    assert "\nverdict: DOES NOT FIT: " in capsys.readouterr().out
+    with pytest.raises(config.ConfigError, match=r"^this step needs about [\d.]+ GiB of this "
+                       r"machine's memory on 8 CPU devices and 3.5 GiB is available \(--dry-run "
+                       r"shows the terms\); lower train.batch_size"):
+        train_lib.train(config.load([], ["train.steps=1", *big]))
     assert not (tmp_path / "run").exists()
 
 
