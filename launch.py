@@ -359,8 +359,6 @@ def run(args: argparse.Namespace) -> int | None:
         xla_flags.start_backend()  # JAX_PLATFORMS naming a backend that cannot start: one line
         dry_run(cfg, args.devices or jax.device_count(), args.gpu, flags)
         return
-    if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
-        distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
     if finished := _finished(cfg):  # run.dir may be read-only by now: write nothing (each process)
         print(finished, flush=True)
         return None
@@ -414,6 +412,10 @@ def _check_options(args: argparse.Namespace) -> None:
                           "for); a run finds its own")
     if args.gpus_per_host is None:
         args.gpus_per_host = 8
+    if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
+        from jaxtron import distributed  # a dry run checks them as the run would
+
+        distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
 
 
 def preflight(cfg, args: argparse.Namespace) -> int:

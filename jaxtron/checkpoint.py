@@ -393,9 +393,8 @@ def _read_only_notes(record: logging.LogRecord) -> bool:
 def _restore_from(directory: Path, abstract_state: Any, shardings: Any,
                   batches: grain.DatasetIterator, weights_only: bool, path: str) -> tuple[dict, dict]:
     if weights.read_meta(directory).get("layout") == weights.LAYERED:
-        if not weights_only:
-            raise ConfigError(f"checkpoint.restore={path} holds imported weights only (no optimizer"
-                              " state or data position); add checkpoint.weights_only=true")
+        if not weights_only:  # train.check_paths says it first
+            raise ConfigError(weights.imported_only(path))
         params = weights.restore_layers(directory, abstract_state["params"], shardings["params"])
         return {"params": params}, weights.read_meta(directory)
     logging.getLogger("absl").addFilter(_read_only_notes)

@@ -148,7 +148,10 @@ def check_paths(cfg: Config) -> None:
     check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
     c = cfg.checkpoint
     if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
-        at = weights.read_meta(restored := weights.locate(c.restore)[1]).get("step", -1)
+        meta = weights.read_meta(restored := weights.locate(c.restore)[1])
+        if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
+            raise ConfigError(weights.imported_only(c.restore))
+        at = meta.get("step", -1)
         if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
             raise ConfigError(f"checkpoint.restore={c.restore} is at step {at}, not before "
                               f"train.steps={cfg.train.steps}; raise train.steps, or fine-tune "

@@ -56,6 +56,12 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
         return []
 
 
+def imported_only(restore: str) -> str:
+    """checkpoint.restore naming an import (tools/convert_hf.py) as a whole state to resume."""
+    return (f"checkpoint.restore={restore} holds imported weights only (no optimizer state or "
+            "data position); add checkpoint.weights_only=true")
+
+
 def locate(path: str | Path) -> tuple[Path | None, Path]:
     """(the checkpoints directory `path` names, None for a single checkpoint; the checkpoint it
     means: itself, or the newest complete one of a checkpoints or run directory)."""

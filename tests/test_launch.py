@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import launch
-from jaxtron import metrics
+from jaxtron import config, metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -706,3 +706,24 @@ def test_a_whole_state_restore_at_or_past_train_steps_is_refused(tmp_path, capsy
     assert _main(["--dry-run", f"run.dir={run_dir}", f"checkpoint.restore={source}",
                   "train.steps=3", "checkpoint.weights_only=true"]) == 0
     capsys.readouterr()
+
+
+def test_an_import_restored_as_a_whole_state_is_refused_by_the_dry_run_too(tmp_path, capsys):
+    """checkpoint.restore=<an import> without checkpoint.weights_only=true: the dry run said
+    'start: from ..., its whole state', exit 0; the run refused it after loading the data."""
+    from jaxtron import weights
+
+    step = tmp_path / "imp" / "checkpoints" / "0"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    (step / "meta").mkdir()
+    (step / "meta" / "metadata").write_text(json.dumps({
+        "step": 0, "layout": weights.LAYERED,
+        "config": config.to_yaml(config.load(["configs/tiny.yaml"], []))}))
+    for dry in (["--dry-run"], []):
+        assert launch.main([*dry, f"run.dir={tmp_path / 'run'}", "train.steps=2",
+                            f"checkpoint.restore={tmp_path / 'imp'}"]) == 2
+        assert capsys.readouterr().err == (
+            f"launch.py: error: checkpoint.restore={tmp_path / 'imp'} holds imported weights only "
+            "(no optimizer state or data position); add checkpoint.weights_only=true\n")
+    assert not (tmp_path / "run").exists()

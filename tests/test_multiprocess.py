@@ -275,9 +275,11 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize("args,message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
-def test_bad_process_flags_are_one_line_and_status_2(no_joining, capsys, args, message):
+@pytest.mark.parametrize("mode", [[], ["--dry-run"]])
+def test_bad_process_flags_are_one_line_and_status_2(no_joining, capsys, args, message, mode):
+    """The dry run refuses them as the run does (it said nothing of them, exit 0)."""
     try:
-        rc = launch.main([*args, "train.steps=1"])
+        rc = launch.main([*args, *mode, "train.steps=1"])
     except SystemExit as e:  # argparse
         rc = e.code
     err = capsys.readouterr().err.strip()
