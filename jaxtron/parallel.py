@@ -95,8 +95,8 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
         if num_devices % fixed:
             raise ConfigError(
                 f"mesh axes other than {free[0]} multiply to {fixed}, which does not divide the "
-                f"{num_devices} device{'' if num_devices == 1 else 's'} here; change the mesh "
-                "sizes, or plan for a cluster with --dry-run --devices N"
+                f"{num_devices} device{'' if num_devices == 1 else 's'}; change the mesh sizes so "
+                f"that they divide {num_devices}"
             )
         sizes[free[0]] = num_devices // fixed
     product = math.prod(sizes.values())
