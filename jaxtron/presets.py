@@ -108,7 +108,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"'{item}': an override is section.key=value, e.g. train.steps=100"
                           + preset)
     try:
-        value = load(raw) if raw else ""
+        value = load(raw) if raw and raw.strip() != "~" else raw  # `~`: home, not YAML's null
     except yaml.YAMLError:
         value = raw
     node: Any = value

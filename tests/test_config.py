@@ -196,3 +196,14 @@ def test_a_schedule_that_is_probably_not_meant_is_a_warning(overrides, warning):
     """Each was accepted without a word (the learning rate fell off a cliff after warm-up)."""
     assert config.check_warnings(config.load([], ["train.steps=200", *overrides])) == [warning]
     assert config.check_warnings(config.load([], ["train.steps=200", "optim.warmup_steps=10"])) == []
+
+
+def test_a_tilde_is_the_home_directory_in_path_fields(monkeypatch, tmp_path):
+    """`run.dir=~` was YAML's null: 'run.dir must be a string, got None'. A leading `~` is the
+    home directory, as the README says, alone or followed by a path."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config.load([], ["run.dir=~", "data.cache_dir=~/cache", "checkpoint.restore=~"])
+    assert (cfg.run.dir, cfg.data.cache_dir, cfg.checkpoint.restore) == (
+        str(tmp_path), str(tmp_path / "cache"), str(tmp_path))
+    with pytest.raises(config.ConfigError, match=r"^train.steps must be an integer, got ~$"):
+        config.load([], ["train.steps=~"])
