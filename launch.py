@@ -174,12 +174,14 @@ def _check_data(cfg) -> str:
     tok = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # a ConfigError if too small
     if cfg.data.source == "arrayrecord":
         checked = f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
-        have = sum(prepared.read_manifest(e.path)["splits"]["train"]["tokens"]
-                   for e in cfg.data.mixture)
         read = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
-        if have and read > have:  # a mixture repeats each dataset at its own rate; on average:
-            checked += (f"; the run reads {read:,} tokens, {read / have:,.1f} times their "
-                        f"{have:,} (each dataset repeats as its weight says)")
+        share = read / sum(e.weight for e in cfg.data.mixture)  # each dataset: at its weight
+        over = [f"{e.path} {times:,.1f} times ({have:,} tokens, weight {e.weight:g})"
+                for e in cfg.data.mixture
+                if (have := prepared.read_manifest(e.path)["splits"]["train"]["tokens"])
+                and (times := share * e.weight / have) > 1]
+        if over:
+            checked += f"; the run reads {read:,} tokens: {', '.join(over)} over"
     else:
         made = f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else "trained, cached"
         if not cfg.data.tokenizer and cfg.model.vocab_size > CORPUS_PIECES:

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -234,14 +235,22 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
                         "model.vocab_size=512", f"run.dir={run_dir}2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vocab" in err[0]
-    # The dry run says how many times the run reads the data over (it said nothing).
+    # The dry run says how many times the run reads each dataset over (it said nothing; then
+    # the datasets' average, 2.0 times here for a copy read 3.0 times and one read 1.0 time).
     have = manifest["splits"]["train"]["tokens"]
-    assert launch.main(["--dry-run", "data.source=arrayrecord", f"data.mixture=[{{path: {out}}}]",
-                        "model.vocab_size=1024", "train.steps=1000", "train.batch_size=8",
-                        "train.seq_len=64", f"run.dir={run_dir}3"]) == 0
-    assert (f"data: 1 prepared dataset checked; the run reads 512,000 tokens, "
-            f"{512_000 / have:,.1f} times their {have:,} (each dataset repeats as its weight "
-            "says)") in capsys.readouterr().out
+    shutil.copytree(out, tmp_path / "copy")
+    steps = -(-2 * have // 512)  # batch 8 x 64: twice the dataset, rounded up to a step
+    read = steps * 512
+    args = ["--dry-run", "data.source=arrayrecord", "model.vocab_size=1024", f"train.steps={steps}",
+            "train.batch_size=8", "train.seq_len=64", f"run.dir={run_dir}3"]
+    assert launch.main([*args, f"data.mixture=[{{path: {out}}}]"]) == 0
+    assert (f"data: 1 prepared dataset checked; the run reads {read:,} tokens: {out} "
+            f"{read / have:,.1f} times ({have:,} tokens, weight 1) over\n") in capsys.readouterr().out
+    assert launch.main([*args, f"data.mixture=[{{path: {out}, weight: 3}}, "
+                               f"{{path: {tmp_path / 'copy'}, weight: 1}}]"]) == 0
+    assert (f"data: 2 prepared datasets checked; the run reads {read:,} tokens: {out} "
+            f"{0.75 * read / have:,.1f} times ({have:,} tokens, weight 3) over\n"
+            ) in capsys.readouterr().out  # the copy, read half as many times as it holds: not said
 
 
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])
