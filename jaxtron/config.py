@@ -229,7 +229,7 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
             _check_keys(layer, Config, "")
             merged = OmegaConf.merge(merged, layer)
         except oc_errors.ValidationError as e:
-            raise ConfigError(where + _bad_value(e)) from None
+            raise ConfigError(where + _bad_value(e, layer)) from None
         except ConfigError as e:
             raise ConfigError(where + str(e)) from None
     cfg = _home_expanded(OmegaConf.to_object(merged))
@@ -251,9 +251,11 @@ def _home_expanded(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=data, run=run, checkpoint=restore)
 
 
-def _bad_value(e: oc_errors.ValidationError) -> str:
+def _bad_value(e: oc_errors.ValidationError, layer: Any = None) -> str:
     """What to type instead of a value OmegaConf refused: the type its key takes, in words."""
     key, value = getattr(e, "full_key", "") or "?", getattr(e, "value", None)
+    if "." not in key and layer is not None:  # an item of a list (data.mixture) names only its key
+        key = next(_paths_to(layer, key, value), key)
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value)
     kind: Any = Config
@@ -268,6 +270,17 @@ def _bad_value(e: oc_errors.ValidationError) -> str:
     if kind in _KINDS:
         return f"{key} must be {_KINDS[kind]}, got {shown if shown != '' else 'nothing'}"
     return f"bad value for '{key}': {str(e).splitlines()[0]}"
+
+
+def _paths_to(node: Any, key: str, value: Any, path: str = ""):
+    """The dotted paths (list items as [i]) under which `node` holds `key` set to `value`."""
+    if not isinstance(node, (dict, list)):
+        return
+    for name, child in enumerate(node) if isinstance(node, list) else node.items():
+        here = f"{path}[{name}]" if isinstance(node, list) else f"{path}.{name}".lstrip(".")
+        if name == key and child == value:
+            yield here
+        yield from _paths_to(child, key, value, here)
 
 
 def _ranges(cfg: Config) -> tuple:

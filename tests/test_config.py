@@ -207,3 +207,14 @@ def test_a_tilde_is_the_home_directory_in_path_fields(monkeypatch, tmp_path):
         str(tmp_path), str(tmp_path / "cache"), str(tmp_path))
     with pytest.raises(config.ConfigError, match=r"^train.steps must be an integer, got ~$"):
         config.load([], ["train.steps=~"])
+
+
+@pytest.mark.parametrize("mixture, said", [
+    ("[{path: /a, weight: true}]", "data.mixture[0].weight must be a number, got True"),
+    ("[{path: /a}, {path: /b, weight: abc}]", "data.mixture[1].weight must be a number, got abc"),
+])
+def test_a_bad_value_in_a_mixture_item_names_the_item(mixture, said):
+    """It said "bad value for 'weight': Value 'True' of type 'bool' could not be converted to
+    Float", naming neither the list nor the item."""
+    with pytest.raises(config.ConfigError, match=f"^{re.escape(said)}$"):
+        config.load([], ["data.source=arrayrecord", f"data.mixture={mixture}"])
