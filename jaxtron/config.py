@@ -392,6 +392,9 @@ def check_warnings(cfg: Config) -> list[str]:
                      "train.steps")
     if o.lr == 0:
         found.append("optim.lr=0: the weights never change; set the peak learning rate")
+    if cfg.model.collective_matmul and cfg.mesh.tensor == 1:
+        found.append("model.collective_matmul=true does nothing with mesh.tensor=1 (it overlaps "
+                     "the tensor axis's collectives); set mesh.tensor > 1, or drop it")
     return found
 
 

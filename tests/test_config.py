@@ -191,9 +191,13 @@ def test_of_an_override_given_twice_the_last_one_wins():
      "optim.decay_steps=1000 is more than train.steps=200: the run ends before the cosine decay "
      "does (meant if a later run goes on); 0 decays over train.steps"),
     (["optim.lr=0"], "optim.lr=0: the weights never change; set the peak learning rate"),
+    (["model.collective_matmul=true", "mesh.tensor=1"],
+     "model.collective_matmul=true does nothing with mesh.tensor=1 (it overlaps the tensor "
+     "axis's collectives); set mesh.tensor > 1, or drop it"),
 ])
 def test_a_schedule_that_is_probably_not_meant_is_a_warning(overrides, warning):
-    """Each was accepted without a word (the learning rate fell off a cliff after warm-up)."""
+    """Each was accepted without a word (the learning rate fell off a cliff after warm-up; a
+    setting that changed nothing)."""
     assert config.check_warnings(config.load([], ["train.steps=200", *overrides])) == [warning]
     assert config.check_warnings(config.load([], ["train.steps=200", "optim.warmup_steps=10"])) == []
 
