@@ -14,6 +14,7 @@ permutation (tests/test_hf_parity.py checks logits against transformers itself).
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -189,15 +190,18 @@ def _rope_overrides(hf: dict) -> dict:
         raise ValueError("per-layer-type RoPE parameters are not supported")
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
-    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    where = "rope_parameters." if hf.get("rope_parameters") else "rope_scaling."
+    theta = _setting(hf, "rope_theta", float, 10000.0)
+    out = {"rope_theta": _setting(rope, "rope_theta", float, theta, where)}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "llama3":
         out |= {
-            "rope_scaling_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_max_len": int(rope.get("original_max_position_embeddings",
-                                                  hf["max_position_embeddings"])),
+            "rope_scaling_factor": _setting(rope, "factor", float, where=where),
+            "rope_low_freq_factor": _setting(rope, "low_freq_factor", float, where=where),
+            "rope_high_freq_factor": _setting(rope, "high_freq_factor", float, where=where),
+            "rope_original_max_len": (_setting(rope, "original_max_position_embeddings", int, 0,
+                                               where)
+                                      or _setting(hf, "max_position_embeddings", int)),
         }
     elif kind != "default":
         raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are)")
@@ -224,22 +228,53 @@ def _sliding_window(hf: dict) -> int | None:
     return None
 
 
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _setting(hf: dict, key: str, kind: type, default: Any = _REQUIRED, where: str = "") -> Any:
+    """config.json's `key` (in the `where` section) as `kind` (a float may be written as an
+    integer); `default` when it is absent or null. ValueError naming the key, its value and the
+    type it needs otherwise."""
+    value = hf.get(key)
+    key = where + key
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key} is missing; add it ({_KINDS[kind]})")
+        return default
+    wanted = (bool,) if kind is bool else (int,) if kind is int else (int, float)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, wanted):
+        raise ValueError(f"{key} is {json.dumps(value)}, {_kind_of(value)}; it must be "
+                         f"{_KINDS[kind]}")
+    return kind(value)
+
+
+def _kind_of(value: Any) -> str:
+    """'a string', 'a list' ...: what a JSON value is, in words."""
+    return {str: "a string", bool: "true or false", int: "an integer", float: "a number",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
 def config_from_hf(hf_config: dict) -> dict:
     """HF config.json dict -> our `model.*` overrides (ModelConfig field names)."""
     hf = hf_config
+    if hf.get("model_type") is None:
+        raise ValueError(f"model_type is missing; add the family ({', '.join(SUPPORTED_TYPES)})")
     _check_supported(hf)
-    heads = hf["num_attention_heads"]
+    heads = _setting(hf, "num_attention_heads", int)
+    hidden = _setting(hf, "hidden_size", int)
+    _setting(hf, "max_position_embeddings", int, 0)  # read by the callers
     return {
-        "vocab_size": hf["vocab_size"],
-        "num_layers": hf["num_hidden_layers"],
-        "d_model": hf["hidden_size"],
+        "vocab_size": _setting(hf, "vocab_size", int),
+        "num_layers": _setting(hf, "num_hidden_layers", int),
+        "d_model": hidden,
         "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-        "mlp_dim": hf["intermediate_size"],
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "num_kv_heads": _setting(hf, "num_key_value_heads", int, 0) or heads,
+        "head_dim": _setting(hf, "head_dim", int, 0) or hidden // heads,
+        "mlp_dim": _setting(hf, "intermediate_size", int),
+        "norm_eps": _setting(hf, "rms_norm_eps", float, 1e-6),
+        "tie_embeddings": _setting(hf, "tie_word_embeddings", bool, False),
         "qkv_bias": hf["model_type"] == "qwen2",
-        "sliding_window": _sliding_window(hf) or 0,
+        "sliding_window": _setting(hf, "sliding_window", int, 0) if _sliding_window(hf) else 0,
         **_rope_overrides(hf),
     }

@@ -5,9 +5,12 @@ back to fine-tune on another mesh; pickles, missing, extra and misshapen tensors
 import dataclasses
 import json
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -417,3 +420,134 @@ def test_a_one_layer_import_says_one_layer(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"imported 1 layer of {tmp_path / 'hf'} (float32) "
                                               f"into {tmp_path / 'imp'}/checkpoints/0 (float32); "
                                               "preset: model.dtype=float32, train.seq_len=2048;")
+
+
+def _tiny_llama(path: Path, layers: int = 2) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=layers, num_attention_heads=2)).save_pretrained(
+        path)
+
+
+@pytest.mark.parametrize("source, target", [
+    ("imp/checkpoints/0", "imp/checkpoints/0/x"),  # inside the checkpoint itself
+    ("imp/checkpoints/0", "imp/checkpoints/x"),    # beside it, where rotation deletes steps
+    ("imp", "imp/checkpoints/0/a/b"),              # a run's newest, named by its run directory
+    ("imp", "other/checkpoints/hf"),               # another run's or import's checkpoints
+])
+def test_an_export_into_a_checkpoints_directory_is_refused(tmp_path, capsys, source, target):
+    """A later run's checkpoint rotation deletes a checkpoint with what is in it (and its
+    checkpoints directory is the run's to manage): the export is refused, naming a place
+    outside, where it then goes."""
+    _tiny_llama(tmp_path / "hf")
+    for name in ("imp", "other"):
+        assert _convert("import", tmp_path / "hf", tmp_path / name) == 0
+    before = sorted(tmp_path.rglob("*"))
+    holder = (tmp_path / target.split("/checkpoints")[0] / "checkpoints").resolve()
+    err = _one_line(capsys, 2, "export", tmp_path / source, tmp_path / target)
+    assert err == (f"convert_hf.py: error: {tmp_path / target} is inside the checkpoints directory "
+                   f"{holder}, whose old checkpoints a run deletes with what is in them; export "
+                   f"to a directory outside it, e.g. {holder.parent / 'hf'}\n")
+    assert sorted(tmp_path.rglob("*")) == before
+    assert _convert("export", tmp_path / source, holder.parent / "hf") == 0
+
+
+@pytest.mark.parametrize("sig, existed", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                          (signal.SIGINT, True)])
+def test_a_stopped_import_is_one_line_and_leaves_no_output(tmp_path, sig, existed):
+    """Ctrl-C or SIGTERM once the import is writing its checkpoint: one line, status 130, no
+    traceback, and no OUT (an empty one that was there stays, empty), so the rerun is not
+    refused as 'not empty' (a 31-line KeyboardInterrupt traceback before, and OUT holding
+    checkpoints/0.partial_save)."""
+    _tiny_llama(tmp_path / "hf", layers=32)  # ~1 s of Orbax saves to stop in
+    out = tmp_path / "imp"
+    if existed:
+        out.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "convert_hf.py"), "import",
+                             str(tmp_path / "hf"), str(out)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not list(tmp_path.glob("imp*/checkpoints")) and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err, err[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["hf", "imp"] if existed else ["hf"])
+    assert not existed or not any(out.iterdir())
+    assert (proc.returncode, err) == (
+        130, f"convert_hf.py: stopped by a signal; nothing was written to {out} (run the command "
+        "again)\n")
+    assert _convert("import", tmp_path / "hf", out) == 0
+
+
+def test_of_two_imports_into_one_new_directory_the_second_is_refused(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Another import finishes OUT while this one writes (each writes beside OUT and renames):
+    this one says so in one line and removes its own; OUT is the other's, whole, and every
+    path in it names OUT (an 'OSError: Directory not empty' traceback before, or a success
+    with OUT mixed from both)."""
+    _tiny_llama(tmp_path / "hf")
+    out = tmp_path / "imp"
+    write_layers, others = weights.write_layers, []
+
+    def meanwhile(*args):
+        if not others:  # the other import runs whole, once, while this one writes
+            others.append(None)
+            others[0] = _convert("import", tmp_path / "hf", out)
+        write_layers(*args)
+
+    monkeypatch.setattr(weights, "write_layers", meanwhile)
+    err = _one_line(capsys, 2, "import", tmp_path / "hf", out)
+    assert others == [0] and err == (f"convert_hf.py: error: {out} was written by another "
+                                     "command meanwhile; it is kept as that one wrote it; choose "
+                                     "a new output directory\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "imp"]
+    text = (out / "config.yaml").read_text()
+    assert ".partial" not in text and f"--config {out}/config.yaml" in text
+    assert weights.read_meta(out / "checkpoints" / "0")["config"] == text
+    preset = weights.config_of({"config": text})
+    assert preset.checkpoint.restore == str(out)
+    _, params = weights.read_params(out)
+    np.testing.assert_array_equal(params["embed"],
+                                  hf.read_tensors(tmp_path / "hf")["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"hidden_size": "256"}, 'hidden_size is "256", a string; it must be an integer'),
+    ({"tie_word_embeddings": "false"},
+     'tie_word_embeddings is "false", a string; it must be true or false'),
+    ({"rms_norm_eps": [1e-5]}, "rms_norm_eps is [1e-05], a list; it must be a number"),
+    ({"model_type": None}, "model_type is missing; add the family (llama, mistral, qwen2)"),
+    ({"num_attention_heads": None}, "num_attention_heads is missing; add it (an integer)"),
+])
+def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path, capsys, edit, message):
+    """A string where a number belongs (a TypeError traceback from model.py before), or a key
+    left out ('model_type None is not supported'): one line naming the key, from import and
+    from tools/generate.py alike."""
+    import generate as generate_tool
+
+    _tiny_llama(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = {k: v for k, v in {**config, **edit}.items() if v is not None}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    line = f"{tmp_path / 'hf' / 'config.json'}: {message}\n"
+    assert _one_line(capsys, 2, "import", tmp_path / "hf", tmp_path / "imp") == (
+        "convert_hf.py: error: " + line)
+    assert not (tmp_path / "imp").exists()
+    assert generate_tool.main([str(tmp_path / "hf"), "--tokens", "1,2"]) == 2
+    assert capsys.readouterr().err == "generate.py: error: " + line
+
+
+def test_the_fine_tune_command_can_be_pasted(tmp_path, capsys):
+    """An OUT with a space: the printed command and config.yaml's header quote it as a shell
+    needs (they printed it bare, which a shell splits in two)."""
+    _tiny_llama(tmp_path / "hf")
+    out = tmp_path / "with space" / "imp"
+    capsys.readouterr()
+    assert _convert("import", tmp_path / "hf", out) == 0
+    command = f"python launch.py --config '{out}/config.yaml'"
+    assert capsys.readouterr().out.splitlines()[-1] == f"fine-tune: {command}"
+    assert shlex.split(command)[-1] == str(out / "config.yaml")
+    assert (out / "config.yaml").read_text().splitlines()[1] == (
+        f"# by tools/convert_hf.py; fine-tune: {command}")

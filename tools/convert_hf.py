@@ -12,13 +12,24 @@ weights_only set) and the tokenizer files. `export` takes a checkpoint saved on 
 pipeline layout (a step directory, or the newest of a run or import directory) and writes
 config.json (with `architectures`), safetensors shards with an index, and the run's tokenizer files.
 Host memory stays near one layer plus the largest tensor either way. Bad input: one line, exit 2.
+Either way the output is written beside OUT_DIR and renamed to it when complete, so a failure or
+a stop (Ctrl-C, SIGTERM: one line, exit 130) leaves no OUT_DIR; an export is refused inside a
+checkpoints directory, whose rotation would delete it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import secrets
+import shlex
 import shutil
+import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
@@ -32,19 +43,90 @@ from jaxtron.config import ConfigError, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT = 2048  # the preset's train.seq_len, or the model's own context when shorter
+EXIT_STOPPED = 130  # stopped by SIGINT (Ctrl-C) or SIGTERM: 128 + SIGINT, as shells report it
+_signalled: list[int] = []  # the signals that arrived while main() ran
+_held = [False]  # True while Orbax saves: a signal then stops the work at the next _stop_point
+T = TypeVar("T")
 
 
-def _fresh_dir(path: Path) -> None:
-    """Make the output directory, refusing one that already holds something (nothing is
-    overwritten) or a place that cannot hold one."""
+def _on_signal(signum: int, frame) -> None:
+    """The first SIGINT/SIGTERM stops the work with one KeyboardInterrupt, at once or, while
+    Orbax saves, at the next _stop_point; later ones are only recorded, so that they cannot cut
+    the clean-up short."""
+    _signalled.append(signum)
+    if len(_signalled) == 1 and not _held[0]:
+        raise KeyboardInterrupt
+
+
+def _stop_point() -> None:
+    """Stop here (KeyboardInterrupt) if a signal has arrived."""
+    if _signalled:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Signals stop the work only at _stop_point within: Orbax writes in its own threads, so a
+    save cut short goes on writing into the directory being removed (tracebacks, and a
+    directory left behind)."""
+    _held[0] = True
+    try:
+        yield
+    finally:
+        _held[0] = False
+
+
+def _write_new_dir(path: Path, write: Callable[[Path], T]) -> T:
+    """write(a new sibling directory of `path`)'s result, once that directory is renamed to
+    `path`: a failure or a stop leaves no `path` (an empty one that was there stays as it was)
+    and nothing half-written, and of two commands writing the same new `path` at once the second
+    is refused, not mixed in. A `path` that holds something (nothing is overwritten) or is a file
+    is refused first."""
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{path} is a file; name a new output directory")
     if path.is_dir() and any(path.iterdir()):
         raise ConfigError(f"{path} already exists and is not empty; choose a new output directory")
+    target = path.absolute()
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}-{secrets.token_hex(3)}")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        partial.mkdir(parents=True)
     except OSError as e:
         raise ConfigError(f"cannot make the output directory {path}: {e.strerror}") from None
+    try:
+        result = write(partial)
+        _stop_point()  # one that came while signals were held, or whose interrupt was lost
+        try:
+            os.rename(partial, target)  # replaces an empty directory only
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise ConfigError(f"cannot rename the output to {path}: {e.strerror}") from None
+            raise ConfigError(f"{path} was written by another command meanwhile; it is kept "
+                              "as that one wrote it; choose a new output directory") from None
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for parent in made:  # the directories made for it, while nothing else is in them
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
+    return result
+
+
+def _check_outside_checkpoints(out: Path, step_dir: Path) -> None:
+    """An export is not written into a checkpoint, nor into a checkpoints directory of a run
+    or import: a later run's checkpoint rotation would delete it with the checkpoints."""
+    target = out.expanduser().resolve()
+    for place in (target, *target.parents):
+        run = place.parent
+        if place == step_dir.resolve().parent or weights.is_complete(place) or (
+                place.name == "checkpoints"
+                and ((run / "config.yaml").is_file() or weights.run_checkpoints(run))):
+            holder = place.parent if weights.is_complete(place) else place
+            raise ConfigError(f"{out} is inside the checkpoints directory {holder}, whose old "
+                              "checkpoints a run deletes with what is in them; export to a "
+                              f"directory outside it, e.g. {holder.parent / 'hf'}")
 
 
 def _context(config_json: dict) -> int:
@@ -100,34 +182,49 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
     get = hf.check_tensors(source, cfg, allow_pickle)
     stored = get("model.embed_tokens.weight").dtype.name
     compute_dtype = compute_dtype or (stored if stored in DTYPES else "float32")
-    _fresh_dir(out)
-    try:
-        tokenizer_file, tokenizer_note = _import_tokenizer(source, out)
-        preset = _preset(cfg, out, tokenizer_file, _context(config_json), compute_dtype)
-        text = (f"# {config_json['model_type']} weights imported from {source.absolute()}\n"
-                f"# by tools/convert_hf.py; fine-tune: python launch.py --config {out}/config.yaml\n"
-                + yaml.safe_dump(preset, sort_keys=False))
-        (out / "config.yaml").write_text(text)
-        run_cfg = weights.config_of({"config": text})  # the preset loads through the schema
-        meta = {"step": 0, "tokens_seen": 0, "config": text, "source": str(source.absolute()),
-                "hf_model_type": config_json["model_type"],
-                "hf_max_position_embeddings": config_json.get("max_position_embeddings"),
-                "layer_order": list(range(cfg.num_layers))}
-        layers = (hf_mapping.nest({path[1:]: value for path, value  # path[0] is "layers"
-                                   in hf_mapping.layer_params(get, cfg, i).items()})
-                  for i in range(cfg.num_layers))
-        weights.write_layers(out.absolute() / "checkpoints" / "0",  # Orbax takes no relative path
-                             hf_mapping.nest(hf_mapping.top_params(get, cfg)), layers, meta)
-    except (ValueError, KeyError) as err:
-        shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left to be mistaken
-        raise ConfigError(f"{source}: {err}") from None
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+
+    def write(into: Path) -> tuple:
+        try:
+            tokenizer_file, tokenizer_note = _import_tokenizer(source, into)
+            preset = _preset(cfg, out, tokenizer_file, _context(config_json), compute_dtype)
+            text = (f"# {config_json['model_type']} weights imported from {source.absolute()}\n"
+                    f"# by tools/convert_hf.py; fine-tune: {_fine_tune(out)}\n"
+                    + yaml.safe_dump(preset, sort_keys=False))
+            (into / "config.yaml").write_text(text)
+            run_cfg = weights.config_of({"config": text})  # the preset loads through the schema
+            meta = {"step": 0, "tokens_seen": 0, "config": text, "source": str(source.absolute()),
+                    "hf_model_type": config_json["model_type"],
+                    "hf_max_position_embeddings": config_json.get("max_position_embeddings"),
+                    "layer_order": list(range(cfg.num_layers))}
+            top = hf_mapping.nest(hf_mapping.top_params(get, cfg))
+            with _signals_held():  # a stop waits for the layer in hand (one partial save)
+                weights.write_layers(into.absolute() / "checkpoints" / "0",  # Orbax: absolute
+                                     top, _layers(get, cfg), meta)
+            return run_cfg, tokenizer_note
+        except ConfigError:
+            raise
+        except (ValueError, KeyError) as err:  # a tensor that does not fit
+            raise ConfigError(f"{source}: {err}") from None
+
+    # written next to OUT and renamed to it; the paths written in it name OUT itself
+    run_cfg, tokenizer_note = _write_new_dir(out, write)
     print(f"imported {cli.plural(cfg.num_layers, 'layer')} of {source} ({stored}) into "
           f"{out}/checkpoints/0 ({run_cfg.model.param_dtype}); preset: "
           f"model.dtype={run_cfg.model.dtype}, train.seq_len={run_cfg.train.seq_len}; {tokenizer_note}")
-    print(f"fine-tune: python launch.py --config {out}/config.yaml")
+    print(f"fine-tune: {_fine_tune(out)}")
+
+
+def _layers(get: hf.Getter, cfg: ModelConfig) -> Iterator[dict]:
+    """Each layer's params in our nested form, in model order; a signal stops before the next."""
+    for i in range(cfg.num_layers):
+        _stop_point()
+        yield hf_mapping.nest({path[1:]: value for path, value  # path[0] is "layers"
+                               in hf_mapping.layer_params(get, cfg, i).items()})
+
+
+def _fine_tune(out: Path) -> str:
+    """The command that fine-tunes an import, to paste into a shell."""
+    return f"python launch.py --config {shlex.quote(str(out / 'config.yaml'))}"
 
 
 def export_model(source: Path, out: Path, model_type: str | None, dtype: str | None,
@@ -137,13 +234,14 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     _, step_dir = weights.locate(source)
     kind = model_type or meta.get("hf_model_type") or ("qwen2" if cfg.model.qkv_bias else "llama")
     tok = tokenizer_lib.from_path(tokenizer) if tokenizer else _run_tokenizer(cfg, meta)
-    _fresh_dir(out)
-    try:
-        hf.write_pretrained(cfg.model, get, out, kind, dtype, _trained_context(cfg, meta))
-        note = f"tokenizer: {_write_tokenizer(tok, out)}" if tok else "no tokenizer (pass --tokenizer)"
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+    _check_outside_checkpoints(out, step_dir)
+
+    def write(into: Path) -> str:
+        hf.write_pretrained(cfg.model, get, into, kind, dtype, _trained_context(cfg, meta))
+        return (f"tokenizer: {_write_tokenizer(tok, into)}" if tok
+                else "no tokenizer (pass --tokenizer)")
+
+    note = _write_new_dir(out, write)
     print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; "
           f"{note}")
 
@@ -202,7 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = lambda: export_model(args.ckpt_dir, args.hf_dir, args.model_type, args.dtype,
                                    args.tokenizer)
-    return one_line_errors(run)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _signalled.clear()
+    try:
+        for sig, handler in handlers.items():
+            if handler is not signal.SIG_IGN:  # nohup's choice stays
+                signal.signal(sig, _on_signal)
+        return one_line_errors(run)
+    except KeyboardInterrupt:
+        print(f"{cli.script_name()}: stopped by a signal; nothing was written to "
+              f"{args.out_dir if args.command == 'import' else args.hf_dir} (run the command "
+              "again)", file=sys.stderr)
+        return EXIT_STOPPED
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
