@@ -333,3 +333,21 @@ def test_layout_that_does_not_divide_is_one_line(tmp_path):
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.startswith("launch.py: error:")]
     assert len(lines) == 1 and "mesh" in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_a_step_xla_cannot_compile_is_one_line_with_the_way_round(tmp_path):
+    """tiny (float32) data-parallel with 2 microbatches: XLA's loop double buffering clones a
+    Triton matmul fusion without its block config, and the compile failed with a 30-line
+    JaxRuntimeError traceback (also under tools/plan.py --verify). Now one line, exit 2, naming
+    the flag that compiles it; with that flag it compiles."""
+    args = ["mesh.data=8", "mesh.fsdp=1", "train.microbatches=2"]
+    cmd = [sys.executable, str(ROOT / "launch.py"), "--compile-for", "h100", "--devices", "8"]
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=900)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("launch.py: error: XLA could not compile this step for h100: "
+                                  "INVALID_ARGUMENT: Block level fusion config is required")
+    assert proc.stderr.endswith(f"; compile without loop double buffering: "
+                                f"'xla.flags=[{aot.DOUBLE_BUFFERING}]'\n")
+    assert len(proc.stderr.splitlines()) == 1
+    _launch(tmp_path, "tiny.yaml", 8, *args, f"xla.flags=[{aot.DOUBLE_BUFFERING}]")
