@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from jaxtron.config import ConfigError
 
 EXIT_USAGE = 2  # bad input: the line says what to change
+EXIT_STOPPED = 130  # stopped by Ctrl-C or SIGTERM: 128 + SIGINT, what a shell shows for Ctrl-C
 # The running command's file name (launch.py, plan.py), set by its Parser: a command called
 # in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
 _script = ""
@@ -26,16 +29,66 @@ def script_name() -> str:
 def one_line_errors(run: Callable[[], int | None],
                     statuses: dict[type[BaseException], int] | None = None) -> int:
     """run()'s exit status; a ConfigError (status 2), or an exception of a type in `statuses`,
-    becomes one line `<script>: error: <message>` on stderr and that status."""
+    becomes one line `<script>: error: <message>` on stderr and that status. Ctrl-C or SIGTERM
+    becomes one line `<script>: stopped by a signal` and status 130, unless the command handles
+    its signals itself (launch.py, prepare_data.py: their KeyboardInterrupt goes back to them)."""
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
+    previous = _stop_on_sigterm()
     try:
         return run() or 0
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 0
+    except KeyboardInterrupt:
+        if _own_handler():
+            raise
+        return _stopped()
     except tuple(handled) as e:
         print(f"{script_name()}: error: {e}", file=sys.stderr)
         return next(code for kind, code in handled.items() if isinstance(e, kind))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_stop(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_sigterm():
+    """SIGTERM (kill, a batch system's end) raises KeyboardInterrupt as Ctrl-C does; the handler
+    it replaced, or None where it stays (a command's own, an ignored one, not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL or _own_handler():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_stop)
+
+
+def _own_handler() -> bool:
+    """Whether the command installed a SIGINT handler of its own, which says what a stop means."""
+    handler = signal.getsignal(signal.SIGINT)
+    return callable(handler) and handler not in (signal.default_int_handler, _raise_stop)
+
+
+def _stopped() -> int:
+    """One line for a stop by a signal. Run as a command, the process ends here (os._exit):
+    a stop during a compile leaves XLA's threads working, and the interpreter's normal exit then
+    crashes in them (status 139, after the line). Called in-process (tests), it returns 130."""
+    main_file = getattr(sys.modules["__main__"], "__file__", None) or ""
+    command = bool(_script) and Path(main_file).name == _script  # its Parser's, run as a file
+    if command and threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C cannot cut the line short
+            signal.signal(sig, signal.SIG_IGN)
+    print(f"{script_name()}: stopped by a signal", file=sys.stderr)
+    if not command:
+        return EXIT_STOPPED
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the reader went away, or the stream was closed
+            pass
+    os._exit(EXIT_STOPPED)
 
 
 class Parser(argparse.ArgumentParser):

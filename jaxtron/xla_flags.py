@@ -179,7 +179,14 @@ def _no_backend(error: str) -> str:
     cause = re.sub(r"\s*\((set JAX_PLATFORMS|you may need)[^)]*\)\.?$", "", error.strip())
     cause = re.sub(r"^Unable to initialize backend '[^']*': ", "", cause.split("\n")[0])
     cause = cause.rstrip(".") if len(cause) <= 160 else cause[:157] + "..."
-    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    name = os.environ.get("JAX_PLATFORM_NAME", "").strip()
+    if name and re.search(rf"backend:? '?{re.escape(name)}\b", error):  # asked for by jax's old
+        # variable (JAX_PLATFORMS unset, or set to backends that do not include it)
+        return (f"JAX_PLATFORM_NAME={name}, but no {name} backend starts here ({cause}); unset "
+                "JAX_PLATFORM_NAME (jax's old name for JAX_PLATFORMS; jax then picks what it "
+                "finds)")
+    # JAX_PLATFORMS=cpu set by load_plugins_quietly, not by the user, is not theirs to change
+    platforms = "" if _PLATFORMS_SET_HERE else os.environ.get("JAX_PLATFORMS", "").strip()
     if not platforms:
         return (f"jax could not start a backend ({cause or 'no device found'}); set "
                 "JAX_PLATFORMS=cpu to skip a failing plugin, or reinstall: pip install -e .")
@@ -188,6 +195,9 @@ def _no_backend(error: str) -> str:
            if {"cuda", "gpu"} & set(platforms.replace(" ", "").split(",")) else
            "unset JAX_PLATFORMS (jax then picks what it finds), or set JAX_PLATFORMS=cpu")
     return f"JAX_PLATFORMS={platforms}, but no {platforms} backend starts here ({cause}); {fix}"
+
+
+_PLATFORMS_SET_HERE = False  # whether load_plugins_quietly set JAX_PLATFORMS (the user did not)
 
 
 def load_plugins_quietly() -> None:
@@ -204,7 +214,10 @@ def load_plugins_quietly() -> None:
         return
     # No GPU can start here; saying so lets the plugin register for compile-only use (with
     # platforms unset it checks the CUDA runtime, fails, and stays unregistered).
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    global _PLATFORMS_SET_HERE
+    if "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        _PLATFORMS_SET_HERE = True
     sys.stderr.flush()
     saved = os.dup(2)
     try:

@@ -16,6 +16,14 @@ SMALL = ["--steps", "1", "--warmup", "0", "train.seq_len=64", "train.batch_size=
          "model.num_layers=2", "mesh.fsdp=8"]
 
 
+@pytest.fixture(autouse=True)
+def _memory_share_kept_to_the_test(monkeypatch):
+    """bench.main's xla_flags.apply() sets XLA_PYTHON_CLIENT_MEM_FRACTION where it is unset; set
+    and unset here through monkeypatch, it is unset again after the test, for the next ones."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
 def test_table_by_default_and_json_on_request(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     assert bench.main([*SMALL, "--out", str(out)]) == 0
@@ -31,15 +39,28 @@ def test_table_by_default_and_json_on_request(tmp_path, capsys):
     assert row["mesh"] == {"data": 1, "stage": 1, "fsdp": 8, "tensor": 1} and row["devices"] == 8
 
 
-def test_bad_counts_are_refused_before_compiling(capsys):
-    for args in (["--steps", "0"], ["--warmup", "-1"]):
-        try:
-            bench.main(args)
-        except SystemExit as e:
-            assert e.code == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert "must be at least 1 and --warmup" in err[-1], err
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--warmup", "-1"], "--warmup -1 must be at least 0"),  # was: --steps 10 must be ... too
+])
+def test_bad_counts_are_refused_before_compiling(capsys, args, message):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(args)
+    assert exit.value.code == 2 and capsys.readouterr() == (
+        "", f"bench.py: error: {message} (see python tools/bench.py --help)\n")
 
+
+def test_the_default_preset_is_found_from_any_directory(tmp_path, monkeypatch, capsys):
+    """Run outside the repository, bench.py said `config file not found: configs/tiny.yaml`."""
+    from jaxtron.config import ConfigError
+
+    def measured(cfg, *_):
+        raise ConfigError(f"read, d_model {cfg.model.d_model}")  # stop before compiling
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "bench", measured)
+    assert bench.main(["--steps", "1"]) == 2
+    assert capsys.readouterr() == ("", "bench.py: error: read, d_model 256\n")
 
 
 @pytest.mark.parametrize("name, message", [

@@ -2,9 +2,12 @@
 (argparse's own form, <script> the file run), nothing on stdout, exit status 2. Run as users run
 them, each with a missing file (the command's own check) and an unknown flag (argparse's)."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,81 @@ def test_a_tool_run_without_the_environment_says_how_to_get_it(script):
         else:
             assert run.stderr.startswith(f"{script}: error: a module ") and re.search(
                 r"not a command; run .*python tools/\w+\.py --help", run.stderr), run.stderr
+
+
+def _stop_during_compile(tmp_path, sig):
+    """bench.py on the tiny preset (one CPU device), sent `sig` once XLA has begun compiling the
+    train step (its dump of the step appears as the compile starts; the compile takes seconds)."""
+    dump = tmp_path / "hlo"
+    one_device = {**os.environ, "XLA_FLAGS": ""}  # as a user runs it: there the crash is certain
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "bench.py"), "--steps", "10",
+                             f"xla.flags=[--xla_dump_to={dump}]"], cwd=ROOT, text=True,
+                            env=one_device, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not list(dump.glob("*jit_train_step*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the train step's compile never started"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=240)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_a_compile_is_one_line_and_status_130(tmp_path, sig):
+    """Ctrl-C during bench.py's compile was a KeyboardInterrupt traceback, then a crash in XLA's
+    threads at the interpreter's exit (status 139); SIGTERM killed it without a word."""
+    assert _stop_during_compile(tmp_path, sig) == (130, "", "bench.py: stopped by a signal\n")
+
+
+def test_a_stop_is_one_line_in_process_and_left_to_a_command_that_handles_signals(capsys):
+    """Called in-process, one_line_errors returns 130 after its line; a command with a SIGINT
+    handler of its own (launch.py, prepare_data.py) gets its KeyboardInterrupt back."""
+    from jaxtron import cli
+
+    def stop():
+        raise KeyboardInterrupt
+
+    assert cli.one_line_errors(stop) == 130
+    assert capsys.readouterr() == ("", f"{cli.script_name()}: stopped by a signal\n")
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cli.one_line_errors(stop)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: cuda starts here")
+@pytest.mark.parametrize("script, args", [
+    ("tools/generate.py", ["{tmp}", "--prompt", "x"]),
+    ("tools/commbench.py", ["mesh.fsdp=8"]),
+])
+def test_a_backend_that_cannot_start_is_one_line_in_the_tools(tmp_path, script, args):
+    """JAX_PLATFORMS=cuda without a GPU was an AssertionError traceback from jax (status 1)."""
+    proc = subprocess.run([sys.executable, str(ROOT / script),
+                           *(a.format(tmp=tmp_path) for a in args)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300, env={**os.environ,
+                                                                 "JAX_PLATFORMS": "cuda"})
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", (
+        f"{Path(script).name}: error: JAX_PLATFORMS=cuda, but no cuda backend starts here (no "
+        "NVIDIA GPU visible); pip install -e '.[cuda12]' on a GPU machine, or unset "
+        "JAX_PLATFORMS\n"))
+
+
+@pytest.mark.parametrize("tokens", ["1,2,,3", "1,2,", ",1", ""])
+def test_generate_refuses_an_empty_token_id(tokens):
+    """`--tokens 1,2,,3` was read as 1,2,3."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), "nope",
+                           "--tokens", tokens], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", (
+        f"generate.py: error: argument --tokens: '{tokens}' is not a list of token ids (0 or "
+        "more), such as 1,2,3 (see python tools/generate.py --help)\n"))
+
+
+def test_generate_reads_token_ids_with_spaces_around_commas():
+    from tool_module import import_tool
+
+    generate = import_tool(ROOT / "tools" / "generate.py")
+    assert generate.token_ids(" 1 , 2,3 ") == [1, 2, 3]

@@ -1,6 +1,7 @@
 """tools/inspect_ckpt.py on a real 2-step run of the tiny config: it prints what was saved."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -185,3 +186,12 @@ def test_a_damaged_checkpoint_is_listed_as_damaged_and_exits_1(run_dir, tmp_path
     biggest.unlink()
     assert f"({name} is missing; the checkpoint needs" in _inspect(copy).stderr
     assert _inspect(copy / "checkpoints" / "1").returncode == 0  # the older one is whole
+
+
+def test_a_jax_platforms_that_cannot_start_here_is_no_damage(run_dir):
+    """JAX_PLATFORMS=cuda without a GPU said `unreadable state metadata (AssertionError)`, as if
+    the checkpoint were damaged: the metadata is read with the CPU, whatever JAX_PLATFORMS says."""
+    proc = subprocess.run([sys.executable, str(TOOL), str(run_dir)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cuda"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert proc.stdout == _inspect(run_dir).stdout

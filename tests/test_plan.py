@@ -119,6 +119,40 @@ def test_bad_input_is_one_line_and_status_2(capsys, args, message):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
+@pytest.mark.parametrize("remat,message", [
+    ("", "--remat is empty; name policies separated by commas, e.g. --remat full,save_dots"),
+    ("full,,none", "--remat 'full,,none' has an empty item; name policies separated by commas, "
+                   "e.g. --remat full,save_dots"),
+    ("full,full", "--remat full,full names full twice; name each policy once"),
+])
+def test_an_empty_or_repeated_remat_is_refused(capsys, remat, message):
+    """`--remat ''` was the config's own and full, silently; `--remat full,full` estimated every
+    layout twice."""
+    assert plan_tool.main(["--config", str(TINY), "--gpus", "8", "--remat", remat]) == 2
+    assert capsys.readouterr() == ("", f"plan.py: error: {message}\n")
+
+
+def test_remat_names_may_have_spaces_around_commas(capsys):
+    counts = []
+    for remat in (" full , none", "full"):
+        assert plan_tool.main(["--config", str(TINY), "--gpus", "8", "--top", "1", "--remat",
+                               remat, *SMALL]) == 0
+        counts.append(int(capsys.readouterr().out.split(" layouts estimated")[0]))
+    assert counts[0] == 2 * counts[1], counts  # two policies, each layout once
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: cuda starts here")
+def test_plan_computes_on_the_cpu_whatever_jax_platforms_says():
+    """JAX_PLATFORMS=cuda without a GPU was an AssertionError traceback from jax: the plan only
+    estimates GPUs elsewhere, so it uses this machine's CPU, and --verify compiles for them."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plan.py"), "--config", str(TINY), "--gpus", "8",
+         "--top", "1", "--verify", "1", *SMALL], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cuda"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verify TP" in proc.stdout and proc.stderr == "", proc.stderr[-2000:]
+
+
 def test_durations_keep_three_digits_at_any_scale():
     """A small model's step is 381 us, not "0.00 s"; a large one's 22.2 s."""
     assert [planner.duration(x) for x in (1403.2, 22.24, 0.0433, 0.000381, 0.0)] == [

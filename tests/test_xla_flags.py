@@ -182,3 +182,30 @@ def test_a_backend_that_cannot_start_is_one_line(tmp_path, platforms, reason, fi
     [line] = proc.stderr.splitlines()
     assert line.startswith(f"launch.py: error: JAX_PLATFORMS={platforms}, but no {platforms} "
                            "backend starts here (") and reason in line and fix in line
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: gpu starts here")
+def test_the_old_platform_variable_is_named_when_it_asks_for_a_missing_backend(tmp_path):
+    """JAX_PLATFORM_NAME=gpu (jax's old name) was reported as `JAX_PLATFORMS=cpu, but no cpu
+    backend starts here`, the JAX_PLATFORMS=cpu that jaxtron sets itself where the CUDA plugin has
+    no GPU (xla_flags.load_plugins_quietly), with advice to set JAX_PLATFORMS=cpu."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--dry-run",
+                           f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env | {"JAX_PLATFORM_NAME": "gpu"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("launch.py: error: JAX_PLATFORM_NAME=gpu, but no gpu backend starts "
+                           "here (Unknown backend"), line
+    assert line.endswith("; unset JAX_PLATFORM_NAME (jax's old name for JAX_PLATFORMS; jax then "
+                         "picks what it finds)"), line
+    assert "JAX_PLATFORMS=cpu" not in line
+
+
+def test_a_jax_platforms_set_by_jaxtron_is_not_blamed_on_the_user(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("JAX_PLATFORM_NAME", raising=False)
+    monkeypatch.setattr(xla_flags, "_PLATFORMS_SET_HERE", True)
+    assert xla_flags._no_backend("some plugin failed") == (
+        "jax could not start a backend (some plugin failed); set JAX_PLATFORMS=cpu to skip a "
+        "failing plugin, or reinstall: pip install -e .")

@@ -33,9 +33,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON line, not a table")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_intermixed_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps {args.steps} must be at least 1 and --warmup {args.warmup} at "
-                     "least 0")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup} must be at least 0")
     return args
 
 
@@ -137,12 +138,12 @@ def table(result: dict) -> str:
 
 def report(args: argparse.Namespace) -> None:
     """Measure, print the result as a table (or one JSON line), and append it to --out."""
-    from jaxtron import xla_flags
+    from jaxtron import presets, xla_flags
     from jaxtron.config import load
 
     if args.out:
         cli.writable_file(args.out, "--out")  # before the compile, not after the measurement
-    cfg = load(args.config or ["configs/tiny.yaml"], args.overrides)
+    cfg = load(args.config or [presets.PRESETS / "tiny.yaml"], args.overrides)  # from any directory
     xla_flags.apply(cfg.xla)  # before anything starts a backend
     result = {**bench(cfg, args.steps, args.warmup), "overrides": args.overrides}
     line = json.dumps(result)

@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> None:
 
     from jaxtron.parallel import make_mesh
 
-    devices = jax.devices()
+    devices = xla_flags.start_backend()  # one that cannot start here: one line, not a trace
     mesh = make_mesh(cfg.mesh, devices)
     sizes = args.sizes or parse_sizes("1MiB..1GiB" if devices[0].platform == "gpu"
                                       else "1KiB..256KiB")

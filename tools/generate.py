@@ -27,7 +27,7 @@ from pathlib import Path
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
 
-from jaxtron import cli, hf, prepared, tokenizer, weights
+from jaxtron import cli, hf, prepared, tokenizer, weights, xla_flags
 from jaxtron.cli import one_line_errors, plural
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.generate import check, generate, prompt_array
@@ -66,12 +66,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def token_ids(text: str) -> list[int]:
-    """'1,2, 3' -> [1, 2, 3]; anything else (no id, a word, a negative id) is a usage error."""
+    """'1,2, 3' -> [1, 2, 3]; anything else (no id, an empty item, a word, a negative id) is a
+    usage error."""
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
+        ids = [int(part) for part in text.split(",")]  # int() takes the spaces around an id
+    except ValueError:  # a word, or nothing between two commas
         ids = [-1]
-    if not ids or min(ids) < 0:
+    if min(ids) < 0:
         raise argparse.ArgumentTypeError(f"'{text}' is not a list of token ids (0 or more), such "
                                          "as 1,2,3")
     return ids
@@ -104,6 +105,7 @@ def load(path: Path) -> Loaded:
     """A Hugging Face directory (config.json) or a jaxtron checkpoint, run or checkpoints dir."""
     if not path.expanduser().exists():
         raise ConfigError(f"{path}: no such file or directory")
+    xla_flags.start_backend()  # before the weights go to a device: one that cannot start, one line
     if (path.expanduser() / "config.json").is_file():
         return _load_hf(path.expanduser())
     return _load_checkpoint(path)

@@ -43,6 +43,10 @@ def read_arrays(step_dir: Path) -> tuple[list[tuple[str, tuple, np.dtype]], Any]
     import jax
     import orbax.checkpoint as ocp
 
+    # Orbax describes the saved shardings with this machine's devices, which the metadata read
+    # needs no more of than the CPU's: not a GPU's memory a run may be using, nor a backend
+    # JAX_PLATFORMS names that cannot start here (seen as damage, AssertionError, before).
+    jax.config.update("jax_platforms", "cpu")  # read when the first backend starts
     try:
         tree = ocp.PyTreeCheckpointHandler().metadata(step_dir.absolute() / "state").tree
     except Exception as e:  # noqa: BLE001 - any Orbax failure means an unreadable checkpoint

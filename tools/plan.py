@@ -26,7 +26,16 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
+    import os
+
+    # Estimates (and --verify's compiles) of GPUs elsewhere, computed on this CPU: no backend of
+    # this machine is used, whatever JAX_PLATFORMS says (a GPU's would only take its memory).
+    # Set before jax loads its plugins, so that CUDA's registers for compiling only (see
+    # xla_flags.load_plugins_quietly), as --verify needs.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     import _environment  # noqa: F401
+
+import jax
 
 from jaxtron import aot, cli, planner
 from jaxtron import config as config_lib
@@ -41,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="h100", choices=sorted(planner.ACHIEVABLE_TFLOPS))
-    parser.add_argument("--remat", default="",
+    parser.add_argument("--remat",
                         help="comma-separated remat policies to try (default: the config's, full)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print")
     parser.add_argument("--json", type=Path, help="write the ranked list here")
@@ -56,8 +65,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _remats(args: argparse.Namespace, cfg) -> list[str]:
-    names = [r for r in args.remat.split(",") if r] or list(dict.fromkeys([cfg.model.remat,
-                                                                          "full"]))
+    if args.remat is None:
+        return list(dict.fromkeys([cfg.model.remat, "full"]))
+    names = [r.strip() for r in args.remat.split(",")]
+    if "" in names:
+        what = "is empty" if len(names) == 1 else f"'{args.remat}' has an empty item"
+        raise ConfigError(f"--remat {what}; name policies separated by commas, e.g. --remat "
+                          "full,save_dots")
+    if len(set(names)) < len(names):
+        twice = next(r for r in names if names.count(r) > 1)
+        raise ConfigError(f"--remat {args.remat} names {twice} twice; name each policy once")
     unknown = [r for r in names if r not in REMAT_POLICIES]
     if unknown:
         raise ConfigError(f"--remat {unknown[0]} is not one of {', '.join(REMAT_POLICIES)}")
@@ -144,6 +161,7 @@ def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespa
 def run(args: argparse.Namespace) -> None:
     _check(args)
     check_find(args.find)
+    jax.config.update("jax_platforms", "cpu")  # as run as a command (see the top): in-process too
     if args.json:
         cli.writable_file(args.json, "--json")
     cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
