@@ -246,31 +246,21 @@ def host_need(per_device: int, num_devices: int, process: int) -> float:
     return HOST_FACTOR * per_device * num_devices + process + HOST_COMPILE
 
 
-def check_host(plan, devices: list, cfg: Config | None = None) -> None:
+def check_host(plan, devices: list, cfg: Config) -> None:
     """On CPU devices, which share this machine's memory: the step as the dry run estimates it
-    (with `cfg`; else the training state alone: parameters, gradients, optimizer state) against
-    the memory available here. A ConfigError, one line, instead of the out-of-memory killer
-    ending the process without a word (the dry run's verdict says DOES NOT FIT then too)."""
+    against the memory available here. A ConfigError, one line, instead of the out-of-memory
+    killer ending the process without a word (the dry run's verdict says DOES NOT FIT then too)."""
     if devices[0].platform != "cpu" or not (available := available_host_bytes()):
         return
     local = len([d for d in devices if d.process_index == jax.process_index()])
     here = process_bytes()
-    if cfg is not None:
-        if (need := host_need(sum(estimate(cfg, plan).values()), local, here)) <= available + here:
-            return
+    if (need := host_need(sum(estimate(cfg, plan).values()), local, here)) > available + here:
         raise ConfigError(
             f"this step needs about {need / 2**30:.1f} GiB of this machine's memory on "
             f"{local} CPU device{'s' if local > 1 else ''} and {(available + here) / 2**30:.1f} "
             "GiB is available (--dry-run shows the terms); lower train.batch_size or raise "
             "train.microbatches, run a smaller preset here (configs/tiny.yaml), or size it for "
             "GPUs with --dry-run --devices N --gpu h100")
-    need = (2 * plan.bytes_per_device("params") + plan.bytes_per_device("opt_state")) * local
-    if need > available:
-        raise ConfigError(
-            f"the state alone ({plan.num_params:,} parameters, their gradients and optimizer "
-            f"state) needs {need / 2**30:.1f} GiB on this machine's CPU devices and "
-            f"{available / 2**30:.1f} GiB is available; size it for GPUs with --dry-run "
-            "--devices N --gpu h100, or run a smaller preset here (configs/tiny.yaml)")
 
 
 def available_host_bytes() -> int:

@@ -69,7 +69,7 @@ def bench(cfg, steps: int, warmup: int) -> dict:
     cfg = attention.configure(cfg, devices[0].platform)  # as train() runs it
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
-    memory.check_host(plan, devices)  # one line, not the out-of-memory killer
+    memory.check_host(plan, devices, cfg)  # one line, not the out-of-memory killer
     mesh = parallel.make_mesh(cfg.mesh, devices)
     with jax.set_mesh(mesh):
         state = init_state(cfg, plan, tx, mesh)
