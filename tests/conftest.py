@@ -6,12 +6,18 @@
   user's ~/.cache/jaxtron; subprocesses started by tests inherit it. An already-set JAXTRON_CACHE
   is deliberately ignored. To reuse one cache across sessions (faster local reruns), set
   JAXTRON_TEST_CACHE=/some/dir: it is used as is and kept.
+- Each test starts with the signal handlers pytest started with: launch.main() called in-process
+  keeps its start-up handler installed (a process ends after it), which changed what a later
+  test's Ctrl-C meant.
 """
 
 import atexit
 import os
 import shutil
+import signal
 import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -30,3 +36,14 @@ def _session_cache() -> str:
 
 
 os.environ["JAXTRON_CACHE"] = _session_cache()
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STARTING = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_as_at_start():
+    for sig, handler in _STARTING.items():
+        signal.signal(sig, handler)
+    yield

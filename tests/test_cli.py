@@ -113,6 +113,7 @@ def test_a_stop_is_one_line_in_process_and_left_to_a_command_that_handles_signal
     def stop():
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own (conftest restores)
     assert cli.one_line_errors(stop) == 130
     assert capsys.readouterr() == ("", f"{cli.script_name()}: stopped by a signal\n")
     previous = signal.signal(signal.SIGINT, lambda *_: None)
