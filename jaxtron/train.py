@@ -25,7 +25,8 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import cli, compile_cache, distributed, doctor, goodput, memory, parallel, pipeline, prepared
+from jaxtron import cli, compile_cache, distributed, doctor, goodput, memory, parallel, pipeline
+from jaxtron import prepared
 from jaxtron import metrics as metrics_lib
 from jaxtron import weights
 from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
@@ -170,9 +171,10 @@ def _evaluate(run: RunContext, step: int, state: dict) -> bool:
     """Evaluate and log; True when a signal came meanwhile (one process: the evaluation is left
     unfinished, for the stop to save now rather than after every eval batch)."""
     jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
-    signalled = lambda: run.preemption.signal is not None and jax.process_count() == 1  # noqa
+    alone = jax.process_count() == 1  # several: jax's sync point picks the step all stop at
     with run.watch.time("eval"):  # not a step's time (StepWindow leaves it out)
-        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh, signalled)
+        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh,
+                        lambda: alone and run.preemption.signal is not None)
     if loss is None:
         run.log.info(f"evaluation at step {step} left unfinished: a signal came")
     else:
