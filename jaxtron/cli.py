@@ -33,8 +33,12 @@ def one_line_errors(run: Callable[[], int | None],
     becomes one line `<script>: stopped by a signal` and status 130, unless the command handles
     its signals itself (launch.py, prepare_data.py: their KeyboardInterrupt goes back to them)."""
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
+    stopped_early = take_over_signals()
+    own = _own_handler()
     previous = _stop_on_sigterm()
     try:
+        if stopped_early:
+            raise KeyboardInterrupt
         return run() or 0
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
@@ -49,6 +53,23 @@ def one_line_errors(run: Callable[[], int | None],
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if not own:
+            ignore_signals_when_done()
+
+
+def take_over_signals() -> bool:
+    """Python's own SIGINT and SIGTERM handling again where a command's start-up only recorded
+    them (tools/_environment.py); whether a signal came meanwhile (the command then stops)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    stopped = False
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    for sig, default in defaults.items():
+        handler = signal.getsignal(sig)
+        if getattr(handler, "startup_recorder", False):
+            signal.signal(sig, default)
+            stopped = stopped or bool(handler.signalled)
+    return stopped
 
 
 def _raise_stop(signum, frame) -> None:
@@ -75,11 +96,7 @@ def _stopped() -> int:
     """One line for a stop by a signal. Run as a command, the process ends here (os._exit):
     a stop during a compile leaves XLA's threads working, and the interpreter's normal exit then
     crashes in them (status 139, after the line). Called in-process (tests), it returns 130."""
-    main_file = getattr(sys.modules["__main__"], "__file__", None) or ""
-    command = bool(_script) and Path(main_file).name == _script  # its Parser's, run as a file
-    if command and threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C cannot cut the line short
-            signal.signal(sig, signal.SIG_IGN)
+    command = ignore_signals_when_done()  # a second Ctrl-C cannot cut the line short
     print(f"{script_name()}: stopped by a signal", file=sys.stderr)
     if not command:
         return EXIT_STOPPED
@@ -89,6 +106,27 @@ def _stopped() -> int:
         except (OSError, ValueError):  # the reader went away, or the stream was closed
             pass
     os._exit(EXIT_STOPPED)
+
+
+def _as_command() -> bool:
+    """Whether the running command was started as a file from a shell (its Parser's name is
+    __main__'s), not called in-process (tests call main()), in the main thread."""
+    main_file = getattr(sys.modules["__main__"], "__file__", None) or ""
+    return (bool(_script) and Path(main_file).name == _script
+            and threading.current_thread() is threading.main_thread())
+
+
+def ignore_signals_when_done() -> bool:
+    """A command run from a shell whose outcome is decided (its line is out, its status known)
+    ignores SIGINT and SIGTERM from here on: one during the interpreter's exit (jax's clean-up
+    takes a moment) would end it with -2 or a traceback after the line. Whether it did so (a
+    command called in-process keeps its handlers)."""
+    if not _as_command():
+        return False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not None:  # None: a handler not set from Python; left so
+            signal.signal(sig, signal.SIG_IGN)
+    return True
 
 
 class Parser(argparse.ArgumentParser):

@@ -125,6 +125,57 @@ def test_a_stop_is_one_line_in_process_and_left_to_a_command_that_handles_signal
     assert capsys.readouterr() == ("", "")
 
 
+PROBE = """
+import os, signal, sys, time
+sys.path.insert(0, {tools!r})
+import _environment  # as every command of tools/ starts
+from jaxtron import cli
+from jaxtron.config import ConfigError
+
+def work():
+    raise ConfigError("a bad value")
+
+if __name__ == "__main__":
+    cli.Parser(command="probe.py").parse_args([])
+    if sys.argv[1] == "while-importing":
+        os.kill(os.getpid(), signal.{sig})  # as if jax were still importing
+        time.sleep(0.2)
+    status = cli.one_line_errors(work)
+    if sys.argv[1] == "while-exiting":
+        os.kill(os.getpid(), signal.{sig})  # the line is out; the interpreter is ending
+        time.sleep(0.2)
+    sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("when, status, line", [
+    ("while-importing", 130, "probe.py: stopped by a signal\n"),
+    ("while-exiting", 2, "probe.py: error: a bad value\n"),
+])
+def test_a_signal_before_or_after_the_work_is_one_line(tmp_path, sig, when, status, line):
+    """A command of tools/ stopped while it imported (jax: a second or two) was a KeyboardInterrupt
+    traceback, or an ImportError from inside jaxlib; one stopped after its line, while the
+    interpreter ended, exited -2 instead of its status."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.format(tools=str(ROOT / "tools"), sig=sig))
+    run = subprocess.run([sys.executable, str(probe), when], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (status, "", line)
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.8])
+def test_ctrl_c_while_a_tool_imports_jax_is_one_line(delay):
+    """plan.py imports jax at its top, for about two seconds; Ctrl-C there is its one line."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "plan.py"), "--config",
+                             str(ROOT / "configs" / "llama3_8b.yaml"), "--gpus", "8"], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (130, "", "plan.py: stopped by a signal\n")
+
+
 @pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: cuda starts here")
 @pytest.mark.parametrize("script, args", [
     ("tools/generate.py", ["{tmp}", "--prompt", "x"]),

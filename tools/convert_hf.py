@@ -300,9 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = lambda: export_model(args.ckpt_dir, args.hf_dir, args.model_type, args.dtype,
                                    args.tokenizer)
+    stopped_early = cli.take_over_signals()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     _signalled.clear()
     try:
+        if stopped_early:
+            raise KeyboardInterrupt
         for sig, handler in handlers.items():
             if handler is not signal.SIG_IGN:  # nohup's choice stays
                 signal.signal(sig, _on_signal)
@@ -315,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        cli.ignore_signals_when_done()
 
 
 if __name__ == "__main__":
