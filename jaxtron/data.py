@@ -136,6 +136,7 @@ class Stream:
     items: grain.MapDataset
     split: SplitDocument | None  # None: items are already chunks
     bos_id: int
+    size: int  # items in one pass (of a repeated stream)
 
     def count(self, batch: dict[str, np.ndarray]) -> int:
         """Items a batch consumed: its chunks, or (documents) its chunks that begin with bos."""
@@ -158,22 +159,23 @@ def _stdlib_stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | 
     if seed is None and not len(chunks):
         raise ConfigError("no stdlib file is held out for eval; set train.eval_every=0")
     items = chunks.repeat(None) if seed is None else shuffle_and_shard(chunks, seed)
-    return Stream(items, None, tok.bos_id())
+    return Stream(items, None, tok.bos_id(), len(chunks))
 
 
 def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
     """Mixture documents: train splits shuffled and repeated (seed), or the val splits in order."""
-    parts = []
+    parts, size = [], 0
     for k, entry in enumerate(data.mixture):
         docs = split_documents(entry.path, "train" if seed is not None else "val")
         if docs is None:  # check_dataset and check_eval made sure every split has documents
             raise ConfigError(prepared.empty_val(entry.path))
+        size += len(docs)
         parts.append(shuffle_and_shard(docs, seed, stream=2 + k) if seed is not None
                      else docs.repeat(None))
     weights = [entry.weight for entry in data.mixture]
     items = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
     tok = read_manifest(data.mixture[0].path)["tokenizer"]
-    return Stream(items, SplitDocument(seq_len, tok["bos_id"], tok["eos_id"]), tok["bos_id"])
+    return Stream(items, SplitDocument(seq_len, tok["bos_id"], tok["eos_id"]), tok["bos_id"], size)
 
 
 def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
@@ -325,12 +327,27 @@ def layout_of(data: DataConfig, train: TrainConfig) -> dict:
 def make_eval_batches(data: DataConfig, train: TrainConfig,
                       vocab_size: int) -> list[dict[str, np.ndarray]]:
     """The first `train.eval_batches` global batches of the held-out split, unshuffled, the same at
-    every call ([] when train.eval_every is 0); a split smaller than that is read again from its
-    start."""
+    every call ([] when train.eval_every is 0). They end once the split is read through (its
+    last batch filled from its start): the same tokens again would add time, not information."""
     if train.eval_every <= 0:
         return []
     stream = _stream(data, train.seq_len, vocab_size, None)
-    return list(itertools.islice(_batches(stream, 0, train, workers=0), train.eval_batches))
+    batches, read = [], 0
+    for batch in itertools.islice(_batches(stream, 0, train, workers=0), train.eval_batches):
+        batches.append(batch)
+        read += stream.count(batch)
+        if read > stream.size:  # the split began again: every item of it is in
+            break
+    return batches
+
+
+def eval_warning(eval_batches: list, train: TrainConfig) -> str | None:
+    """A warning when the held-out split filled fewer batches than train.eval_batches asks."""
+    if 0 < len(eval_batches) < train.eval_batches:
+        return (f"train.eval_batches={train.eval_batches}: the held-out split fills "
+                f"{len(eval_batches)}, which each evaluation reads; set train.eval_batches="
+                f"{len(eval_batches)} (or hold out more data)")
+    return None
 
 
 def corpus_summary(data: DataConfig, vocab_size: int) -> str:

@@ -80,7 +80,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
     log.info(f"run: {run_dir} (its resolved config in config.yaml)")
-    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab])]:
+    eval_short = data_lib.eval_warning(eval_batches, cfg.train)
+    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab, eval_short])]:
         log.info(f"warning: {warning}")
     log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
     shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())

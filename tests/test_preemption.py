@@ -103,8 +103,18 @@ def test_a_signal_during_an_evaluation_saves_that_step_without_finishing_it(tmp_
     left unfinished and step 2 saved, exit 75. Before, every eval batch ran first (a preemption's
     grace period gone; with train.eval_batches=100000 a SIGTERM waited for minutes), then the
     stop came at step 3."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = tmp_path / "ds"  # ~265,000 held-out tokens: 130 eval batches, seconds to read
+    subprocess.run([sys.executable, str(ROOT / "tools" / "prepare_data.py"),
+                    str(stdlib / "email" / "*.py"), str(stdlib / "asyncio" / "*.py"), "--out",
+                    str(held_out), "--train-tokenizer", "1000", "--val-fraction", "0.9"],
+                   check=True, capture_output=True, timeout=300)
     run_dir = tmp_path / "run"
-    cmd = _cmd(run_dir, "checkpoint.every=1000", "train.eval_every=2", "train.eval_batches=4000")
+    cmd = _cmd(run_dir, "checkpoint.every=1000", "train.eval_every=2", "train.eval_batches=4000",
+               "data.source=arrayrecord", f"data.mixture=[{{path: {held_out}}}]",
+               "model.vocab_size=1024", "model.num_layers=4")
     assert _run_until(cmd, run_dir, 2, signal.SIGINT) == 75
     assert _saved_steps(run_dir) == [2]
     assert (run_dir / "eval.jsonl").read_text() == ""  # step 2's evaluation never finished
