@@ -328,8 +328,7 @@ def _restore_dir(path: str, model: ModelConfig | None) -> Path:
     try:
         _, directory = weights.locate(path)
     except ConfigError:
-        raise ConfigError(f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
-                          ", nor a run or import directory holding a complete one") from None
+        raise ConfigError(weights.restore_error(path)) from None
     if model is None:
         return directory
     changed = weights.model_changes(weights.read_meta(directory), model)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import tempfile
 import typing
 from collections.abc import Callable, Iterable
@@ -78,10 +79,30 @@ def locate(path: str | Path) -> tuple[Path | None, Path]:
     if not steps and (path / "config.yaml").is_file():
         raise ConfigError(f"{path} is a run with no complete checkpoint yet "
                           f"({_saves(path / 'config.yaml')}); inspect it after the first save")
+    if not steps and (hint := import_hint(path)):
+        raise ConfigError(f"{path} is a Hugging Face model, not a jaxtron checkpoint; {hint}")
     if not steps:
         raise ConfigError(f"{path}: not a checkpoint (.../checkpoints/<step>), nor a run, import "
                           "or checkpoints directory holding a complete one")
     return checkpoints_dir.absolute(), steps[-1].absolute()
+
+
+def import_hint(path: str | Path) -> str | None:
+    """How to use `path` if it is a Hugging Face model directory (config.json and weights)."""
+    path = Path(path).expanduser()
+    weights = [*path.glob("*.safetensors"), *path.glob("*.bin"), *path.glob("*.pt")]
+    if not ((path / "config.json").is_file() and weights):
+        return None
+    return (f"import it first (python tools/convert_hf.py import {shlex.quote(str(path))} OUT), "
+            "then restore OUT with checkpoint.weights_only=true")
+
+
+def restore_error(path: str) -> str:
+    """Why checkpoint.restore=`path` names no checkpoint, and what to do."""
+    if hint := import_hint(path):
+        return f"checkpoint.restore={path} is a Hugging Face model, not a jaxtron checkpoint; {hint}"
+    return (f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>), nor a run or "
+            "import directory holding a complete one")
 
 
 def _saves(config_yaml: Path) -> str:

@@ -175,6 +175,26 @@ def test_restore_from_a_non_checkpoint_is_one_line_and_status_2(tmp_path, capsys
     _assert_one_line_status_2(rc, capsys.readouterr().err, message)
 
 
+def test_a_hugging_face_model_as_a_checkpoint_says_to_import_it(tmp_path, capsys):
+    """checkpoint.restore (and inspect_ckpt) on a Hugging Face directory said only "not a
+    checkpoint"; now the line names tools/convert_hf.py import."""
+    hf_dir = tmp_path / "Llama 3"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"model_type": "llama"}')
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    hint = (f"is a Hugging Face model, not a jaxtron checkpoint; import it first (python "
+            f"tools/convert_hf.py import '{hf_dir}' OUT), then restore OUT with "
+            "checkpoint.weights_only=true")
+    for weights_only in ("false", "true"):
+        rc = _main([*SMALL_RUN, f"checkpoint.restore={hf_dir}", f"run.dir={tmp_path / 'run'}",
+                    f"checkpoint.weights_only={weights_only}"])
+        _assert_one_line_status_2(rc, capsys.readouterr().err, f"checkpoint.restore={hf_dir} {hint}")
+    assert not (tmp_path / "run").exists()
+    inspect = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_ckpt.py"), str(hf_dir)],
+                             capture_output=True, text=True, timeout=120)
+    assert (inspect.returncode, inspect.stderr) == (2, f"inspect_ckpt.py: error: {hf_dir} {hint}\n")
+
+
 def test_restore_from_a_non_checkpoint_in_a_real_process_is_one_line(tmp_path):
     """The real stderr too: C++ or absl (orbax) logs would land there, unseen by capsys."""
     path = _not_a_checkpoint(tmp_path, "empty_step_dir")
