@@ -277,6 +277,8 @@ class _StartupSignals:
         self.raising = False
 
     def __call__(self, signum, frame) -> None:
+        if self.raising and _deferred(signum, frame):
+            return
         self.signalled.append(signum)
         if self.raising:
             raise KeyboardInterrupt
@@ -292,6 +294,12 @@ class _StartupSignals:
         self.raising = True
         if self.signalled:
             raise KeyboardInterrupt
+
+
+def _deferred(signum, frame) -> bool:
+    from jaxtron.cli import deferred  # imported by then (raising starts after the imports)
+
+    return deferred(signum, frame)
 
 
 def main(argv: list[str] | None = None) -> int:

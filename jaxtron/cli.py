@@ -4,7 +4,9 @@ traceback; other expected failures end the same way with their own status. Every
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -16,6 +18,7 @@ from jaxtron.config import ConfigError
 
 EXIT_USAGE = 2  # bad input: the line says what to change
 EXIT_STOPPED = 130  # stopped by Ctrl-C or SIGTERM: 128 + SIGINT, what a shell shows for Ctrl-C
+REDELIVER_S = 0.01  # a signal that landed in a garbage-collection callback comes again this late
 # The running command's file name (launch.py, plan.py), set by its Parser: a command called
 # in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
 _script = ""
@@ -35,7 +38,7 @@ def one_line_errors(run: Callable[[], int | None],
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
     stopped_early = take_over_signals()
     own = _own_handler()
-    previous = _stop_on_sigterm()
+    previous = _stop_on_signals()
     try:
         if stopped_early:
             raise KeyboardInterrupt
@@ -51,8 +54,8 @@ def one_line_errors(run: Callable[[], int | None],
         print(f"{script_name()}: error: {e}", file=sys.stderr)
         return next(code for kind, code in handled.items() if isinstance(e, kind))
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if not own:
             ignore_signals_when_done()
 
@@ -72,18 +75,36 @@ def take_over_signals() -> bool:
     return stopped
 
 
+def deferred(signum: int, frame) -> bool:
+    """Whether a signal handler was called inside a garbage-collection callback (jax runs one at
+    every collection), where an exception is printed as "ignored" and dropped, the stop lost.
+    The signal then comes again once the callback has returned, and the handler does nothing
+    now. Handlers that raise KeyboardInterrupt ask this first."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        if frame.f_code in callbacks:  # again in 10 ms, from a thread: at once would land here
+            later = threading.Timer(REDELIVER_S, _thread.interrupt_main, (signum,))
+            later.daemon = True
+            later.start()
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _raise_stop(signum, frame) -> None:
-    raise KeyboardInterrupt
+    if not deferred(signum, frame):
+        raise KeyboardInterrupt
 
 
-def _stop_on_sigterm():
-    """SIGTERM (kill, a batch system's end) raises KeyboardInterrupt as Ctrl-C does; the handler
-    it replaced, or None where it stays (a command's own, an ignored one, not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL or _own_handler():
-        return None
-    return signal.signal(signal.SIGTERM, _raise_stop)
+def _stop_on_signals() -> dict:
+    """Ctrl-C, and SIGTERM (kill, a batch system's end) as Ctrl-C, raise KeyboardInterrupt (also
+    when they land in a garbage-collection callback); the handlers replaced, to restore. Left
+    as they are: a command's own, an ignored one, any outside the main thread."""
+    if threading.current_thread() is not threading.main_thread() or _own_handler():
+        return {}
+    python_own = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    return {sig: signal.signal(sig, _raise_stop) for sig, handler in python_own.items()
+            if signal.getsignal(sig) == handler}
 
 
 def _own_handler() -> bool:

@@ -133,6 +133,19 @@ from jaxtron import cli
 from jaxtron.config import ConfigError
 
 def work():
+    if sys.argv[1] == "in-a-gc-callback":  # jax runs one at every garbage collection
+        import gc
+
+        def callback(phase, info):
+            if phase == "start":
+                os.kill(os.getpid(), signal.{sig})
+                [i for i in range(3)]  # a call: the handler runs here, inside the callback
+        gc.callbacks.append(callback)
+        gc.collect()
+        gc.callbacks.remove(callback)
+        time.sleep(1)
+        print("not stopped")
+        return 0
     raise ConfigError("a bad value")
 
 if __name__ == "__main__":
@@ -152,11 +165,13 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("when, status, line", [
     ("while-importing", 130, "probe.py: stopped by a signal\n"),
     ("while-exiting", 2, "probe.py: error: a bad value\n"),
+    ("in-a-gc-callback", 130, "probe.py: stopped by a signal\n"),
 ])
 def test_a_signal_before_or_after_the_work_is_one_line(tmp_path, sig, when, status, line):
     """A command of tools/ stopped while it imported (jax: a second or two) was a KeyboardInterrupt
     traceback, or an ImportError from inside jaxlib; one stopped after its line, while the
-    interpreter ended, exited -2 instead of its status."""
+    interpreter ended, exited -2 instead of its status; one whose signal landed in a garbage
+    collection's callback printed "Exception ignored ... KeyboardInterrupt" and went on (exit 0)."""
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE.format(tools=str(ROOT / "tools"), sig=sig))
     run = subprocess.run([sys.executable, str(probe), when], cwd=tmp_path, text=True,

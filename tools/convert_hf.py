@@ -53,6 +53,8 @@ def _on_signal(signum: int, frame) -> None:
     """The first SIGINT/SIGTERM stops the work with one KeyboardInterrupt, at once or, while
     Orbax saves, at the next _stop_point; later ones are only recorded, so that they cannot cut
     the clean-up short."""
+    if cli.deferred(signum, frame):
+        return
     _signalled.append(signum)
     if len(_signalled) == 1 and not _held[0]:
         raise KeyboardInterrupt

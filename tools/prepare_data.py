@@ -42,6 +42,8 @@ _working: list[bool] = []
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    if _working and cli.deferred(signum, frame):
+        return
     _signalled.append(signum)
     if _working:
         _working.clear()  # one KeyboardInterrupt: a second Ctrl-C cannot cut the clean-up short
