@@ -43,13 +43,15 @@ def target_config(target: str) -> str:
     return (TARGET_DIR / TARGETS[target]).read_text()
 
 
-def check_target(target: str, num_devices: int, gpus_per_host: int) -> None:
-    """A known target, the CUDA plugin installed, whole hosts: before anything compiles."""
+def check_target(target: str, num_devices: int, gpus_per_host: int,
+                 option: str = "--compile-for") -> None:
+    """A known target, the CUDA plugin installed, whole hosts: before anything compiles.
+    `option` is the command's option that asked for the compile, as its messages name it."""
     target_config(target)
     from jaxtron import xla_flags
 
     if not any(map(xla_flags._installed, PLUGINS)):
-        raise ConfigError(f"--compile-for needs jax's CUDA plugin, which is not installed: {INSTALL}")
+        raise ConfigError(f"{option} needs jax's CUDA plugin, which is not installed: {INSTALL}")
     if num_devices < 1 or gpus_per_host < 1:
         raise ConfigError("--devices and --gpus-per-host must be at least 1")
     if num_devices % min(gpus_per_host, num_devices):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, ValueNode
 from omegaconf import errors as oc_errors
 
 from jaxtron import presets
@@ -258,6 +258,8 @@ def _bad_value(e: oc_errors.ValidationError, layer: Any = None) -> str:
         key = next(_paths_to(layer, key, value), key)
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value)
+    elif isinstance(value, ValueNode):  # null for a list: the node that holds None
+        value = value._value()
     kind: Any = Config
     for part in re.findall(r"\w+|\[\d+\]", key):  # data.mixture[0].weight -> its float
         if typing.get_origin(kind) is list:
@@ -266,6 +268,8 @@ def _bad_value(e: oc_errors.ValidationError, layer: Any = None) -> str:
             kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
     shown = f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else value
     if typing.get_origin(kind) is list:
+        if value is None:
+            return f"{key} is a list: write {key}=[] for none, or {key}=[A,B] (items separated by commas)"
         return f"{key} is a list: write {key}=[{shown}] (items separated by commas)"
     if kind in _KINDS:
         return f"{key} must be {_KINDS[kind]}, got {shown if shown != '' else 'nothing'}"

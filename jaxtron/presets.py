@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
 
 from jaxtron.errors import ConfigError
 
@@ -91,8 +90,17 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not (path.parent / base).is_file():
         raise ConfigError(f"{path}: base: {base} names no file ({path.parent / base}); a base "
                           "path is relative to the preset that names it")
-    parent = read(path.parent / base, seen + (path.resolve(),))
-    return OmegaConf.to_container(OmegaConf.merge(parent, tree))
+    return _merged(read(path.parent / base, seen + (path.resolve(),)), tree)
+
+
+def _merged(base: dict, preset: dict) -> dict:
+    """`preset` over `base`: a section key by key, anything else (a value, a list, a section
+    given as something else, which the schema check then names) replaced whole."""
+    out = dict(base)
+    for key, value in preset.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def _shown(path: Path) -> str:

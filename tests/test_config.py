@@ -96,6 +96,7 @@ def test_a_directory_as_config_lists_its_presets():
     ("xla.flags=--xla_dump_to=/tmp/hlo",
      "xla.flags is a list: write xla.flags=[--xla_dump_to=/tmp/hlo] (items separated by commas)"),
     ("xla.flags=--a,--b", "xla.flags is a list: write xla.flags=[--a,--b]"),
+    ("xla.flags=null", "xla.flags is a list: write xla.flags=[] for none, or xla.flags=[A,B]"),
     ("=3", "'=3': an override is section.key=value, e.g. train.steps=100"),
     ("train..steps=3", "'train..steps=3': an override is section.key=value"),
     ("steps", "'steps': an override is section.key=value"),
@@ -111,6 +112,20 @@ def test_a_bad_override_says_what_to_type(override, message):
         config.load([], [override])
     assert message in str(e.value)
     assert "Node" not in str(e.value) and "converted" not in str(e.value)
+
+
+@pytest.mark.parametrize("section", ["train: []", "model: [1]", "model: 5", "xla: null"])
+def test_a_section_that_is_no_mapping_is_one_line_under_a_base_too(tmp_path, section):
+    """Under a `base:` a list in a section's place was OmegaConf's TypeError traceback ("Cannot
+    merge incompatible container types"); now the line a preset without a base gets."""
+    (tmp_path / "a.yaml").write_text("train:\n  steps: 9\nmodel:\n  num_layers: 2\n")
+    (tmp_path / "b.yaml").write_text(f"base: a.yaml\n{section}\n")
+    (tmp_path / "c.yaml").write_text(f"{section}\n")
+    name = section.split(":")[0]
+    for preset in ("b.yaml", "c.yaml"):
+        with pytest.raises(config.ConfigError, match=rf"^{tmp_path / preset}: '{name}' is a "
+                           rf"section; set its keys, e.g. {name}.<key>=...$"):
+            config.load([tmp_path / preset])
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny.yaml", "configs/tiny"])

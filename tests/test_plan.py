@@ -119,6 +119,14 @@ def test_bad_input_is_one_line_and_status_2(capsys, args, message):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def test_verify_without_the_cuda_plugin_names_verify(capsys, monkeypatch):
+    """The line named --compile-for, launch.py's option, which plan.py does not have."""
+    monkeypatch.setattr(aot, "PLUGINS", ("no_such_cuda_plugin",))
+    assert plan_tool.main(["--config", str(TINY), "--gpus", "8", "--verify", "1"]) == 2
+    assert capsys.readouterr() == ("", "plan.py: error: --verify needs jax's CUDA plugin, which is "
+                                   f"not installed: {aot.INSTALL}\n")
+
+
 @pytest.mark.parametrize("remat,message", [
     ("", "--remat is empty; name policies separated by commas, e.g. --remat full,save_dots"),
     ("full,,none", "--remat 'full,,none' has an empty item; name policies separated by commas, "

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> None:
         cli.writable_file(args.json, "--json")
     cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
     if args.verify:  # compiled as the run would compile it: the GPU flags, no CUDA runtime
-        aot.check_target(args.gpu, args.gpus, args.gpus_per_node)  # before the ranking, not after
+        aot.check_target(args.gpu, args.gpus, args.gpus_per_node, "--verify")  # before ranking
         cfg, _ = aot.gpu_program(cfg)
     # What jax may allocate: XLA_PYTHON_CLIENT_MEM_FRACTION as the job will set it.
     usable = int(aot.capacity_bytes(args.gpu) * aot.usable_fraction(cfg))
