@@ -175,13 +175,15 @@ def _check_data(cfg) -> str:
     if cfg.data.source == "arrayrecord":
         checked = f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
         read = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
-        share = read / sum(e.weight for e in cfg.data.mixture)  # each dataset: at its weight
-        over = [f"{e.path} {times:,.1f} times ({have:,} tokens, weight {e.weight:g})"
-                for e in cfg.data.mixture
-                if (have := prepared.read_manifest(e.path)["splits"]["train"]["tokens"])
-                and (times := share * e.weight / have) > 1]
+        splits = [prepared.read_manifest(e.path)["splits"]["train"] for e in cfg.data.mixture]
+        # Weights count documents: a dataset's share of tokens is weight x mean document length.
+        shares = [e.weight * s["tokens"] / max(s["documents"], 1)
+                  for e, s in zip(cfg.data.mixture, splits)]
+        over = [f"{e.path} {times:,.1f} times over ({s['tokens']:,} tokens, weight {e.weight:g})"
+                for e, s, share in zip(cfg.data.mixture, splits, shares)
+                if s["tokens"] and (times := read * share / sum(shares) / s["tokens"]) > 1]
         if over:
-            checked += f"; the run reads {read:,} tokens: {', '.join(over)} over"
+            checked += f"; the run reads {read:,} tokens, so it reads {', '.join(over)}"
     else:
         made = f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else "trained, cached"
         if not cfg.data.tokenizer and cfg.model.vocab_size > CORPUS_PIECES:

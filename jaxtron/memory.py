@@ -258,9 +258,10 @@ def check_host(plan, devices: list, cfg: Config) -> None:
         raise ConfigError(
             f"this step needs about {need / 2**30:.1f} GiB of this machine's memory on "
             f"{local} CPU device{'s' if local > 1 else ''} and {(available + here) / 2**30:.1f} "
-            "GiB is available (--dry-run shows the terms); lower train.batch_size or raise "
-            "train.microbatches, run a smaller preset here (configs/tiny.yaml), or size it for "
-            "GPUs with --dry-run --devices N --gpu h100")
+            "GiB is available (python launch.py ... --dry-run shows the terms); lower "
+            "train.batch_size or raise train.microbatches, run a smaller preset here "
+            "(configs/tiny.yaml), or size it for GPUs with launch.py --dry-run --devices N "
+            "--gpu h100")
 
 
 def available_host_bytes() -> int:

@@ -33,11 +33,13 @@ def schedule_jump(saved: Config, now: Config, step: int) -> str | None:
         (f"optim.{key}", getattr(saved.optim, key), getattr(now.optim, key))
         for key in ("lr", "warmup_steps", "decay_steps", "min_lr_ratio")]
     changed = ", ".join(f"{key}={a} -> {b}" for key, a, b in fields if a != b)
-    keep = ""
-    if not saved.optim.decay_steps and now.optim.decay_steps != saved.train.steps:
-        keep = f"; optim.decay_steps={saved.train.steps} keeps the checkpoint's decay"
+    decay = saved.optim.decay_steps or saved.train.steps  # the step the checkpoint's decay ends
+    keep = [f"{key}={a}" for key, a, b in fields[1:] if a != b and key != "optim.decay_steps"]
+    if now.optim.decay_steps != decay:
+        keep.append(f"optim.decay_steps={decay}")
+    advice = f"; to keep the checkpoint's schedule, set {' '.join(keep)}" if keep else ""
     return (f"the learning rate at step {step} jumps from {before:.3g} (the checkpoint's schedule) "
-            f"to {after:.3g} ({changed}){keep}")
+            f"to {after:.3g} ({changed}){advice}")
 
 
 def decay_mask(params: dict) -> dict:

@@ -264,12 +264,12 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
     args = ["--dry-run", "data.source=arrayrecord", "model.vocab_size=1024", f"train.steps={steps}",
             "train.batch_size=8", "train.seq_len=64", f"run.dir={run_dir}3"]
     assert launch.main([*args, f"data.mixture=[{{path: {out}}}]"]) == 0
-    assert (f"data: 1 prepared dataset checked; the run reads {read:,} tokens: {out} "
-            f"{read / have:,.1f} times ({have:,} tokens, weight 1) over\n") in capsys.readouterr().out
+    assert (f"data: 1 prepared dataset checked; the run reads {read:,} tokens, so it reads {out} "
+            f"{read / have:,.1f} times over ({have:,} tokens, weight 1)\n") in capsys.readouterr().out
     assert launch.main([*args, f"data.mixture=[{{path: {out}, weight: 3}}, "
                                f"{{path: {tmp_path / 'copy'}, weight: 1}}]"]) == 0
-    assert (f"data: 2 prepared datasets checked; the run reads {read:,} tokens: {out} "
-            f"{0.75 * read / have:,.1f} times ({have:,} tokens, weight 3) over\n"
+    assert (f"data: 2 prepared datasets checked; the run reads {read:,} tokens, so it reads {out} "
+            f"{0.75 * read / have:,.1f} times over ({have:,} tokens, weight 3)\n"
             ) in capsys.readouterr().out  # the copy, read half as many times as it holds: not said
 
 
@@ -606,8 +606,8 @@ def test_raising_train_steps_on_resume_warns_of_the_learning_rate_jump(tmp_path,
     assert _launch(*short).returncode == 0
     assert _main(["--dry-run", *short, "train.steps=40"]) == 0
     warning = ("warning: the learning rate at step 4 jumps from 0.0003 (the checkpoint's "
-               "schedule) to 0.00296 (train.steps=4 -> 40); optim.decay_steps=4 keeps the "
-               "checkpoint's decay")
+               "schedule) to 0.00296 (train.steps=4 -> 40); to keep the checkpoint's schedule, "
+               "set optim.decay_steps=4")
     assert warning in capsys.readouterr().out.splitlines()
     assert _main(["--dry-run", *short, "train.steps=40", "optim.decay_steps=4"]) == 0
     assert "learning rate" not in capsys.readouterr().out
@@ -618,6 +618,11 @@ def test_raising_train_steps_on_resume_warns_of_the_learning_rate_jump(tmp_path,
     saved, now = config.load(tiny, short[:-1]), config.load(tiny, [*short[:-1], "train.steps=40"])
     assert optim.schedule_jump(saved, saved, 4) is None
     assert optim.schedule_jump(saved, now, 4) == warning.removeprefix("warning: ")
+    # Warm-up changed too: the line named only decay_steps, which then does not keep it.
+    both = config.load(tiny, [*short[:-1], "train.steps=40", "optim.warmup_steps=3"])
+    assert optim.schedule_jump(saved, both, 4).endswith(
+        "(train.steps=4 -> 40, optim.warmup_steps=1 -> 3); to keep the checkpoint's schedule, set "
+        "optim.warmup_steps=1 optim.decay_steps=4")
 
 
 def test_what_a_failed_save_left_is_removed_without_a_word(tmp_path):
