@@ -4,6 +4,7 @@ back to fine-tune on another mesh; pickles, missing, extra and misshapen tensors
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -479,6 +480,28 @@ def test_a_stopped_import_is_one_line_and_leaves_no_output(tmp_path, sig, existe
         130, f"convert_hf.py: stopped by a signal; nothing was written to {out} (run the command "
         "again)\n")
     assert _convert("import", tmp_path / "hf", out) == 0
+
+
+def test_what_a_killed_import_left_is_removed_by_the_next(tmp_path, capsys):
+    """kill -9 during an import leaves OUT.partial-<host>-<pid>-<hex> (a model's size); the next
+    import into OUT removed nothing (two such stayed after a walkthrough, 110 MB). Now it removes
+    this host's whose process is gone, and says so; a live one, another host's, stay."""
+    _tiny_llama(tmp_path / "hf")
+    out = tmp_path / "imp"
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()  # a pid no process has now
+    host = convert_hf._HOST
+    names = {"stale": f"imp.partial-{host}-{dead.pid}-abc123",
+             "live": f"imp.partial-{host}-{os.getpid()}-abc123",
+             "elsewhere": f"imp.partial-otherhost-{dead.pid}-abc123"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_bytes(b"x" * 1000)
+    assert _convert("import", tmp_path / "hf", out) == 0
+    assert (f"removed {tmp_path / names['stale']}, left by a command that was killed\n"
+            in capsys.readouterr().out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["hf", "imp", names["live"], names["elsewhere"]])
 
 
 def test_of_two_imports_into_one_new_directory_the_second_is_refused(tmp_path, capsys,

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import secrets
 import shlex
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,6 +80,24 @@ def _signals_held():
         _held[0] = False
 
 
+_HOST = socket.gethostname().replace("-", "_")  # in a partial directory's name, with its pid
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """What a killed command (kill -9, a lost node) left beside `target`: its partial directories
+    of this host whose process is gone (a model's size each), removed with a line saying so."""
+    for stale in target.parent.glob(f"{glob.escape(target.name)}.partial-{_HOST}-*-*"):
+        try:
+            os.kill(int(stale.name.rsplit("-", 2)[1]), 0)
+            continue  # a command still writing it
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):  # not ours, or another user's live process
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+        print(f"removed {stale}, left by a command that was killed", flush=True)
+
+
 def _write_new_dir(path: Path, write: Callable[[Path], T]) -> T:
     """write(a new sibling directory of `path`)'s result, once that directory is renamed to
     `path`: a failure or a stop leaves no `path` (an empty one that was there stays as it was)
@@ -90,7 +110,9 @@ def _write_new_dir(path: Path, write: Callable[[Path], T]) -> T:
         raise ConfigError(f"{path} already exists and is not empty; choose a new output directory")
     target = path.absolute()
     made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # deepest first
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}-{secrets.token_hex(3)}")
+    _remove_stale_partials(target)
+    partial = target.with_name(f"{target.name}.partial-{_HOST}-{os.getpid()}-"
+                               f"{secrets.token_hex(3)}")
     try:
         partial.mkdir(parents=True)
     except OSError as e:
