@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import ctypes
 import gc
 import os
 import signal
@@ -18,6 +19,7 @@ from jaxtron.config import ConfigError
 
 EXIT_USAGE = 2  # bad input: the line says what to change
 EXIT_STOPPED = 130  # stopped by Ctrl-C or SIGTERM: 128 + SIGINT, what a shell shows for Ctrl-C
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 REDELIVER_S = 0.01  # a signal that landed in a garbage-collection callback comes again this late
 # The running command's file name (launch.py, plan.py), set by its Parser: a command called
 # in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
@@ -127,6 +129,21 @@ def _stopped() -> int:
         except (OSError, ValueError):  # the reader went away, or the stream was closed
             pass
     os._exit(EXIT_STOPPED)
+
+
+def end_with_parent(*_) -> None:
+    """In a worker process (prepare_data's pool, Grain's data workers; any arguments, as a
+    worker_init_fn): the kernel kills it when its parent dies (kill -9, the out-of-memory
+    killer), instead of leaving it running, writing, holding memory (Linux; elsewhere a no-op)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            return
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
 
 
 def _as_command() -> bool:

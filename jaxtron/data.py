@@ -30,6 +30,7 @@ import grain
 import numpy as np
 from absl import flags as absl_flags
 
+from jaxtron import cli
 from jaxtron import corpus as corpus_lib
 from jaxtron import prepared
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
@@ -198,7 +199,8 @@ def _batches(stream: Stream, start: int, train: TrainConfig, workers: int) -> gr
         if not absl_flags.FLAGS.is_parsed():  # grain 0.2.18 reads an absl flag once jax is loaded
             absl_flags.FLAGS.mark_as_parsed()  # (google/grain#1355, fixed after that release)
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=4)
-        ds = ds.mp_prefetch(options)  # each worker packs its own slice: output depends on workers
+        # Each worker packs its own slice (output depends on workers) and dies with the run.
+        ds = ds.mp_prefetch(options, worker_init_fn=cli.end_with_parent)
     return ds
 
 

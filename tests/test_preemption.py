@@ -6,6 +6,7 @@ uninterrupted run.
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -118,6 +119,58 @@ def test_a_signal_during_an_evaluation_saves_that_step_without_finishing_it(tmp_
     assert _run_until(cmd, run_dir, 2, signal.SIGINT) == 75
     assert _saved_steps(run_dir) == [2]
     assert (run_dir / "eval.jsonl").read_text() == ""  # step 2's evaluation never finished
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (not gone, not a zombie waiting to be reaped)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def test_the_data_workers_end_with_a_run_killed_by_sigkill(tmp_path):
+    """kill -9 (the OOM killer, a scheduler) of a run with data.workers=1 left its Grain worker
+    running, re-parented to pid 1, holding ~250 MB, one per worker per attempt."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run_dir, "checkpoint.every=1000", "data.workers=1",
+                                 "train.steps=1000"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert time.time() < deadline and proc.poll() is None, "no step was logged"
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        assert workers  # the Grain worker (and multiprocessing's resource tracker)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    deadline = time.time() + 30
+    while _alive(workers) and time.time() < deadline:
+        time.sleep(0.1)
+    left = _alive(workers)
+    for pid in left:  # not to leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
 
 
 def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path):

@@ -513,6 +513,29 @@ def test_a_json_array_of_documents_reads_as_one_document_per_element(tmp_path, t
         "read whole)"], done.stderr
 
 
+def test_compressed_inputs_read_as_their_inner_format(tmp_path, tokenizer):
+    """x.jsonl.gz, .bz2 and .xz give the documents the uncompressed file gives (a .jsonl.gz was
+    one plain-text document, "invalid UTF-8" at line 1); .zst is named, not read as text."""
+    import bz2
+    import gzip
+    import lzma
+
+    texts = [f"document {i}: {UNICODE}" for i in range(30)]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "in" / "b.jsonl.bz2").write_bytes(bz2.compress(lines))
+    (tmp_path / "in" / "c.txt.xz").write_bytes(lzma.compress(texts[0].encode()))
+    (tmp_path / "in" / "d.jsonl.zst").write_bytes(b"(\xb5/\xfd")
+    done = run_tool(tmp_path / "in", "--out", tmp_path / "ds", "--tokenizer", tokenizer,
+                    "--val-fraction", 0)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    expected = [tuple(sp.encode(t)) for t in texts]
+    assert read_split(tmp_path / "ds", "train") == expected + expected + expected[:1]
+    assert (f"bad input: {tmp_path / 'in' / 'd.jsonl.zst'}: unreadable file (.zst files are not "
+            "read here; decompress or unpack it first)") in done.stderr.splitlines()
+
+
 def test_a_prepared_dataset_among_the_inputs_is_skipped_with_a_note(tmp_path, tokenizer):
     """Preparing a directory that holds an earlier dataset (manifest.json, shards, tokenizer)
     reads only the text beside it, with one note; naming the dataset itself is one error line."""
@@ -602,6 +625,41 @@ def test_a_stop_midway_keeps_the_finished_units_and_says_so(tmp_path, tokenizer,
         "new manifest.json; rerun the same command to finish\n"), err
     assert "Traceback" not in err and not (cut / "manifest.json").exists()
     run_tool(*args, "--out", cut, "--workers", 1)
+    assert snapshot(cut) == snapshot(tmp_path / "ref")
+
+
+def test_the_workers_end_with_a_parent_killed_by_sigkill(tmp_path, tokenizer, corpus):
+    """kill -9 of prepare_data left its worker tokenizing into --out (41 files 5 s after the
+    kill); now the workers die with it: nothing more is written, and the rerun finishes."""
+    from test_preemption import _alive, _children
+
+    _, texts = corpus
+    big = tmp_path / "big.jsonl"  # one unit of some seconds' work: shards appear as it goes
+    with big.open("w") as f:
+        for i in range(40):
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts[next(iter(texts))] * 20)
+    args = [big, "--tokenizer", tokenizer, "--part-tokens", 3000, "--workers", 1]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut)],
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and not list(cut.glob("train-*.arrayrecord")):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        workers = _children(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    time.sleep(0.5)  # a worker's death is the kernel's, at once
+    written = sorted(cut.iterdir())
+    time.sleep(2)
+    left = _alive(workers)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert workers and left == [] and sorted(cut.iterdir()) == written
+    run_tool(*args, "--out", cut)
+    run_tool(*args, "--out", tmp_path / "ref")
     assert snapshot(cut) == snapshot(tmp_path / "ref")
 
 

@@ -2,8 +2,8 @@
 
 INPUT is a file, a directory (recursed; hidden names and jaxtron's own datasets skipped) or a glob:
 `.jsonl`/`.json` hold one JSON document per line (or one JSON array of them), `.parquet` one per
-row (--text-field names the key/column), any other file is one plain-text document
-(tools/text_inputs.py finds and reads them). The unit of work is a run of
+row (--text-field names the key/column), any other file is one plain-text document; text and
+JSON may be compressed (.gz, .bz2, .xz) (tools/text_inputs.py finds and reads them). The unit of work is a run of
 consecutive files worth about --part-tokens tokens (estimated from their bytes), or one larger file
 alone; units are tokenized in worker processes, each into its own shards, a new part every
 --part-tokens tokens of a split. Safe to interrupt: shards get their names when complete, a unit's
@@ -150,6 +150,7 @@ def init_worker(settings: Settings, messages: mp.Queue, stop: Any, threads: int)
     """Load the tokenizer once per worker process."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends the pool
+    cli.end_with_parent()  # kill -9 of the parent: no worker goes on writing --out
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # tokenizer.json's encoding threads
     tok = from_path(settings.out / settings.tokenizer)
     _worker = Worker(settings, messages, stop, tok, threads)

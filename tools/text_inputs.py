@@ -2,7 +2,8 @@
 
 A `.jsonl`/`.json` file holds one JSON document per line, or is one JSON array of them; a
 `.parquet` file holds one per row (the text under a key/column); any other file is one plain-text
-document. jaxtron's own datasets (a directory with its manifest.json, `.arrayrecord` shards) met in
+document. Any of them but Parquet may be compressed (`.gz`, `.bz2`, `.xz`: x.jsonl.gz is JSON
+Lines); `.zst` and archives are named as unread, to decompress first. jaxtron's own datasets (a directory with its manifest.json, `.arrayrecord` shards) met in
 a walk are skipped with a note. Readers never raise on bad input:
 they yield it as an item with a reason, located by line (1-based) or Parquet row (0-based).
 Imports `jaxtron.config` from the installed package (`pip install -e .`).
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import json
+import lzma
 import os
 import sys
 from collections.abc import Iterator
@@ -33,6 +36,8 @@ Item = tuple[int, dict, str | None, str | None, int]
 JSON_ARRAY_MAX_BYTES = 512 << 20  # a JSON array is parsed whole: ~3x its size in memory
 SHARD_SUFFIX = ".arrayrecord"  # tokenized data (a prepared dataset's shards), never text
 FIELD_CHECK_RECORDS = 100  # records of the first JSON/Parquet input that --text-field is checked on
+OPENERS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # compressed inputs, by the standard library
+UNSUPPORTED = (".zst", ".zstd", ".lz4", ".zip", ".7z")  # named as such, not read as text
 
 
 @dataclass(frozen=True)
@@ -135,23 +140,54 @@ def file_size(path: Path) -> int:
         return 0
 
 
+def kind(path: Path) -> str:
+    """The format a file's name gives, under a compression suffix: '.jsonl' for x.jsonl.gz."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes and suffixes[-1] in OPENERS:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _open(path: Path):
+    """A binary file object of `path`'s contents, decompressed as its suffix says."""
+    opener = OPENERS.get(path.suffix.lower())
+    if opener is None and path.suffix.lower() in UNSUPPORTED:
+        raise OSError(f"{path.suffix} files are not read here; decompress or unpack it first")
+    return importlib.import_module(opener).open(path, "rb") if opener else open(path, "rb")
+
+
 def read_documents(path: Path, text_field: str) -> Iterator[Item]:
     """The documents of one file, bad ones with a reason; an unreadable file is one bad item."""
     if path.exists() and not path.is_file():  # reading a named pipe would wait for a writer
         yield -1, {}, None, "not a regular file (a pipe or a device)", 0
         return
-    suffix = path.suffix.lower()
+    suffix = kind(path)
     reader = (_parquet_docs if suffix == ".parquet"
               else _jsonl_docs if suffix in (".jsonl", ".json") else _text_docs)
     try:
-        yield from reader(path, text_field)
-    except OSError as e:
-        yield -1, {}, None, f"unreadable file ({e.strerror or str(e).splitlines()[0]})", 0
+        yield from (reader(path, text_field) if path.suffix.lower() not in OPENERS
+                    else _counted_whole(reader(path, text_field), file_size(path)))
+    except (OSError, EOFError, lzma.LZMAError) as e:  # EOFError: a truncated .gz/.bz2
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        yield -1, {}, None, f"unreadable file ({reason})", 0
+
+
+def _counted_whole(items: Iterator[Item], size: int) -> Iterator[Item]:
+    """A compressed file's items, its bytes (what progress is counted in: the file's size)
+    counted at its last item, not the decompressed bytes of each."""
+    last = None
+    for item in items:
+        if last is not None:
+            yield *last[:4], 0
+        last = item
+    if last is not None:
+        yield *last[:4], size
 
 
 def _text_docs(path: Path, text_field: str) -> Iterator[Item]:
     """A plain-text file as one document; invalid UTF-8 is reported at its first bad line."""
-    data = path.read_bytes()
+    with _open(path) as f:
+        data = f.read()
     try:
         yield 0, {}, data.decode("utf-8"), None, len(data)
     except UnicodeDecodeError as e:
@@ -161,7 +197,7 @@ def _text_docs(path: Path, text_field: str) -> Iterator[Item]:
 def _jsonl_docs(path: Path, text_field: str) -> Iterator[Item]:
     """One document per line of a JSON Lines file (the string under `text_field`), or per
     element of a file holding one JSON array."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         start = f.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")  # a UTF-8 BOM too
         f.seek(0)
         if start.startswith(b"["):
@@ -246,13 +282,13 @@ def missing_field(sources: list[Source], text_field: str) -> str | None:
     records (FIELD_CHECK_RECORDS) are objects none of which has it. The reason names the fields
     they do have; None where some has it, or the first such file holds no object."""
     for source in sources:
-        suffix = source.path.suffix.lower()
+        suffix = kind(source.path)
         if suffix not in (".jsonl", ".json", ".parquet") or not source.path.is_file():
             continue
         try:
             fields = (_parquet_columns(source.path) if suffix == ".parquet"
                       else _first_objects(source.path))
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError, lzma.LZMAError):
             continue  # unreadable: reported as bad input of that file
         if not fields:
             continue
@@ -281,7 +317,7 @@ def _parquet_columns(path: Path) -> list[list[str]]:
 def _first_objects(path: Path) -> list[dict]:
     """The JSON objects among the first records of a JSON Lines file or a JSON array (read from
     its first MiB: a big array is not parsed whole here)."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         head = f.read(1 << 20).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
     values, decoder = [], json.JSONDecoder()
     if head.startswith("["):
