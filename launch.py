@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int | None:
     import jax  # importing starts no backend: XLA_FLAGS may still be set below
 
     from jaxtron import cli, distributed, parallel, xla_flags
-    from jaxtron.config import load
+    from jaxtron.config import load, to_yaml
     from jaxtron.train import check_paths, train
 
     _check_options(args)
@@ -380,6 +380,7 @@ def run(args: argparse.Namespace) -> int | None:
     # the mesh against the global device count, and logs the flags once its checks pass.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     xla_flags.start_backend()  # the first device touched: a backend that cannot start, one line
+    distributed.check_same_config(to_yaml(cfg))  # processes that differ would part, then hang
     parallel.mesh_shape(cfg.mesh, jax.device_count())  # an error here, not a warning then one
     if status := preflight(cfg, args):
         return status

@@ -13,6 +13,7 @@ HEARTBEAT_TIMEOUT_S, a peer that exits on a Python error in about SHUTDOWN_TIMEO
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
@@ -122,6 +123,51 @@ def initialize(coordinator: str | None, num_processes: int | None,
     devices = xla_flags.start_backend()  # a backend that cannot start: one line, not a trace
     if jax.process_index() == 0:
         print(joined_summary(devices), flush=True)
+
+
+def check_same_config(text: str) -> None:
+    """Every process was given the same resolved config (`text`, its YAML): else a ConfigError on
+    each, the others naming the fields in which theirs differs from process 0's. Processes that
+    differ part at some step and wait for each other for ever (train.steps), or fail in a
+    mismatched collective (model.num_layers)."""
+    import jax
+    import numpy as np
+    import yaml
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    digests = np.asarray(multihost_utils.process_allgather(digest))
+    others = [i for i, row in enumerate(digests) if not np.array_equal(row, digests[0])]
+    if not others:
+        return
+    first = np.frombuffer(text.encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(first))))
+    padded = np.zeros(size, np.uint8)
+    padded[:min(size, len(first))] = first[:size]
+    theirs = bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode()
+    fix = "give every process the same --config files and overrides"
+    if jax.process_index() == 0:
+        raise ConfigError(f"process{'es' if len(others) > 1 else ''} "
+                          f"{', '.join(map(str, others))} of this run {'were' if len(others) > 1 else 'was'} "
+                          f"given another config than this one (process 0); {fix}")
+    here, there = (_flat(yaml.safe_load(t)) for t in (text, theirs))
+    changed = [f"{key}={here.get(key)} here, {there.get(key)} on process 0"
+               for key in sorted(set(here) | set(there)) if here.get(key) != there.get(key)]
+    raise ConfigError(f"this process ({jax.process_index()}) was given another config than "
+                      f"process 0: {'; '.join(changed[:3]) or 'its text differs'}; {fix}")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{'train': {'steps': 6}} -> {'train.steps': 6}."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def joined_summary(devices: list) -> str:

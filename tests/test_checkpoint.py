@@ -1,7 +1,11 @@
 """Checkpoints: a resumed run continues bit-for-bit where the uninterrupted one went."""
 
 import json
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import grain
 import numpy as np
@@ -11,6 +15,8 @@ from jaxtron import config
 from jaxtron.checkpoint import CheckpointSaveError, Checkpoints
 from jaxtron.optim import lr_schedule
 from jaxtron.train import train
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cfg(run_dir, *extra):
@@ -169,6 +175,13 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
     assert "checkpoints/4 is unreadable" in out
     moved = list((run_dir / "damaged_checkpoints").iterdir())  # kept, out of Orbax's way
     assert [p.name.split("-")[0] for p in moved] == ["4"] and (moved[0] / "state").is_dir()
+    # inspect_ckpt reads it there ("not a checkpoint" before), naming the damage: exit 1.
+    inspected = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_ckpt.py"),
+                                str(moved[0])], capture_output=True, text=True, timeout=300)
+    assert inspected.returncode == 1 and "\nstep:        4\n" in inspected.stdout
+    assert re.fullmatch(rf"inspect_ckpt.py: error: checkpoint {re.escape(str(moved[0]))} is "
+                        r"damaged \(.+\); a resume moved it aside \(the run goes on from its "
+                        r"other checkpoints\)\n", inspected.stderr), inspected.stderr
     assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, the newest good one
     np.testing.assert_array_equal([r["loss"] for r in resumed], [r["loss"] for r in straight[2:]])
 

@@ -55,9 +55,11 @@ def _env() -> dict:
 
 
 def _start(run_dir: Path, logs: Path, name: str, *overrides: str,
-           pythonpath: dict[int, Path] | None = None) -> list[subprocess.Popen]:
+           pythonpath: dict[int, Path] | None = None,
+           own: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
     """Both processes of one run; their output goes to logs/<name>-<i>.txt. `pythonpath` gives
-    a process a directory to import first (a sitecustomize.py that breaks something there)."""
+    a process a directory to import first (a sitecustomize.py that breaks something there),
+    `own` a process overrides of its own."""
     port = _free_port()
     procs = []
     for i in range(PROCESSES):
@@ -69,7 +71,7 @@ def _start(run_dir: Path, logs: Path, name: str, *overrides: str,
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", str(PROCESSES), "--process-id", str(i), *OVERRIDES,
-             f"run.dir={run_dir}", *overrides],
+             f"run.dir={run_dir}", *overrides, *(own or {}).get(i, [])],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
@@ -207,6 +209,30 @@ def test_killed_process_stops_the_other(runs):
     assert second["stopped_after"] < DEAD_PEER_LIMIT_S, second["stopped_after"]
     print(f"process 0 exited {second['code']} {second['stopped_after']:.1f} s after process 1 "
           "was killed")
+
+
+def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path):
+    """train.steps=6 on one process and 8 on the other: both hung after step 6 for ever (the
+    final checkpoint never written); model.num_layers 2 against 1 aborted both (134) in a
+    mismatched collective. Now each says so in one line after joining, exit 2, nothing trained."""
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    procs = _start(run_dir, logs, "differ", own={0: ["train.steps=6"], 1: ["train.steps=8"]})
+    try:
+        codes = _wait(procs, timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = [(logs / f"differ-{i}.txt").read_text() for i in range(PROCESSES)]
+    fix = "; give every process the same --config files and overrides"
+    assert codes == [2, 2], out
+    assert out[0].splitlines()[-1] == ("launch.py: error: process 1 of this run was given "
+                                       f"another config than this one (process 0){fix}"), out[0]
+    assert out[1].splitlines()[-1] == ("launch.py: error: this process (1) was given another "
+                                       "config than process 0: train.steps=8 here, 6 on process "
+                                       f"0{fix}"), out[1]
+    assert not (run_dir / "checkpoints").exists() and "Traceback" not in out[0] + out[1]
 
 
 FULL_DISK = """

@@ -147,16 +147,20 @@ def main(argv: list[str] | None = None) -> int:
 def inspect(path: Path) -> int:
     """Print the listing (for a run or checkpoints directory), then the checkpoint itself; exit
     status 1 when that checkpoint's files are damaged (a restore would fail on it)."""
-    listing, step_dir = locate(path)
+    from jaxtron.checkpoint import DAMAGED_DIR
+
+    moved = path.parent.name == DAMAGED_DIR and (path / "state").is_dir()  # <step>-<time>
+    listing, step_dir = (None, path.absolute()) if moved else locate(path)
     damaged = print_listing(listing) if listing is not None else {}
     why = damaged.get(step_dir, damage(step_dir) if listing is None else None)
     print_checkpoint(step_dir)
     if not why:
         return 0
-    older = [p for p in complete_steps(step_dir.parent) if p not in damaged and p != step_dir
-             and int(p.name) < int(step_dir.name)]
+    older = [] if moved else [p for p in complete_steps(step_dir.parent) if p not in damaged
+                              and p != step_dir and int(p.name) < int(step_dir.name)]
     fallback = (f"a resume moves it aside and starts from step {older[-1].name}" if older
-                else "no older undamaged checkpoint is left")
+                else "a resume moved it aside (the run goes on from its other checkpoints)"
+                if moved else "no older undamaged checkpoint is left")
     print(f"{cli.script_name()}: error: checkpoint {step_dir} is damaged ({why}); {fallback}",
           file=sys.stderr)
     return 1
