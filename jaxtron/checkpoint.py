@@ -301,7 +301,7 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
                 weights.config_of(meta).data, data, model.vocab_size)):
             raise ConfigError(change)
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
-        _restore_dir(restore, None if steps else model)
+        _restore_dir(restore, None if steps else model, data)
 
 
 def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:
@@ -322,9 +322,9 @@ def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) 
     return "start: from scratch (run.dir holds no checkpoint)"
 
 
-def _restore_dir(path: str, model: ModelConfig | None) -> Path:
-    """The checkpoint checkpoint.restore names, once it holds this model's arrays (not checked
-    when `model` is None)."""
+def _restore_dir(path: str, model: ModelConfig | None, data: DataConfig | None = None) -> Path:
+    """The checkpoint checkpoint.restore names, once it holds this model's arrays and was trained
+    on ids of `data`'s tokenizer (neither checked when `model` is None)."""
     try:
         _, directory = weights.locate(path)
     except ConfigError:
@@ -335,6 +335,10 @@ def _restore_dir(path: str, model: ModelConfig | None) -> Path:
     if changed:
         raise ConfigError(f"checkpoint.restore={path} holds another model ({', '.join(changed)})"
                           "; set those to the checkpoint's values")
+    meta = weights.read_meta(directory)
+    if data is not None and "config" in meta and (change := prepared.tokenizer_change(
+            weights.config_of(meta).data, data, model.vocab_size, restore=path)):
+        raise ConfigError(change)
     return directory
 
 

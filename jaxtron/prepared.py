@@ -154,15 +154,22 @@ def empty_val(path: str) -> str:
             "plain text file is one)")
 
 
-def tokenizer_change(saved: DataConfig, now: DataConfig, vocab_size: int) -> str | None:
-    """A resumed run's data against the checkpoint's: a ConfigError message when they were
-    tokenized by another tokenizer (the ids would mean other text), else None. Data of the
-    checkpoint's that is gone cannot be compared."""
+def tokenizer_change(saved: DataConfig, now: DataConfig, vocab_size: int,
+                     restore: str = "") -> str | None:
+    """A resumed run's data (or, with `restore`, a run's from checkpoint.restore) against the
+    checkpoint's: a ConfigError message when they were tokenized by another tokenizer (the ids
+    would mean other text), else None. Data of the checkpoint's that is gone cannot be compared."""
     before, after = _tokenized_by(saved, vocab_size), _tokenized_by(now, vocab_size)
     if before is None or after is None or before == after:  # what is missing is named later
         return None
+    theirs = _data_name(saved, short=True)
+    if restore:
+        return (f"{_data_name(now)} was tokenized by another tokenizer than checkpoint.restore="
+                f"{restore} was trained on ({theirs}), so its token ids mean other text to that "
+                "model; train on data of that tokenizer (tools/prepare_data.py --tokenizer with "
+                "its file)")
     return (f"{_data_name(now)} was tokenized by another tokenizer than the checkpoint's data "
-            f"({_data_name(saved, short=True)}), so its token ids mean other text; resume with "
+            f"({theirs}), so its token ids mean other text; resume with "
             "data of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
             "checkpoint.weights_only=true to fine-tune from it)")
 

@@ -616,3 +616,16 @@ def test_a_resume_that_changes_data_source_compares_the_tokenizers(datasets, cap
         f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
         "the checkpoint's data (data.source=stdlib (its tokenizer trained at model.vocab_size)), "
         "so its token ids mean other text")
+    # The same checkpoint as checkpoint.restore of a new run (fine-tuning): compared too (it was
+    # not: training went on, the model reading other text under its ids).
+    for weights_only in ("true", "false"):
+        restore = [*prepared_args[1:], f"run.dir={tmp_path / 'tune'}", f"checkpoint.restore={run_dir}",
+                   "data.source=arrayrecord", f"checkpoint.weights_only={weights_only}"]
+        assert launch.main(["--dry-run", *restore, f"data.mixture=[{{path: {datasets['a']}}}]"]) == 0
+        assert f"start: from {step}" in capsys.readouterr().out
+        assert launch.main(["--dry-run", *restore, f"data.mixture=[{{path: {other}}}]"]) == 2
+        assert capsys.readouterr().err == (
+            f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
+            f"checkpoint.restore={run_dir} was trained on (data.source=stdlib (its tokenizer "
+            "trained at model.vocab_size)), so its token ids mean other text to that model; train "
+            "on data of that tokenizer (tools/prepare_data.py --tokenizer with its file)\n")
