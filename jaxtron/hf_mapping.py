@@ -121,8 +121,9 @@ def check_tied(names: Iterable[str], get: Callable[[str], np.ndarray], cfg: Mode
     """A tied model's `lm_head.weight`, when listed, must be the embedding itself."""
     tied = cfg.tie_embeddings and "lm_head.weight" in set(names)
     if tied and not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
-        raise ValueError("checkpoint has its own lm_head.weight but model.tie_embeddings=True; "
-                         "set model.tie_embeddings=False")
+        raise ValueError("checkpoint has an lm_head.weight other than its embedding, but its "
+                         "config ties them (tie_word_embeddings); set tie_word_embeddings to "
+                         "false in config.json")
 
 
 def _ours(name: str, path: ParamPath, to_ours, get, cfg: ModelConfig, shape) -> np.ndarray:

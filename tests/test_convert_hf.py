@@ -244,6 +244,8 @@ def _edit_tensors(src: Path, dst: Path, edit) -> None:
     ("shape", "model.layers.0.mlp.up_proj.weight gives layers/mlp/w_up shape"),
     ("architecture", "model_type 'gpt2' is not supported"),
     ("not_empty", "already exists and is not empty"),
+    ("untied", "an lm_head.weight other than its embedding, but its config ties them "
+               r"\(tie_word_embeddings\); set tie_word_embeddings to false in config.json"),
 ])
 def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, message):
     _save("llama2", tmp_path / "hf")
@@ -257,6 +259,10 @@ def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, messa
     elif defect == "shape":
         _edit_tensors(tmp_path / "hf", bad, lambda t: {**t, "model.layers.0.mlp.up_proj.weight":
                                                        np.zeros((64, 64), np.float32)})
+    elif defect == "untied":  # the message named model.tie_embeddings, which import has not
+        _edit_tensors(tmp_path / "hf", bad, lambda t: t)
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     else:
         shutil.copytree(tmp_path / "hf", bad)
     if defect == "architecture":

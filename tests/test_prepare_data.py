@@ -513,6 +513,21 @@ def test_a_json_array_of_documents_reads_as_one_document_per_element(tmp_path, t
         "read whole)"], done.stderr
 
 
+def test_a_json_file_of_one_pretty_printed_object_is_one_document(tmp_path, tokenizer):
+    """Each of its lines was "not JSON"; a JSON Lines file whose first line is bad still has its
+    other lines read."""
+    text = f"one document: {UNICODE}"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.json").write_text(json.dumps({"id": 1, "text": text}, indent=2))
+    (tmp_path / "in" / "b.jsonl").write_text("{oops\n" + json.dumps({"text": text}) + "\n")
+    done = run_tool(tmp_path / "in", "--out", tmp_path / "ds", "--tokenizer", tokenizer,
+                    "--val-fraction", 0)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    assert read_split(tmp_path / "ds", "train") == [tuple(sp.encode(text))] * 2
+    assert [line for line in done.stderr.splitlines() if line.startswith("bad input:")] == [
+        f"bad input: {tmp_path / 'in' / 'b.jsonl'}:1: not JSON"]
+
+
 def test_compressed_inputs_read_as_their_inner_format(tmp_path, tokenizer):
     """x.jsonl.gz, .bz2 and .xz give the documents the uncompressed file gives (a .jsonl.gz was
     one plain-text document, "invalid UTF-8" at line 1); .zst is named, not read as text."""

@@ -203,8 +203,26 @@ def _jsonl_docs(path: Path, text_field: str) -> Iterator[Item]:
         if start.startswith(b"["):
             yield from _json_array_docs(f.read, path, text_field)
             return
+        if (value := _one_object(f, start, path)) is not None:  # pretty-printed: one document
+            yield 0, {"row": 0}, *_as_text(value.get(text_field), text_field), file_size(path)
+            return
         for i, raw in enumerate(f):
             yield i, {"line": i + 1}, *_json_text(raw, text_field), len(raw)
+
+
+def _one_object(f, start: bytes, path: Path) -> dict | None:
+    """The JSON object a file holds over several lines (pretty-printed), its first line no JSON
+    by itself; None for JSON Lines (then read from the start again)."""
+    first = start.split(b"\n", 1)[0]
+    if not start.startswith(b"{") or _json_text(first, "")[1] != "not JSON" \
+            or path.stat().st_size > JSON_ARRAY_MAX_BYTES:
+        return None
+    try:
+        value = json.loads(f.read().decode("utf-8-sig"))
+    except ValueError:  # JSON Lines with a bad first line: reported line by line
+        value = None
+    f.seek(0)
+    return value if isinstance(value, dict) else None
 
 
 def _json_array_docs(read, path: Path, text_field: str) -> Iterator[Item]:
