@@ -438,7 +438,8 @@ def preflight(cfg, args: argparse.Namespace) -> int:
 
     from jaxtron import doctor
 
-    problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator, disk=False)
+    problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator, disk=False,
+                                gpu=jax.devices()[0].platform == "gpu")  # GPU settings: GPUs only
     return doctor.report(problems, args.strict, show=jax.process_index() == 0)
 
 

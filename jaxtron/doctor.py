@@ -338,13 +338,15 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- all of them
 def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = None, *,
               devices: int = 0, coordinator: str | None = None,
-              versions: Mapping[str, str] | None = None, disk: bool = True) -> list[str]:
-    """Every check (`disk`: room for a checkpoint; a run refuses that itself); `devices` plans the
-    mesh for that many (default: those found). With several processes a collective: all call it
-    and all get every process's problems, merged."""
+              versions: Mapping[str, str] | None = None, disk: bool = True,
+              gpu: bool = True) -> list[str]:
+    """Every check (`disk`: room for a checkpoint, a run refuses that itself; `gpu`: the GPU
+    environment, a run on CPUs skips it); `devices` plans the mesh for that many (default: those
+    found). With several processes a collective: all get every process's problems, merged."""
     hosts = Hosts.here() if hosts is None else hosts
     versions = installed_versions() if versions is None else versions
-    problems = [*check_launch_blocking(environ), *check_allocator(environ), *check_jaxlib(versions),
+    environment = check_launch_blocking(environ) + check_allocator(environ) if gpu else []
+    problems = [*environment, *check_jaxlib(versions),
                 *check_plugins(versions), *check_proxy(environ, coordinator),
                 *check_device_counts(cfg.mesh, hosts, devices)]
     writable = True
