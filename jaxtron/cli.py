@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import _thread
 import argparse
-import ctypes
 import gc
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from jaxtron.config import ConfigError
 
 EXIT_USAGE = 2  # bad input: the line says what to change
 EXIT_STOPPED = 130  # stopped by Ctrl-C or SIGTERM: 128 + SIGINT, what a shell shows for Ctrl-C
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+PARENT_POLL_S = 0.2  # how often a worker looks whether its parent is still there
 REDELIVER_S = 0.01  # a signal that landed in a garbage-collection callback comes again this late
 # The running command's file name (launch.py, plan.py), set by its Parser: a command called
 # in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
@@ -133,17 +133,17 @@ def _stopped() -> int:
 
 def end_with_parent(*_) -> None:
     """In a worker process (prepare_data's pool, Grain's data workers; any arguments, as a
-    worker_init_fn): the kernel kills it when its parent dies (kill -9, the out-of-memory
-    killer), instead of leaving it running, writing, holding memory (Linux; elsewhere a no-op)."""
+    worker_init_fn): a thread ends it within PARENT_POLL_S once its parent is gone (kill -9, the
+    out-of-memory killer), instead of leaving it running, writing, holding memory. (The kernel's
+    PR_SET_PDEATHSIG would kill it also at a normal exit, before it frees its shared memory.)"""
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            return
-    except (OSError, AttributeError):  # no prctl: not Linux
-        return
-    if os.getppid() != parent:  # the parent died before the call took effect
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
         os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 def _as_command() -> bool:
