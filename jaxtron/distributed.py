@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
+import threading
 
-from jaxtron import xla_flags
+from jaxtron import cli, xla_flags
 from jaxtron.config import ConfigError
 
 # A process whose heartbeats stop for this long is dead. JAX's default (100 s) leaves a job hanging
@@ -114,12 +116,15 @@ def initialize(coordinator: str | None, num_processes: int | None,
         rank, where = process_id, f"{num_processes} processes at {coordinator}"
     import jax
 
+    timeout = join_timeout()
     if rank == 0:
-        print(f"jax.distributed: waiting up to {INIT_TIMEOUT_S} s for {where}", flush=True)
-    jax.distributed.initialize(
-        coordinator, num_processes, process_id, initialization_timeout=INIT_TIMEOUT_S,
+        print(f"jax.distributed: waiting up to {timeout:g} s for {where}", flush=True)
+    joined = _give_up_after(timeout, where, manual=coordinator is not None)
+    jax.distributed.initialize(  # JAX's own timeout, later, ends in a C++ abort (status 134)
+        coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60,
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S, shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
     )
+    joined.set()
     devices = xla_flags.start_backend()  # a backend that cannot start: one line, not a trace
     if jax.process_index() == 0:
         print(joined_summary(devices), flush=True)
@@ -168,6 +173,39 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def join_timeout(environ=os.environ) -> float:
+    """Seconds the processes wait for each other to join: JAXTRON_JOIN_TIMEOUT_S, else
+    INIT_TIMEOUT_S."""
+    text = environ.get("JAXTRON_JOIN_TIMEOUT_S", "").strip()
+    try:
+        value = float(text) if text else INIT_TIMEOUT_S
+    except ValueError:
+        value = -1
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"JAXTRON_JOIN_TIMEOUT_S={text} must be a number of seconds above 0")
+    return value
+
+
+def _give_up_after(timeout: float, where: str, manual: bool) -> threading.Event:
+    """An event to set once every process joined; if it is not set within `timeout`, one line,
+    before JAX's own timeout aborts from C++ with a stack. Exit status 2 with --coordinator's
+    flags (a process never started, two given one --process-id); 1 in a Slurm or MPI job (a
+    node late or down), which its script restarts."""
+    joined = threading.Event()
+    fix = ("start every process with the same --coordinator and --num-processes and its own "
+           "--process-id (0 to N-1)" if manual else "check that every task of the job started")
+
+    def watch() -> None:
+        if not joined.wait(timeout):
+            print(f"{cli.script_name()}: error: {where} did not all join within {timeout:g} s; "
+                  f"{fix}, or wait longer with JAXTRON_JOIN_TIMEOUT_S", file=sys.stderr,
+                  flush=True)
+            os._exit(2 if manual else 1)
+
+    threading.Thread(target=watch, name="join-timeout", daemon=True).start()
+    return joined
 
 
 def joined_summary(devices: list) -> str:

@@ -235,6 +235,27 @@ def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path):
     assert not (run_dir / "checkpoints").exists() and "Traceback" not in out[0] + out[1]
 
 
+@pytest.mark.parametrize("wait, message", [
+    ("4", "2 processes at 127.0.0.1:{port} did not all join within 4 s; start every process with "
+          "the same --coordinator and --num-processes and its own --process-id (0 to N-1), or "
+          "wait longer with JAXTRON_JOIN_TIMEOUT_S"),
+    ("soon", "JAXTRON_JOIN_TIMEOUT_S=soon must be a number of seconds above 0"),
+])
+def test_a_process_left_alone_says_so_in_one_line(tmp_path, wait, message):
+    """Process 1 never started (or two given --process-id 0): process 0 waited 300 s, then JAX
+    aborted it from C++ (134, a stack, 'another task died'); now one line when the wait ends."""
+    port = _free_port()
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
+         "--num-processes", "2", "--process-id", "0", *OVERRIDES, f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env={**_env(), "JAXTRON_JOIN_TIMEOUT_S": wait}, capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [f"launch.py: error: {message.format(port=port)}"]
+    assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+
+
 FULL_DISK = """
 import errno
 import orbax.checkpoint as ocp
