@@ -583,14 +583,20 @@ def test_a_prepared_dataset_among_the_inputs_is_skipped_with_a_note(tmp_path, to
     ("docs.json", json.dumps([{"body": "a doc", "id": i} for i in range(3)], indent=1),
      "no record has field 'text' (the first 3 of {f}); the first record's fields: body, id"),
     ("rows.parquet", None, "{f} has no column 'text'; its columns: n, txt"),
+    ("ints.jsonl", "".join(json.dumps({"text": i}) + "\n" for i in range(5)),  # 5 bad lines
+     "'text' holds int, not text, in the first records of {f}; name the field that holds the "
+     "documents"),
+    ("ints.parquet", pa.table({"text": [1, 2]}),  # 12 lines: 10 bad rows, a count, the error
+     "'text' holds int64, not text, in the first records of {f}; name the field that holds the "
+     "documents"),
 ])
 def test_a_text_field_no_record_has_is_one_line_naming_the_fields(tmp_path, tokenizer, name,
                                                                  records, message):
     """A --text-field the records do not have was 64 `bad input` lines (20 per file), then the
     error; now one line before any work, naming the fields the first record has."""
     f = tmp_path / name
-    if records is None:
-        pq.write_table(pa.table({"n": [1, 2], "txt": ["a", "b"]}), f)
+    if records is None or isinstance(records, pa.Table):
+        pq.write_table(pa.table({"n": [1, 2], "txt": ["a", "b"]}) if records is None else records, f)
     else:
         f.write_text(records)
     for more in ([], ["--train-tokenizer", 300]):  # checked before a tokenizer is trained too

@@ -310,7 +310,12 @@ def missing_field(sources: list[Source], text_field: str) -> str | None:
             continue  # unreadable: reported as bad input of that file
         if not fields:
             continue
-        if any(text_field in f for f in fields):
+        having = [f[text_field] for f in fields if text_field in f]
+        if having and not any(map(_is_text, having)):  # a column of numbers, say
+            shown = having[0] if suffix == ".parquet" else type(having[0]).__name__
+            return (f"--text-field {text_field}: '{text_field}' holds {shown}, not text, in the "
+                    f"first records of {source.path}; name the field that holds the documents")
+        if having:
             return None
         first = ", ".join(list(fields[0])[:12]) or "none"
         if suffix == ".parquet":
@@ -321,15 +326,26 @@ def missing_field(sources: list[Source], text_field: str) -> str | None:
     return None
 
 
-def _parquet_columns(path: Path) -> list[list[str]]:
-    """A Parquet file's column names, as the fields of one record."""
+def _parquet_columns(path: Path) -> list[dict]:
+    """A Parquet file's columns and their types, as the fields of one record."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return [pq.ParquetFile(path).schema_arrow.names]
+        schema = pq.ParquetFile(path).schema_arrow
     except pa.ArrowException as e:
         raise ValueError(str(e)) from None
+    return [{name: schema.field(name).type for name in schema.names}]
+
+
+def _is_text(value: object) -> bool:
+    """A JSON value, or a Parquet column's type, that holds text (or, null, may)."""
+    import pyarrow as pa
+
+    if isinstance(value, pa.DataType):
+        return (pa.types.is_string(value) or pa.types.is_large_string(value)
+                or pa.types.is_binary(value) or pa.types.is_large_binary(value))
+    return value is None or isinstance(value, str)
 
 
 def _first_objects(path: Path) -> list[dict]:
