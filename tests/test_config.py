@@ -192,6 +192,18 @@ def test_a_yes_in_a_preset_is_not_true(tmp_path):
         config.load([preset])
 
 
+def test_a_yaml_merge_key_shares_settings(tmp_path):
+    """`<<: *anchor` (YAML's merge key) was "could not determine a constructor for the tag
+    merge"; keys given beside it win, as YAML says, and are not "given twice"."""
+    (tmp_path / "m.yaml").write_text(
+        "data:\n  mixture:\n    - &web {path: /data/web, weight: 2}\n"
+        "    - {<<: *web, path: /data/code}\n"
+        "train:\n  <<: {steps: 7, log_every: 7}\n  log_every: 1\n")
+    cfg = config.load([tmp_path / "m.yaml"])
+    assert [(e.path, e.weight) for e in cfg.data.mixture] == [("/data/web", 2), ("/data/code", 2)]
+    assert (cfg.train.steps, cfg.train.log_every) == (7, 1)
+
+
 def test_of_an_override_given_twice_the_last_one_wins():
     """As later files override earlier ones: a base command with a setting appended."""
     cfg = config.load([], ["train.steps=5", "train.batch_size=8", "train.steps=6"])
