@@ -488,6 +488,18 @@ def test_a_stopped_import_is_one_line_and_leaves_no_output(tmp_path, sig, existe
     assert _convert("import", tmp_path / "hf", out) == 0
 
 
+def test_inspect_ckpt_shows_where_an_import_came_from(tmp_path):
+    """It showed an import as `loss: None`, `saved at: unknown`."""
+    _tiny_llama(tmp_path / "hf")
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    shown = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_ckpt.py"),
+                            str(tmp_path / "imp")], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert (f"imported:    from {tmp_path / 'hf'} (weights only; no loss, no optimizer state)"
+            in shown.stdout.splitlines())
+    assert "loss:" not in shown.stdout and "saved at:" not in shown.stdout
+
+
 def test_what_a_killed_import_left_is_removed_by_the_next(tmp_path, capsys):
     """kill -9 during an import leaves OUT.partial-<host>-<pid>-<hex> (a model's size); the next
     import into OUT removed nothing (two such stayed after a walkthrough, 110 MB). Now it removes

@@ -111,9 +111,12 @@ def print_checkpoint(step_dir: Path) -> None:
     tokens = meta.get("tokens_seen")
     print(f"checkpoint:  {step_dir.absolute()}")
     print(f"step:        {meta.get('step', step_dir.name)}")
-    print(f"loss:        {meta.get('loss')!r}")
-    print(f"tokens seen: {tokens:,}" if isinstance(tokens, int) else f"tokens seen: {tokens}")
-    print(f"saved at:    {when}")
+    if "source" in meta:  # tools/convert_hf.py import's: weights only, never trained here
+        print(f"imported:    from {meta['source']} (weights only; no loss, no optimizer state)")
+    else:
+        print(f"loss:        {meta.get('loss')!r}")
+        print(f"tokens seen: {tokens:,}" if isinstance(tokens, int) else f"tokens seen: {tokens}")
+        print(f"saved at:    {when}")
     print(f"model:       {model_summary(meta.get('config', ''))}")
     mesh = mesh_summary(sharding)
     if mesh:
