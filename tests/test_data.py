@@ -549,14 +549,21 @@ def test_resuming_on_data_of_another_tokenizer_is_refused(datasets, capsys, tmp_
     (step / "meta").mkdir()
     (step / "meta" / "metadata").write_text(json.dumps({"step": 3,
                                                         "config": config_lib.to_yaml(saved)}))
-    same = launch.main(["--dry-run", *args, f"data.mixture=[{{path: {datasets['a']}}}]"])
-    assert same == 0 and "start: resumes from" in capsys.readouterr().out
-    assert launch.main(["--dry-run", *args, f"data.mixture=[{{path: {other}}}]"]) == 2
-    assert capsys.readouterr().err == (
+    same = _dry_run(capsys, args, datasets["a"])
+    assert same[0] == 0 and "start: resumes from" in same[1]
+    assert _dry_run(capsys, args, other)[::2] == (2, (
         f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
         f"the checkpoint's data ({datasets['a']}), so its token ids mean other text; resume with "
         "data of that tokenizer, or start a new run.dir (checkpoint.restore=... with "
-        "checkpoint.weights_only=true to fine-tune from it)\n")
+        "checkpoint.weights_only=true to fine-tune from it)\n"))
+
+
+def _dry_run(capsys, args: list[str], dataset) -> tuple[int, str, str]:
+    """launch.py --dry-run on one prepared dataset: its status, stdout and stderr."""
+    import launch
+
+    status = launch.main(["--dry-run", *args, f"data.mixture=[{{path: {dataset}}}]"])
+    return (status, *capsys.readouterr())
 
 
 def test_a_dataset_twice_in_a_mixture_is_refused(datasets, cfg):
@@ -621,11 +628,10 @@ def test_a_resume_that_changes_data_source_compares_the_tokenizers(datasets, cap
     for weights_only in ("true", "false"):
         restore = [*prepared_args[1:], f"run.dir={tmp_path / 'tune'}", f"checkpoint.restore={run_dir}",
                    "data.source=arrayrecord", f"checkpoint.weights_only={weights_only}"]
-        assert launch.main(["--dry-run", *restore, f"data.mixture=[{{path: {datasets['a']}}}]"]) == 0
-        assert f"start: from {step}" in capsys.readouterr().out
-        assert launch.main(["--dry-run", *restore, f"data.mixture=[{{path: {other}}}]"]) == 2
-        assert capsys.readouterr().err == (
+        same = _dry_run(capsys, restore, datasets["a"])
+        assert same[0] == 0 and f"start: from {step}" in same[1]
+        assert _dry_run(capsys, restore, other)[::2] == (2, (
             f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
             f"checkpoint.restore={run_dir} was trained on (data.source=stdlib (its tokenizer "
             "trained at model.vocab_size)), so its token ids mean other text to that model; train "
-            "on data of that tokenizer (tools/prepare_data.py --tokenizer with its file)\n")
+            "on data of that tokenizer (tools/prepare_data.py --tokenizer with its file)\n"))
