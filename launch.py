@@ -184,6 +184,12 @@ def _check_data(cfg) -> str:
                 if s["tokens"] and (times := read * share / sum(shares) / s["tokens"]) > 1]
         if over:
             checked += f"; the run reads {read:,} tokens, so it reads {', '.join(over)}"
+        never = [f"{e.path} (weight {e.weight:g})"
+                 for e, s, share in zip(cfg.data.mixture, splits, shares)
+                 if read * share / sum(shares) < share / e.weight]  # less than one document
+        if never:
+            checked += (f"\nwarning: the run reads less than one document of {', '.join(never)}; "
+                        "raise its weight, or drop it from data.mixture")
     else:
         made = f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else "trained, cached"
         if not cfg.data.tokenizer and cfg.model.vocab_size > CORPUS_PIECES:

@@ -271,6 +271,11 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
     assert (f"data: 2 prepared datasets checked; the run reads {read:,} tokens, so it reads {out} "
             f"{0.75 * read / have:,.1f} times over ({have:,} tokens, weight 3)\n"
             ) in capsys.readouterr().out  # the copy, read half as many times as it holds: not said
+    # A weight of 1e-9 beside 1: the dataset vanished from that line without a word.
+    assert launch.main([*args, f"data.mixture=[{{path: {out}, weight: 1}}, "
+                               f"{{path: {tmp_path / 'copy'}, weight: 1e-9}}]"]) == 0
+    assert (f"warning: the run reads less than one document of {tmp_path / 'copy'} (weight 1e-09)"
+            "; raise its weight, or drop it from data.mixture") in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])
