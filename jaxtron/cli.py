@@ -146,6 +146,15 @@ def end_with_parent(*_) -> None:
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
+def quiet_worker(*_) -> None:
+    """A data worker (Grain's worker_init_fn): Ctrl-C, which a terminal sends to every process of
+    the job, and SIGTERM are its parent's to handle (the parent then stops it: a traceback per
+    worker otherwise); it ends with its parent (end_with_parent)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    end_with_parent()
+
+
 def _as_command() -> bool:
     """Whether the running command was started as a file from a shell (its Parser's name is
     __main__'s), not called in-process (tests call main()), in the main thread."""

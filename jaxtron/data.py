@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -199,8 +200,13 @@ def _batches(stream: Stream, start: int, train: TrainConfig, workers: int) -> gr
         if not absl_flags.FLAGS.is_parsed():  # grain 0.2.18 reads an absl flag once jax is loaded
             absl_flags.FLAGS.mark_as_parsed()  # (google/grain#1355, fixed after that release)
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=4)
+        # The tracker that frees the workers' shared memory after a stop warns of each piece
+        # it frees ("leaked shared_memory objects"): nothing is lost, so it does so quietly.
+        quiet, given = "ignore:resource_tracker:UserWarning", os.environ.get("PYTHONWARNINGS", "")
+        if quiet not in given:
+            os.environ["PYTHONWARNINGS"] = f"{given},{quiet}" if given else quiet
         # Each worker packs its own slice (output depends on workers) and dies with the run.
-        ds = ds.mp_prefetch(options, worker_init_fn=cli.end_with_parent)
+        ds = ds.mp_prefetch(options, worker_init_fn=cli.quiet_worker)
     return ds
 
 

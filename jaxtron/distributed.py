@@ -13,11 +13,14 @@ HEARTBEAT_TIMEOUT_S, a peer that exits on a Python error in about SHUTDOWN_TIMEO
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
+import select
+import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 from jaxtron import cli, xla_flags
 from jaxtron.config import ConfigError
@@ -32,6 +35,7 @@ HEARTBEAT_TIMEOUT_S = 20
 SHUTDOWN_TIMEOUT_S = 30
 # How long processes wait for each other to start (JAX's default): big jobs start slowly.
 INIT_TIMEOUT_S = 300
+STOPPED = 75  # a signal while joining: launch.py's status for a stop before training started
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")  # host:port, [v6]:port
 
@@ -120,11 +124,14 @@ def initialize(coordinator: str | None, num_processes: int | None,
     if rank == 0:
         print(f"jax.distributed: waiting up to {timeout:g} s for {where}", flush=True)
     joined = _give_up_after(timeout, where, manual=coordinator is not None)
-    jax.distributed.initialize(  # JAX's own timeout, later, ends in a C++ abort (status 134)
-        coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60,
-        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S, shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
-    )
-    joined.set()
+    try:
+        jax.distributed.initialize(  # JAX's own timeout, later, ends in a C++ abort (134)
+            coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+        )
+    finally:
+        joined()
     devices = xla_flags.start_backend()  # a backend that cannot start: one line, not a trace
     if jax.process_index() == 0:
         print(joined_summary(devices), flush=True)
@@ -132,36 +139,40 @@ def initialize(coordinator: str | None, num_processes: int | None,
 
 def check_same_config(text: str) -> None:
     """Every process was given the same resolved config (`text`, its YAML): else a ConfigError on
-    each, the others naming the fields in which theirs differs from process 0's. Processes that
-    differ part at some step and wait for each other for ever (train.steps), or fail in a
+    each, naming the fields in which the first that differs differs from process 0. Processes
+    that differ part at some step and wait for each other for ever (train.steps), or fail in a
     mismatched collective (model.num_layers)."""
     import jax
-    import numpy as np
     import yaml
-    from jax.experimental import multihost_utils
 
     if jax.process_count() == 1:
         return
-    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
-    digests = np.asarray(multihost_utils.process_allgather(digest))
-    others = [i for i, row in enumerate(digests) if not np.array_equal(row, digests[0])]
-    if not others:
+    texts = allgather_text(text)
+    other = next((i for i, t in enumerate(texts) if t != texts[0]), None)
+    if other is None:
         return
-    first = np.frombuffer(text.encode(), np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(first))))
-    padded = np.zeros(size, np.uint8)
-    padded[:min(size, len(first))] = first[:size]
-    theirs = bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode()
-    fix = "give every process the same --config files and overrides"
-    if jax.process_index() == 0:
-        raise ConfigError(f"process{'es' if len(others) > 1 else ''} "
-                          f"{', '.join(map(str, others))} of this run {'were' if len(others) > 1 else 'was'} "
-                          f"given another config than this one (process 0); {fix}")
+    me = jax.process_index()
+    theirs = texts[0] if me else texts[other]
     here, there = (_flat(yaml.safe_load(t)) for t in (text, theirs))
-    changed = [f"{key}={here.get(key)} here, {there.get(key)} on process 0"
+    where = f"process {0 if me else other}"
+    changed = [f"{key}={here.get(key)} here, {there.get(key)} on {where}"
                for key in sorted(set(here) | set(there)) if here.get(key) != there.get(key)]
-    raise ConfigError(f"this process ({jax.process_index()}) was given another config than "
-                      f"process 0: {'; '.join(changed[:3]) or 'its text differs'}; {fix}")
+    raise ConfigError(f"this process ({me}) was given another config than {where}: "
+                      f"{'; '.join(changed[:3]) or 'its text differs'}; give every process "
+                      "the same --config files and overrides")
+
+
+def allgather_text(text: str) -> list[str]:
+    """Every process's `text`, in process order (a collective)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode(), np.uint8)
+    longest = int(multihost_utils.process_allgather(np.array([data.size], np.int32)).max())
+    padded = np.zeros(max(longest, 1), np.uint8)
+    padded[:data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [bytes(row).rstrip(b"\0").decode() for row in rows]
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -188,24 +199,43 @@ def join_timeout(environ=os.environ) -> float:
     return value
 
 
-def _give_up_after(timeout: float, where: str, manual: bool) -> threading.Event:
-    """An event to set once every process joined; if it is not set within `timeout`, one line,
-    before JAX's own timeout aborts from C++ with a stack. Exit status 2 with --coordinator's
-    flags (a process never started, two given one --process-id); 1 in a Slurm or MPI job (a
-    node late or down), which its script restarts."""
+def _give_up_after(timeout: float, where: str, manual: bool) -> Callable[[], None]:
+    """While the processes join (C++ waits, no Python signal handler runs): one line if they have
+    not all joined within `timeout`, before JAX's own timeout aborts from C++ with a stack; exit
+    status 2 with --coordinator's flags (a process never started, two given one --process-id),
+    1 in a Slurm or MPI job (a node late or down: its script restarts it). A SIGINT/SIGTERM/SIGHUP
+    meanwhile stops it at once, as at start-up: exit 75, nothing to save. Returns what to call
+    (from the main thread) once they joined."""
     joined = threading.Event()
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write)  # the C signal handler writes the signal here
     fix = ("start every process with the same --coordinator and --num-processes and its own "
            "--process-id (0 to N-1)" if manual else "check that every task of the job started")
 
+    def stop(line: str, status: int) -> None:
+        print(f"{cli.script_name()}: {line}", file=sys.stderr, flush=True)
+        os._exit(status)
+
     def watch() -> None:
-        if not joined.wait(timeout):
-            print(f"{cli.script_name()}: error: {where} did not all join within {timeout:g} s; "
-                  f"{fix}, or wait longer with JAXTRON_JOIN_TIMEOUT_S", file=sys.stderr,
-                  flush=True)
-            os._exit(2 if manual else 1)
+        deadline = time.monotonic() + timeout
+        while not joined.is_set():
+            if (left := deadline - time.monotonic()) <= 0:
+                stop(f"error: {where} did not all join within {timeout:g} s; {fix}, or wait "
+                     "longer with JAXTRON_JOIN_TIMEOUT_S", 2 if manual else 1)
+            if select.select([read], [], [], min(left, 0.2))[0] and not joined.is_set():
+                if os.read(read, 1)[0] in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    stop("stopped by a signal while the processes joined (nothing to save); run "
+                         "the same command to start", STOPPED)
+        os.close(read)
+
+    def done() -> None:
+        joined.set()
+        signal.set_wakeup_fd(previous)
+        os.close(write)
 
     threading.Thread(target=watch, name="join-timeout", daemon=True).start()
-    return joined
+    return done
 
 
 def joined_summary(devices: list) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxtron import xla_flags
+from jaxtron.distributed import allgather_text
 from jaxtron.cli import EXIT_USAGE, check_run_dir, plural, script_name
 from jaxtron.config import Config, ConfigError, MeshConfig, XlaConfig
 
@@ -210,7 +211,7 @@ class Hosts:
         counts = Counter(device.process_index for device in jax.devices())
         devices = tuple(counts[i] for i in range(jax.process_count()))
         name = socket.gethostname()
-        nodes = _allgather_text(name) if len(devices) > 1 else [name]
+        nodes = allgather_text(name) if len(devices) > 1 else [name]
         return Hosts(devices, tuple(nodes), jax.process_index())
 
     @property
@@ -367,10 +368,10 @@ def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = Non
         return problems
     from jax.experimental import multihost_utils
 
-    nonce = _allgather_text(secrets.token_hex(8) if writable else "")[0]  # process 0's
+    nonce = allgather_text(secrets.token_hex(8) if writable else "")[0]  # process 0's
     if nonce:  # else process 0 cannot write run.dir, and said so: every process skips this
         problems += check_shared_dir(cfg.run.dir, hosts, nonce, multihost_utils.sync_global_devices)
-    everyone = _allgather_text("\n".join(problems))
+    everyone = allgather_text("\n".join(problems))
     return merge([text.split("\n") if text else [] for text in everyone])
 
 
@@ -394,19 +395,6 @@ def _processes(ids: list[int]) -> str:
             runs.append([i])
     text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
     return f"process{'es' if len(ids) > 1 else ''} {text}"
-
-
-def _allgather_text(text: str) -> list[str]:
-    """Every process's `text`, in process order (a collective)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(text.encode(), np.uint8)
-    longest = int(multihost_utils.process_allgather(np.array([data.size], np.int32)).max())
-    padded = np.zeros(max(longest, 1), np.uint8)
-    padded[:data.size] = data
-    rows = multihost_utils.process_allgather(padded)
-    return [bytes(row).rstrip(b"\0").decode() for row in rows]
 
 
 def report(problems: Sequence[str], strict: bool, prefix: str = "", show: bool = True) -> int:

@@ -249,7 +249,7 @@ def test_an_unwritable_run_dir_is_its_one_problem(monkeypatch):
     assert problem.startswith(f"run.dir={run_dir} cannot be written (") and problem.endswith(
         "); choose a directory you can write")
     # process 0 of two: every process learns from process 0's nonce (none) to skip the sharing check
-    monkeypatch.setattr(doctor, "_allgather_text", lambda text: [text])
+    monkeypatch.setattr(doctor, "allgather_text", lambda text: [text])
     monkeypatch.setattr(doctor, "check_shared_dir", lambda *args: pytest.fail("sharing checked"))
     problems = doctor.check_all(cfg, {}, Hosts((8, 8), ("a", "b")), versions=VERSIONS)
     assert [p for p in problems if "run.dir" in p] == [problem]

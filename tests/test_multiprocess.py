@@ -227,8 +227,9 @@ def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path):
     out = [(logs / f"differ-{i}.txt").read_text() for i in range(PROCESSES)]
     fix = "; give every process the same --config files and overrides"
     assert codes == [2, 2], out
-    assert out[0].splitlines()[-1] == ("launch.py: error: process 1 of this run was given "
-                                       f"another config than this one (process 0){fix}"), out[0]
+    assert out[0].splitlines()[-1] == ("launch.py: error: this process (0) was given another "
+                                       "config than process 1: train.steps=6 here, 8 on process "
+                                       f"1{fix}"), out[0]
     assert out[1].splitlines()[-1] == ("launch.py: error: this process (1) was given another "
                                        "config than process 0: train.steps=8 here, 6 on process "
                                        f"0{fix}"), out[1]
@@ -254,6 +255,30 @@ def test_a_process_left_alone_says_so_in_one_line(tmp_path, wait, message):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"launch.py: error: {message.format(port=port)}"]
     assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_processes_join_stops_at_once(tmp_path, sig):
+    """JAX waits for the other processes in C++, where no Python handler runs: SIGTERM (timeout,
+    a scheduler) and Ctrl-C did nothing until JAX's own timeout aborted it, minutes later."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{_free_port()}",
+         "--num-processes", "2", "--process-id", "0", *OVERRIDES, f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("jax.distributed: waiting up to"):
+                time.sleep(2)  # inside jax.distributed.initialize by now
+                proc.send_signal(sig)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert (proc.returncode, err) == (75, "launch.py: stopped by a signal while the processes "
+                                          "joined (nothing to save); run the same command to "
+                                          "start\n")
 
 
 FULL_DISK = """

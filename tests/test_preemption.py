@@ -21,6 +21,9 @@ ARGS = [f"train.steps={STEPS}", "train.log_every=1", "train.seq_len=128", "optim
         "run.tensorboard=false", "run.progress=lines"]
 
 
+PLUGIN_NOISE = ("WARNING: All log messages before absl::InitializeLog()", "I0000 00:00:")
+
+
 def _cmd(run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "launch.py"), *ARGS, f"run.dir={run_dir}", *extra]
 
@@ -171,6 +174,33 @@ def test_the_data_workers_end_with_a_run_killed_by_sigkill(tmp_path):
     for pid in left:  # not to leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_sent_to_every_process_of_the_job_is_one_line(tmp_path, sig):
+    """Ctrl-C in a terminal signals the whole process group, data workers too: each printed a
+    KeyboardInterrupt traceback (18 lines with one worker), then "leaked shared_memory objects";
+    now the run's one line, exit 75, the step saved."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run_dir, "checkpoint.every=1000", "data.workers=2",
+                                 "train.steps=1000"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert time.time() < deadline and proc.poll() is None, "no step was logged"
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    # A worker imports jax before anything of jaxtron's runs in it: on a machine with the CUDA
+    # plugin (the gpu-aot extra) but no NVIDIA driver, absl logs that at each worker's start.
+    lines = [line for line in err.splitlines() if not line.startswith(PLUGIN_NOISE)]
+    assert proc.returncode == 75 and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"preempted by signal {int(sig)} at step ") and _saved_steps(run_dir)
 
 
 def test_data_workers_that_end_with_the_run_leave_nothing_behind():
