@@ -212,6 +212,8 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
             _check_keys(value, sub, path + ".")
         elif sub is bool and not isinstance(value, bool):  # OmegaConf takes yes, off, 1 too
             raise ConfigError(f"{path} must be true or false, got {value}")
+        elif sub is str and isinstance(value, bool):  # as typed (OmegaConf would say "True")
+            tree[key] = str(value).lower()
         elif typing.get_origin(sub) is list and dataclasses.is_dataclass(typing.get_args(sub)[0]):
             if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
                 raise ConfigError(f"'{path}' is a list of mappings, e.g. {path}=[{{path: ...}}]")
@@ -267,6 +269,8 @@ def _bad_value(e: oc_errors.ValidationError, layer: Any = None) -> str:
         if not part.startswith("["):
             kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
     shown = f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else value
+    if key == "run.profile_steps" and isinstance(value, int):
+        return f"{key} is [first, last]: write {key}=[{value},{value}] to trace step {value}"
     if typing.get_origin(kind) is list:
         if value is None:
             return f"{key} is a list: write {key}=[] for none, or {key}=[A,B] (items separated by commas)"

@@ -97,6 +97,8 @@ def test_a_directory_as_config_lists_its_presets():
      "xla.flags is a list: write xla.flags=[--xla_dump_to=/tmp/hlo] (items separated by commas)"),
     ("xla.flags=--a,--b", "xla.flags is a list: write xla.flags=[--a,--b]"),
     ("xla.flags=null", "xla.flags is a list: write xla.flags=[] for none, or xla.flags=[A,B]"),
+    ("run.profile_steps=3",  # it said [3], then "must be [first, last]"
+     "run.profile_steps is [first, last]: write run.profile_steps=[3,3] to trace step 3"),
     ("=3", "'=3': an override is section.key=value, e.g. train.steps=100"),
     ("train..steps=3", "'train..steps=3': an override is section.key=value"),
     ("steps", "'steps': an override is section.key=value"),
@@ -190,6 +192,12 @@ def test_a_yes_in_a_preset_is_not_true(tmp_path):
     with pytest.raises(config.ConfigError, match=r"p\.yaml: model\.tie_embeddings must be true or "
                                                  r"false, got yes$"):
         config.load([preset])
+
+
+def test_a_boolean_given_to_a_text_field_is_kept_as_typed():
+    """model.remat=true: the refusal said `model.remat=True`, Python's spelling."""
+    assert config.load([], ["model.remat=true"]).model.remat == "true"
+    assert config.load([], ["run.dir=false"]).run.dir == "false"
 
 
 def test_a_yaml_merge_key_shares_settings(tmp_path):
