@@ -170,7 +170,9 @@ def test_a_second_run_into_the_same_run_dir_is_refused_and_a_killed_ones_lock_bl
                     f"run.dir={run_dir}", background=True)
     try:
         _wait_for_step(first)
-        before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+        # (not the running first's temporary files: goodput.json is written beside and renamed)
+        before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()
+                  if not p.name.endswith(".tmp")}
         second = _launch("train.steps=2", f"run.dir={run_dir}")
         assert second.returncode == 2, second.stderr[-2000:]
         assert second.stderr.strip() == (
