@@ -20,6 +20,8 @@ from jaxtron.config import ConfigError
 EXIT_USAGE = 2  # bad input: the line says what to change
 EXIT_STOPPED = 130  # stopped by Ctrl-C or SIGTERM: 128 + SIGINT, what a shell shows for Ctrl-C
 PARENT_POLL_S = 0.2  # how often a worker looks whether its parent is still there
+# What Python itself does with Ctrl-C and SIGTERM, which one_line_errors takes over.
+_PYTHON_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 REDELIVER_S = 0.01  # a signal that landed in a garbage-collection callback comes again this late
 # The running command's file name (launch.py, plan.py), set by its Parser: a command called
 # in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
@@ -68,8 +70,7 @@ def take_over_signals() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     stopped = False
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    for sig, default in defaults.items():
+    for sig, default in _PYTHON_HANDLERS.items():
         handler = signal.getsignal(sig)
         if getattr(handler, "startup_recorder", False):
             signal.signal(sig, default)
@@ -104,8 +105,7 @@ def _stop_on_signals() -> dict:
     as they are: a command's own, an ignored one, any outside the main thread."""
     if threading.current_thread() is not threading.main_thread() or _own_handler():
         return {}
-    python_own = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    return {sig: signal.signal(sig, _raise_stop) for sig, handler in python_own.items()
+    return {sig: signal.signal(sig, _raise_stop) for sig, handler in _PYTHON_HANDLERS.items()
             if signal.getsignal(sig) == handler}
 
 

@@ -3,7 +3,8 @@
 A `.jsonl`/`.json` file holds one JSON document per line, or is one JSON array of them; a
 `.parquet` file holds one per row (the text under a key/column); any other file is one plain-text
 document. Any of them but Parquet may be compressed (`.gz`, `.bz2`, `.xz`: x.jsonl.gz is JSON
-Lines); `.zst` and archives are named as unread, to decompress first. jaxtron's own datasets (a directory with its manifest.json, `.arrayrecord` shards) met in
+Lines); `.zst` and archives are named as unread, to decompress first. jaxtron's own datasets
+(a directory with its manifest.json, `.arrayrecord` shards) met in
 a walk are skipped with a note. Readers never raise on bad input:
 they yield it as an item with a reason, located by line (1-based) or Parquet row (0-based).
 Imports `jaxtron.config` from the installed package (`pip install -e .`).
@@ -11,9 +12,10 @@ Imports `jaxtron.config` from the installed package (`pip install -e .`).
 
 from __future__ import annotations
 
+import bz2
 import functools
 import glob
-import importlib
+import gzip
 import json
 import lzma
 import os
@@ -36,7 +38,7 @@ Item = tuple[int, dict, str | None, str | None, int]
 JSON_ARRAY_MAX_BYTES = 512 << 20  # a JSON array is parsed whole: ~3x its size in memory
 SHARD_SUFFIX = ".arrayrecord"  # tokenized data (a prepared dataset's shards), never text
 FIELD_CHECK_RECORDS = 100  # records of the first JSON/Parquet input that --text-field is checked on
-OPENERS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # compressed inputs, by the standard library
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # compressed inputs
 UNSUPPORTED = (".zst", ".zstd", ".lz4", ".zip", ".7z")  # named as such, not read as text
 
 
@@ -153,7 +155,7 @@ def _open(path: Path):
     opener = OPENERS.get(path.suffix.lower())
     if opener is None and path.suffix.lower() in UNSUPPORTED:
         raise OSError(f"{path.suffix} files are not read here; decompress or unpack it first")
-    return importlib.import_module(opener).open(path, "rb") if opener else open(path, "rb")
+    return opener(path, "rb") if opener else open(path, "rb")
 
 
 def read_documents(path: Path, text_field: str) -> Iterator[Item]:
