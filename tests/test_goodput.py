@@ -130,12 +130,13 @@ def test_killed_then_resumed_run_accounts_both_attempts(tmp_path):
     cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=40", "train.eval_every=0",
            "checkpoint.every=4", f"run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:  # killed once checkpoint 4 is on disk (its write is asynchronous) and step 6 logged
-        deadline, metrics = time.time() + 300, run_dir / "metrics.jsonl"
+    try:  # killed once checkpoint 4 is on disk (its write is asynchronous) and goodput.json
+        # holds step 6 (written just after the log row of step 6: waiting on metrics.jsonl's row
+        # could kill the run between the two)
+        deadline, account = time.time() + 300, run_dir / goodput.FILE
         while time.time() < deadline and proc.poll() is None:
-            if (run_dir / "checkpoints" / "4").is_dir() and metrics.exists() and any(
-                    json.loads(line)["step"] >= 6 for line in metrics.read_text().splitlines()
-                    if line.endswith("}")):
+            if (run_dir / "checkpoints" / "4").is_dir() and account.exists() and \
+                    json.loads(account.read_text())[-1]["last_step"] >= 6:
                 proc.kill()
             time.sleep(0.02)
     finally:
