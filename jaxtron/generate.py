@@ -37,19 +37,28 @@ class Sampling(NamedTuple):
     eos_ids: jax.Array  # [E] ids that end the continuation (-1: none)
 
 
-def check(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    """Refuse numbers that mean nothing, naming the argument (ConfigError: one line, exit 2)."""
+def check(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+          flags: bool = False) -> None:
+    """Refuse numbers that mean nothing, naming the argument (ConfigError: one line, exit 2) as
+    the library spells it (`top_k=-1`) or, with `flags`, as the command line does (`--top-k -1`)."""
+    def said(name: str, value: object = None) -> str:
+        if flags:
+            return f"--{name.replace('_', '-')}" + ("" if value is None else f" {value}")
+        return name + ("" if value is None else f"={value}")
+
     if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens}: generate at least 1 token")
+        raise ConfigError(f"{said('max_new_tokens', max_new_tokens)}: generate at least 1 token")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ConfigError(f"temperature={temperature}: use 0 (greedy) or a positive number")
+        raise ConfigError(f"{said('temperature', temperature)}: use 0 (greedy) or a positive "
+                          "number")
     if top_k < 0:
-        raise ConfigError(f"top_k={top_k}: use 0 (no limit) or a positive count")
+        raise ConfigError(f"{said('top_k', top_k)}: use 0 (no limit) or a positive count")
     if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p={top_p}: must be in (0, 1] (1 keeps every token)")
+        raise ConfigError(f"{said('top_p', top_p)}: must be in (0, 1] (1 keeps every token)")
     if temperature == 0 and (top_k or top_p < 1):
-        raise ConfigError("top_k and top_p choose among tokens to sample; temperature=0 is greedy "
-                          "and would ignore them: add a temperature above 0")
+        raise ConfigError(f"{said('top_k')} and {said('top_p')} choose among tokens to sample; "
+                          f"{said('temperature', 0)} is greedy and would ignore them: add a "
+                          f"{said('temperature')} above 0")
 
 
 def prompt_array(cfg: ModelConfig, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:

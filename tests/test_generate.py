@@ -160,7 +160,7 @@ def test_pick_draws_with_the_probabilities_asked_for(temperature, top_k, top_p, 
     ({"top_k": -1}, "top_k=-1"),
     ({"top_p": 0.0}, r"top_p=0.0: must be in \(0, 1\]"),
     ({"top_p": 1.5}, "top_p=1.5"),
-    ({"top_k": 5}, "temperature=0 is greedy and would ignore them"),
+    ({"top_k": 5}, "top_k and top_p choose .* temperature=0 is greedy and would ignore them: add a temperature above 0$"),
     ({"top_p": 0.5}, "temperature=0 is greedy and would ignore them"),
     ({"prompt_ids": []}, "non-empty"),
     ({"prompt_ids": [1, VOCAB]}, rf"\[0, {VOCAB}\)"),
@@ -268,9 +268,12 @@ def test_cli_empty_prompt_starts_at_bos_or_is_one_line(case, tool, tmp_path, cap
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--tokens", "1,2", "--top-p", "1.5"], "top_p=1.5"),
-    (["--tokens", "1,2", "--temperature", "-1"], "temperature=-1.0"),
-    (["--tokens", "1,2", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["--tokens", "1,2", "--top-p", "1.5"], r"--top-p 1.5: must be in \(0, 1\]"),
+    (["--tokens", "1,2", "--temperature", "-1"], "--temperature -1.0: use 0"),
+    (["--tokens", "1,2", "--top-k", "5"], "--top-k and --top-p choose among tokens to sample; "
+                                          "--temperature 0 is greedy and would ignore them: add a "
+                                          "--temperature above 0$"),
+    (["--tokens", "1,2", "--max-new-tokens", "0"], "--max-new-tokens 0: generate at least"),
     (["--tokens", "1,x"], r"argument --tokens: '1,x' is not a list of token ids \(0 or more\)"),
     (["--tokens", ""], r"argument --tokens: '' is not a list of token ids \(0 or more\), such as 1,2,3 "
                        r"\(see python tools/generate.py --help\)$"),

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> None:
     """Load PATH, encode the prompt, generate, print."""
-    check(args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before loading
+    check(args.max_new_tokens, args.temperature, args.top_k, args.top_p, flags=True)  # first
     model = load(args.path)
     tok = model.open_tokenizer() if args.prompt is not None else None
     prompt = tok.encode_prompt(args.prompt) if tok else args.tokens
