@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtron.config import Config, ConfigError, MeshConfig
+from jaxtron.config import Config, ConfigError, MeshConfig, multiples_near
 
 # Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
 # so tensor and fsdp traffic stays on the fastest links and data/stage cross nodes.
@@ -238,15 +238,16 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
     if micro % batch_ways:
         raise ConfigError(
             f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {micro} "
-            f"sequences per microbatch is not divisible by data*fsdp={batch_ways}"
-        )
+            f"sequences per microbatch is not divisible by data*fsdp={batch_ways}; use "
+            + multiples_near("train.batch_size", t.batch_size, t.microbatches * batch_ways))
     io_ways = _split(_RULES["act_batch_io"], sizes)
     per_pass = t.batch_size // cfg.pipeline.passes
     if sizes["stage"] > 1 and per_pass % io_ways:
         raise ConfigError(
             f"train.batch_size={t.batch_size} / pipeline.passes={cfg.pipeline.passes} = {per_pass} "
             f"sequences per pass is not divisible by data*fsdp*stage={io_ways} (the stages share "
-            "the embedding and LM head work)")
+            "the embedding and LM head work); use "
+            + multiples_near("train.batch_size", t.batch_size, cfg.pipeline.passes * io_ways))
 
 
 def batch_spec() -> P:

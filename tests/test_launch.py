@@ -92,7 +92,16 @@ BAD_INPUTS = [
     (["--dry-run", "--devices", "0"], "--devices 0 must be at least 1"),
     (["mesh.fsdp=3"], "has 3 devices but 8 are available"),
     (["mesh.tensor=8", "mesh.fsdp=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
-    (["train.batch_size=12"], "not divisible by data*fsdp=8"),
+    (["train.batch_size=12"], "not divisible by data*fsdp=8; use train.batch_size=8 or 16\n"),
+    (["train.batch_size=12", "train.microbatches=5"],
+     "train.batch_size=12 is not divisible by train.microbatches=5; use train.batch_size=10 or 15, "
+     "or train.microbatches=4\n"),
+    (["train.batch_size=8", "train.microbatches=2"],
+     "8 / train.microbatches=2 = 4 sequences per microbatch is not divisible by data*fsdp=8; "
+     "use train.batch_size=16\n"),
+    (["mesh.stage=2", "mesh.fsdp=4", "train.batch_size=4"],
+     "= 4 sequences per pass is not divisible by data*fsdp*stage=8 (the stages share the "
+     "embedding and LM head work); use train.batch_size=8\n"),
     (["--config", "configs/nope.yaml"], "config file not found"),
     (["model.dtype=fp8"], "model.dtype=fp8 is not one of"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis may be -1"),
