@@ -70,8 +70,9 @@ class Pipeline:
 def describe(pipe: Pipeline, schedule: str, passes: int) -> str:
     """One log line: the schedule and its bubble fraction."""
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
-    return (f"pipeline: {schedule}, {s} stages x {r} repeats, {m} microbatches per pass x "
-            f"{passes} passes: bubble {pipe.bubble:.4f} = (S-1)/(R*M+S-1) = "
+    looped = f" x {r} repeats" if r > 1 else ""
+    return (f"pipeline: {schedule}, {s} stages{looped}, {m} microbatches per pass x "
+            f"{passes} pass{'es' if passes > 1 else ''}: bubble {pipe.bubble:.4f} = (S-1)/(R*M+S-1) = "
             f"{s - 1}/{pipe.iterations}")
 
 

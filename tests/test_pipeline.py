@@ -141,6 +141,15 @@ def test_bubble_fraction_follows_the_schedule(stages, repeats, micro, bubble):
     assert pipe.bubble == pytest.approx(bubble, rel=1e-12)
 
 
+def test_the_log_line_names_repeats_and_passes_only_when_there_are_several():
+    assert pipeline.describe(pipeline.Pipeline(2, 1, 4), "gpipe", 1) == (
+        "pipeline: gpipe, 2 stages, 4 microbatches per pass x 1 pass: bubble 0.2000 = "
+        "(S-1)/(R*M+S-1) = 1/5")
+    assert pipeline.describe(pipeline.Pipeline(4, 2, 4), "circular", 2) == (
+        "pipeline: circular, 4 stages x 2 repeats, 4 microbatches per pass x 2 passes: bubble "
+        "0.2727 = (S-1)/(R*M+S-1) = 3/11")
+
+
 def test_circular_storage_order_puts_each_stage_groups_side_by_side():
     # 8 layers, 2 stages x 2 repeats: stage 0 holds groups 0 and 2, stage 1 groups 1 and 3.
     assert pipeline.layer_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
