@@ -34,7 +34,8 @@ PEAK_TFLOPS = (
     ("A100", 312.0),
 )
 
-KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "tflops_per_device", "mfu")
+KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "tflops_per_device", "mfu",
+        "tokens")
 BAR_DROPS = ("ms", "lr", "grad_norm", "tok")  # what the progress bar drops first when narrow
 
 
@@ -289,9 +290,9 @@ class StepCost:
         return cls(tokens, flops, len(devices), devices[0].device_kind)
 
 
-def make_row(step: int, fetched: dict, step_time: float, cost: StepCost) -> dict:
+def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens: int) -> dict:
     """The logged metrics of one step from its fetched {loss, lr, grad_norm}; floats are plain
-    Python floats, non-finite kept as is."""
+    Python floats, non-finite kept as is. `tokens`: all the run has trained on by this step."""
     tflops = cost.flops / step_time / cost.num_devices / 1e12
     peak = peak_tflops(cost.device_kind)
     return {
@@ -299,6 +300,7 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost) -> dict
         "grad_norm": float(fetched["grad_norm"]),
         "tokens_per_sec": cost.tokens / step_time, "step_time": step_time,
         "tflops_per_device": tflops, "mfu": None if peak is None else tflops / peak,
+        "tokens": tokens,
     }
 
 

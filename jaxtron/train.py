@@ -368,7 +368,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
         run.log.tick(step)
         if step % cfg.train.log_every == 0 or step == steps:
             fetched = jax.device_get(pending)  # host sync point
-            row = metrics_lib.make_row(step, fetched, window.close(step), run.cost)
+            row = metrics_lib.make_row(step, fetched, window.close(step), run.cost, tokens_seen)
             history.append(row)
             run.log.write(row)
             run.account.persist()  # goodput.json holds this attempt also if it is killed

@@ -41,6 +41,8 @@ def test_resume_from_latest_checkpoint_is_exact(tmp_path):
     np.testing.assert_array_equal([r["grad_norm"] for r in resumed],
                                   [r["grad_norm"] for r in straight[4:]])
 
+    assert [r["tokens"] for r in resumed] == [r["tokens"] for r in straight[4:]] == [
+        5 * 16 * 64, 6 * 16 * 64]  # counted on from the checkpoint's, not from 0
     meta = json.loads((run_dir / "checkpoints" / "6" / "meta" / "metadata").read_text())
     assert meta["step"] == 6 and meta["tokens_seen"] == 6 * 16 * 64
     assert meta["loss"] == straight[-1]["loss"]

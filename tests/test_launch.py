@@ -34,6 +34,7 @@ def test_three_step_run_writes_metrics_config_and_events(tmp_path):
         assert tuple(row) == metrics.KEYS
         assert row["mfu"] is None  # CPU: no peak in the table, so no guess
         assert row["tokens_per_sec"] > 0 and row["step_time"] > 0 and row["tflops_per_device"] > 0
+        assert row["tokens"] == row["step"] * 16 * 128  # tiny's batch_size x seq_len
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] > 0  # linear warmup from 0
     assert 8.0 < rows[0]["loss"] < 10.0  # ~ln(8192) = 9.01 at initialisation
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -468,7 +469,7 @@ def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
     log.tick(601)
     log.tick(602)
     assert log.bar.n == 602
-    row = dict(zip(KEYS, (610, 2.5, 3e-4, 0.75, 12345.0, 1.8, None, None)))
+    row = dict(zip(KEYS, (610, 2.5, 3e-4, 0.75, 12345.0, 1.8, None, None, 610 * 2048)))
     log.write(row)
     assert log.bar.n == 610
     assert log.bar.postfix == ("loss 2.5000 | lr 3.00e-04 | grad_norm 0.750 | 1800 ms/step | "

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _row(step: int, loss: float) -> dict:
-    return dict(zip(KEYS, (step, loss, 3e-4, 0.75, 12345.0, 1.8, None, None)))
+    return dict(zip(KEYS, (step, loss, 3e-4, 0.75, 12345.0, 1.8, None, None, step * 2048)))
 
 
 def _steps(path: Path) -> list[int]:

@@ -1,6 +1,7 @@
 """tools/plot.py on a real 6-step run of `tiny` and a resumed run written in the same format (steps
 3-4 logged twice, the second time after a restart): the series it plots are the logged values, one
-per step (the last), at tokens = step x batch x seq; the PNGs are written; bad input exits 2."""
+per step (the last), at the tokens the trainer counted (also across a resume that doubled the
+batch); the PNGs are written; bad input exits 2."""
 
 import json
 import subprocess
@@ -39,13 +40,15 @@ def real_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def resumed_run(real_run, tmp_path_factory) -> Path:
-    """Steps 1-4 logged, a restart from the step-2 checkpoint, steps 3-6 logged again (other
-    losses and an MFU this time), and a last line cut short by a kill."""
+    """Steps 1-4 logged at 4 x 32 tokens per step, a restart from the step-2 checkpoint with
+    train.batch_size 8 (256 tokens per step), steps 3-6 logged again (other losses and an MFU this
+    time), and a last line cut short by a kill."""
     run_dir = tmp_path_factory.mktemp("plot") / "resumed"
     run_dir.mkdir()
     real = _rows(real_run / "metrics.jsonl")
-    first = [{**r, "loss": 10.0 + r["step"]} for r in real[:4]]
-    second = [{**r, "loss": 5.0 - r["step"] / 4, "mfu": r["step"] / 8} for r in real[2:]]
+    first = [{**r, "loss": 10.0 + r["step"], "tokens": 128 * r["step"]} for r in real[:4]]
+    second = [{**r, "loss": 5.0 - r["step"] / 4, "mfu": r["step"] / 8,
+               "tokens": 256 + 256 * (r["step"] - 2)} for r in real[2:]]
     assert all(tuple(r) == metrics.KEYS for r in first + second)
     lines = [json.dumps(r) + "\n" for r in first + second]
     (run_dir / "metrics.jsonl").write_text("".join(lines) + '{"step": 7, "loss": 4.')
@@ -75,7 +78,9 @@ def test_restarted_steps_keep_their_last_row(resumed_run, real_run):
     assert [r["step"] for r in run.rows] == [1, 2, 3, 4, 5, 6]  # the cut-short step 7 dropped
     assert [r["loss"] for r in run.rows] == [11.0, 12.0, 4.25, 4.0, 3.75, 3.5]
     assert run.series("mfu")[1] == [None, None, 0.375, 0.5, 0.625, 0.75]
-    assert run.tokens(run.rows) == [256 * s for s in range(1, 7)]
+    assert run.tokens(run.rows) == [128, 256, 512, 768, 1024, 1280]  # not step x 8 x 32
+    assert run.tokens(run.evals) == [512, 1280]
+    assert run.tokens([{"step": 8}]) == [1280 + 2 * 256]  # past the last row: at 8 x 32 per step
     assert [(r["step"], r["eval_loss"]) for r in run.evals] == [(3, 8.5), (6, 7.5)]
     assert run.series("grad_norm")[1] == [r["grad_norm"] for r in _rows(real_run / "metrics.jsonl")]
 
@@ -85,9 +90,9 @@ def test_figures_draw_the_series(real_run, resumed_run):
     made, notes = plot.figures(runs)
     assert tuple(made) == STEMS and notes == []
     lines = {line.get_label(): line.get_xydata().tolist() for line in made["loss"].axes[0].lines}
-    assert lines["resumed train"] == [[256.0 * s, loss] for s, loss in
-                                      zip(range(1, 7), [11.0, 12.0, 4.25, 4.0, 3.75, 3.5])]
-    assert lines["resumed eval"] == [[768.0, 8.5], [1536.0, 7.5]]
+    assert lines["resumed train"] == [[t, loss] for t, loss in zip(
+        [128, 256, 512, 768, 1024, 1280], [11.0, 12.0, 4.25, 4.0, 3.75, 3.5])]
+    assert lines["resumed eval"] == [[512, 8.5], [1280, 7.5]]
     assert lines["real train"] == [[1024.0 * r["step"], r["loss"]] for r in runs[0].rows]
     assert made["loss"].axes[0].get_yscale() == "log"
     mfu = {line.get_label(): line.get_xydata().tolist() for line in made["mfu"].axes[0].lines}
@@ -154,6 +159,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err, err
         assert err.startswith("plot.py: error: "), err
+
+
+def test_a_run_that_has_not_logged_yet_is_skipped_among_several(real_run, tmp_path, capsys):
+    """Comparing runs, one just started (an empty metrics.jsonl) is a note, not the end; all of
+    them empty is one line, exit 2."""
+    for name in ("new", "newer"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("")
+    out = tmp_path / "out"
+    assert plot.main([str(real_run), str(tmp_path / "new"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"skipped new: {tmp_path / 'new' / 'metrics.jsonl'}: no rows yet (the run " \
+                         "has not logged a step)"
+    assert (out / "loss.png").is_file()
+    assert plot.main([str(tmp_path / "new"), str(tmp_path / "newer")]) == 2
+    assert capsys.readouterr().err == "plot.py: error: none of the 2 runs has logged a step yet\n"
 
 
 def test_a_short_series_is_marked_point_by_point(tmp_path):

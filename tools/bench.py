@@ -87,7 +87,8 @@ def bench(cfg, steps: int, warmup: int) -> dict:
                 times.append(time.perf_counter() - start)
     step_time = statistics.median(times)
     fetched = {"loss": loss, "lr": 0.0, "grad_norm": 0.0}
-    row = metrics.make_row(steps, fetched, step_time, metrics.StepCost.of(cfg, devices))
+    cost = metrics.StepCost.of(cfg, devices)
+    row = metrics.make_row(steps, fetched, step_time, cost, (warmup + steps) * cost.tokens)
     stats = devices[0].memory_stats() or {}
     return {
         "device": devices[0].device_kind, "devices": len(devices), "mesh": plan.mesh_sizes,

@@ -6,8 +6,10 @@
 Reads each run directory's metrics.jsonl (one row per logged step, jaxtron/metrics.py KEYS),
 eval.jsonl and config.yaml, and writes loss.png (train and eval loss against tokens seen, log
 scale), lr.png, throughput.png (tokens/s of the whole job), mfu.png and grad_norm.png (the global
-norm before clipping) against the step; prints the paths written. Tokens seen = step x
-train.batch_size x train.seq_len from config.yaml. A resumed run repeats the steps after its last
+norm before clipping) against the step; prints the paths written. Tokens seen: each row's
+`tokens`, the trainer's count (right across a resume that changed the batch or sequence length);
+for an evaluation at a step without a row, and rows without the count, carried on at
+train.batch_size x train.seq_len per step from config.yaml. A resumed run repeats the steps after its last
 checkpoint: the last row of each step counts, so the curves show what the surviving run did. MFU
 is skipped with a note when no run has it (devices without a known peak, e.g. CPUs). A directory
 without metrics.jsonl: one line on stderr, exit status 2.
@@ -15,6 +17,7 @@ without metrics.jsonl: one line on stderr, exit status 2.
 
 from __future__ import annotations
 
+import bisect
 import json
 import sys
 from dataclasses import dataclass
@@ -36,8 +39,12 @@ STEP_PLOTS = (
     ("mfu", "mfu", "MFU (% of dense BF16 peak)", "Model FLOPs utilisation", "linear", 100.0),
     ("grad_norm", "grad_norm", "global gradient norm (before clipping)", "Gradient norm", "log", 1.0),
 )
-PLOTTED = {"loss", "eval_loss"} | {key for _, key, *_ in STEP_PLOTS}
+PLOTTED = {"loss", "eval_loss", "tokens"} | {key for _, key, *_ in STEP_PLOTS}
 FEW = 50  # a series of fewer points gets a marker on each: one point alone is no line at all
+
+
+class NoRows(ConfigError):
+    """A run that has not logged a step yet: the only run given, an error; one of several, a note."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,16 @@ class Run:
         return [r["step"] for r in self.rows], [r.get(key) for r in self.rows]
 
     def tokens(self, rows: list[dict]) -> list[int]:
-        """Tokens seen after each row's step."""
-        return [r["step"] * self.tokens_per_step for r in rows]
+        """Tokens seen after each row's step: the count of the last metrics row at or before it,
+        plus tokens_per_step for each step since."""
+        counted = [(r["step"], r["tokens"]) for r in self.rows if isinstance(r.get("tokens"), int)]
+        steps = [step for step, _ in counted]
+        seen = []
+        for row in rows:
+            at = bisect.bisect_right(steps, row["step"]) - 1
+            step, tokens = counted[at] if at >= 0 else (0, 0)
+            seen.append(tokens + (row["step"] - step) * self.tokens_per_step)
+        return seen
 
 
 # ---------------------------------------------------------------- reading
@@ -119,7 +134,7 @@ def load_run(run_dir: Path, name: str) -> Run:
         raise ConfigError(f"{run_dir} {what}; give a run directory (run.dir of a training run)")
     rows = last_per_step(read_jsonl(metrics, "loss"))
     if not rows:
-        raise ConfigError(f"{metrics}: no rows yet (the run has not logged a step)")
+        raise NoRows(f"{metrics}: no rows yet (the run has not logged a step)")
     evals = run_dir / "eval.jsonl"
     eval_rows = last_per_step(read_jsonl(evals, "eval_loss")) if evals.is_file() else []
     return Run(name, rows, eval_rows, tokens_per_step(run_dir, rows))
@@ -234,7 +249,16 @@ def plot(paths: list[Path], out: Path | None) -> None:
     """Load the runs, write the PNGs into `out` (default: the first run's plots/), print them."""
     import matplotlib.pyplot as plt
 
-    runs = [load_run(p, name) for p, name in zip(paths, run_names(paths))]
+    runs, skipped = [], []
+    for path, name in zip(paths, run_names(paths)):
+        try:
+            runs.append(load_run(path, name))
+        except NoRows as e:
+            if len(paths) == 1:
+                raise
+            skipped.append(f"skipped {name}: {e}")
+    if not runs:
+        raise ConfigError(f"none of the {len(paths)} runs has logged a step yet")
     out = out or paths[0] / "plots"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory")
@@ -244,7 +268,7 @@ def plot(paths: list[Path], out: Path | None) -> None:
         raise ConfigError(f"cannot make --out {out}: {e.strerror}") from None
     cli.writable_file(out / "loss.png", "--out")
     made, notes = figures(runs)
-    for note in notes:
+    for note in skipped + notes:
         print(note)
     for stem, fig in made.items():
         fig.tight_layout()
