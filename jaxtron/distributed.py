@@ -157,6 +157,7 @@ def check_same_config(text: str) -> None:
     where = f"process {0 if me else other}"
     changed = [f"{key}={here.get(key)} here, {there.get(key)} on {where}"
                for key in sorted(set(here) | set(there)) if here.get(key) != there.get(key)]
+    jax.distributed.shutdown()  # every process is here: leave together, none aborts another
     raise ConfigError(f"this process ({me}) was given another config than {where}: "
                       f"{'; '.join(changed[:3]) or 'its text differs'}; give every process "
                       "the same --config files and overrides")

@@ -211,13 +211,34 @@ def test_killed_process_stops_the_other(runs):
           "was killed")
 
 
-def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path):
+# Slows one process down by a second as it compares the configs (its yaml.safe_load there).
+LAG_IN_THE_COMPARISON = """
+import sys, time, yaml
+_load = yaml.safe_load
+def _slow_load(*args, **kwargs):
+    if sys._getframe(1).f_back.f_code.co_name == "check_same_config":
+        time.sleep(1)
+    return _load(*args, **kwargs)
+yaml.safe_load = _slow_load
+"""
+
+
+@pytest.mark.parametrize("late", [None, 0, 1])
+def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path, late):
     """train.steps=6 on one process and 8 on the other: both hung after step 6 for ever (the
     final checkpoint never written); model.num_layers 2 against 1 aborted both (134) in a
-    mismatched collective. Now each says so in one line after joining, exit 2, nothing trained."""
+    mismatched collective. Now each says so in one line after joining, exit 2, nothing trained,
+    also when one process gets there a second after the other (leaving without the others, the
+    first aborted the late one from C++: 134 and a stack)."""
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
-    procs = _start(run_dir, logs, "differ", own={0: ["train.steps=6"], 1: ["train.steps=8"]})
+    lag = None
+    if late is not None:
+        lag = {late: tmp_path / "lag"}
+        lag[late].mkdir()
+        (lag[late] / "sitecustomize.py").write_text(LAG_IN_THE_COMPARISON)
+    procs = _start(run_dir, logs, "differ", pythonpath=lag,
+                   own={0: ["train.steps=6"], 1: ["train.steps=8"]})
     try:
         codes = _wait(procs, timeout=300)
     finally:
