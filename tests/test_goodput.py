@@ -30,6 +30,8 @@ SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.n
          "model.mlp_dim=128", "train.seq_len=32", "train.batch_size=8", "train.log_every=1",
          "optim.warmup_steps=1", "run.progress=lines"]
 TOLERANCE = 0.02
+SLACK_S = 0.2  # the test's own clock also runs over the exit's writes, after the account is taken
+STEPS = 24  # a stop that lands a few steps late still stops before the end
 
 
 def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -63,9 +65,9 @@ def test_parts_add_up_to_the_wall_time(tmp_path, capsys):
     (record,) = json.loads((run_dir / goodput.FILE).read_text())
     seconds = record["seconds"]
     named = sum(v for part, v in seconds.items() if part != "other")
-    assert abs(named - wall) < TOLERANCE * wall, (seconds, wall)
+    assert abs(named - wall) < TOLERANCE * wall + SLACK_S, (seconds, wall)
     assert abs(seconds["other"]) < TOLERANCE * wall
-    assert abs(record["wall_s"] - wall) < TOLERANCE * wall
+    assert abs(record["wall_s"] - wall) < TOLERANCE * wall + SLACK_S
     for part in ("startup", "compile", "step", "checkpoint", "eval"):
         assert seconds[part] > 0, part
     assert record["outcome"] == "done" and (record["resumed_from"], record["last_step"]) == (0, 6)
@@ -83,16 +85,16 @@ def test_parts_add_up_to_the_wall_time(tmp_path, capsys):
 
 
 def _launch(run_dir: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=8",
+    return [sys.executable, str(ROOT / "launch.py"), *SMALL, f"train.steps={STEPS}",
             "train.eval_every=0", "checkpoint.every=3", f"run.dir={run_dir}"]
 
 
 def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
     run_dir = tmp_path / "run"
     assert _run_until(_launch(run_dir), run_dir, 4, signal.SIGTERM) == 75
-    stopped = max(_saved_steps(run_dir))  # the step SIGTERM stopped at, saved
-    assert stopped >= 4 and 3 in _saved_steps(run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / str(stopped))  # its save is lost: resume from 3
+    *_, resumed, stopped = _saved_steps(run_dir)  # the step SIGTERM stopped at, saved
+    assert stopped >= 4 and resumed % 3 == 0 and resumed < stopped
+    shutil.rmtree(run_dir / "checkpoints" / str(stopped))  # its save is lost: resume before it
     proc = subprocess.run(_launch(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=600,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -100,26 +102,28 @@ def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
     first, second = json.loads((run_dir / goodput.FILE).read_text())
     assert (first["outcome"], first["resumed_from"], first["last_step"]) == ("preempted", 0,
                                                                               stopped)
-    assert (second["outcome"], second["resumed_from"], second["last_step"]) == ("done", 3, 8)
+    assert (second["outcome"], second["resumed_from"], second["last_step"]) == ("done", resumed,
+                                                                                STEPS)
     assert second["started"] >= first["started"] + first["wall_s"]
     for record in (first, second):
         assert abs(record["seconds"]["other"]) < TOLERANCE * record["wall_s"], record
 
     summary = goodput.summarize([first, second])
-    redone = first["seconds"]["step"] - first["step_s_at"]["3"]  # steps 4..stopped, trained twice
-    assert summary["redone_steps"] == stopped - 3 and summary["attempts"] == 2
+    redone = first["seconds"]["step"] - first["step_s_at"][str(resumed)]  # trained twice
+    assert summary["redone_steps"] == stopped - resumed and summary["attempts"] == 2
     assert summary["redone_s"] == pytest.approx(redone) and redone > 0
-    assert summary["step_s"] == pytest.approx(first["step_s_at"]["3"] + second["seconds"]["step"])
+    assert summary["step_s"] == pytest.approx(first["step_s_at"][str(resumed)]
+                                              + second["seconds"]["step"])
     assert summary["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
     assert summary["goodput"] == pytest.approx(summary["step_s"] / summary["wall_s"])
     parts = sum(summary[f"{part}_s"] for part in goodput.PARTS)
     assert parts == pytest.approx(summary["wall_s"])
 
-    assert "in 2 attempts" in proc.stdout and f"{stopped - 3} steps)" in proc.stdout
+    assert "in 2 attempts" in proc.stdout and f"{stopped - resumed} steps)" in proc.stdout
     board = _tensorboard(run_dir)  # the first attempt's account, at a redone step, is hidden
-    assert board["goodput/attempts"] == [(8, 2.0)]
-    assert board["goodput/redone_steps"] == [(8, float(stopped - 3))]
-    assert board["goodput/goodput"][-1] == (8, pytest.approx(summary["goodput"], rel=1e-6))
+    assert board["goodput/attempts"] == [(STEPS, 2.0)]
+    assert board["goodput/redone_steps"] == [(STEPS, float(stopped - resumed))]
+    assert board["goodput/goodput"][-1] == (STEPS, pytest.approx(summary["goodput"], rel=1e-6))
 
 
 def test_killed_then_resumed_run_accounts_both_attempts(tmp_path):

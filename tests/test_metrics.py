@@ -77,9 +77,10 @@ def test_killed_and_resumed_run_logs_each_step_once(tmp_path):
     """The real launch.py, killed after a checkpoint and run again: every file's steps strictly
     increase, and the rows up to the restored step are the killed attempt's, byte for byte."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=12",
+    steps = 24  # a kill that lands a few steps late still finds steps to redo
+    cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, f"train.steps={steps}",
            "train.eval_every=3", "checkpoint.every=4", f"run.dir={run_dir}"]
-    assert _run_until(cmd, run_dir, 10, signal.SIGKILL) == -signal.SIGKILL
+    assert _run_until(cmd, run_dir, 10, signal.SIGKILL, saved=8) == -signal.SIGKILL
     restored = max(_saved_steps(run_dir))
     killed = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
     kept = [line for line in killed if json.loads(line)["step"] <= restored]
@@ -88,12 +89,12 @@ def test_killed_and_resumed_run_logs_each_step_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
     rows = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    assert _steps(run_dir / "metrics.jsonl") == list(range(1, 13))
+    assert _steps(run_dir / "metrics.jsonl") == list(range(1, steps + 1))
     assert rows[:len(kept)] == kept
-    assert _steps(run_dir / "eval.jsonl") == [3, 6, 9, 12]
+    assert _steps(run_dir / "eval.jsonl") == list(range(3, steps + 1, 3))
     losses = {json.loads(r)["step"]: json.loads(r)["loss"] for r in rows}
     board = _tensorboard(run_dir)
-    assert [s for s, _ in board["train/loss"]] == list(range(1, 13))
+    assert [s for s, _ in board["train/loss"]] == list(range(1, steps + 1))
     assert all(abs(v - losses[s]) <= 1e-6 * abs(losses[s]) for s, v in board["train/loss"]
                if s > restored)  # the resumed attempt's values (float32 in the event file)
 

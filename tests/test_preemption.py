@@ -34,15 +34,17 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
-def _run_until(cmd: list[str], run_dir: Path, step: int, sig: int) -> int:
-    """Start `cmd`, send `sig` once metrics.jsonl has reached `step`; return the exit status."""
+def _run_until(cmd: list[str], run_dir: Path, step: int, sig: int, saved: int = 0) -> int:
+    """Start `cmd`, send `sig` once metrics.jsonl has reached `step` (and checkpoint `saved`, which
+    is written in the background, is on disk); return the exit status."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 300
-        metrics = run_dir / "metrics.jsonl"
+        metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / str(saved)
         while time.time() < deadline and proc.poll() is None:
-            if metrics.exists() and any(json.loads(l)["step"] >= step
-                                        for l in metrics.read_text().splitlines() if l):
+            if metrics.exists() and (not saved or checkpoint.is_dir()) and any(
+                    json.loads(line)["step"] >= step  # whole lines: the last may be mid-write
+                    for line in metrics.read_text().split("\n")[:-1] if line):
                 proc.send_signal(sig)
                 break
             time.sleep(0.02)
@@ -71,7 +73,7 @@ def straight(tmp_path_factory) -> dict[int, float]:
 def test_sigkill_then_rerun_is_bit_exact(tmp_path, straight, kill_at):
     run_dir = tmp_path / "run"
     cmd = _cmd(run_dir, "checkpoint.every=3")
-    status = _run_until(cmd, run_dir, kill_at, signal.SIGKILL)
+    status = _run_until(cmd, run_dir, kill_at, signal.SIGKILL, saved=kill_at // 3 * 3)
     assert status == -signal.SIGKILL
     saved = _saved_steps(run_dir)
     assert saved and max(saved) % 3 == 0 and max(saved) < STEPS  # died after a checkpoint
