@@ -188,8 +188,9 @@ def test_a_rows_step_time_is_its_steps_without_the_evaluation(tmp_path, monkeypa
     rows = train_lib.train(cfg)
     assert [r["step"] for r in rows] == [2, 4, 6, 8]
     times = [row["step_time"] for row in rows]
-    median = statistics.median(times)
-    assert min(times) >= 0.4 and all(median / 1.5 < t < median * 1.5 for t in times), times
+    steady = times[1:]  # row 2 also holds step 1's first-run overhead
+    median = statistics.median(steady)
+    assert min(times) >= 0.4 and all(median / 1.5 < t < median * 1.5 for t in steady), times
     for row in rows:
         assert row["tokens_per_sec"] == pytest.approx(8 * 32 / row["step_time"])
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]

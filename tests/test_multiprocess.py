@@ -282,16 +282,21 @@ def test_a_process_left_alone_says_so_in_one_line(tmp_path, wait, message):
 def test_a_signal_while_the_processes_join_stops_at_once(tmp_path, sig):
     """JAX waits for the other processes in C++, where no Python handler runs: SIGTERM (timeout,
     a scheduler) and Ctrl-C did nothing until JAX's own timeout aborted it, minutes later."""
+    port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{_free_port()}",
+        [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
          "--num-processes", "2", "--process-id", "0", *OVERRIDES, f"run.dir={tmp_path / 'run'}"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for line in proc.stdout:
-            if line.startswith("jax.distributed: waiting up to"):
-                time.sleep(2)  # inside jax.distributed.initialize by now
-                proc.send_signal(sig)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:  # the coordination service is up: the process waits in C++ for the other
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
+            except OSError:
+                time.sleep(0.1)
+        time.sleep(0.5)  # from starting the service to its own client's wait: Python lines
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
