@@ -461,6 +461,22 @@ def test_an_export_into_a_checkpoints_directory_is_refused(tmp_path, capsys, sou
     assert _convert("export", tmp_path / source, holder.parent / "hf") == 0
 
 
+# Each of an import's per-layer saves takes 0.1 s more: a window of seconds to signal in.
+SLOW_LAYER_SAVES = """
+import time
+from jaxtron import xla_flags
+xla_flags.load_plugins_quietly()  # as the tool does before it imports jax
+from orbax.checkpoint import v1
+
+_save = v1.partial.save
+def _slow_save(*args, **kwargs):
+    time.sleep(0.1)
+    return _save(*args, **kwargs)
+v1.partial.save = _slow_save
+"""
+
+
+
 @pytest.mark.parametrize("sig, existed", [(signal.SIGINT, False), (signal.SIGTERM, False),
                                           (signal.SIGINT, True)])
 def test_a_stopped_import_is_one_line_and_leaves_no_output(tmp_path, sig, existed):
@@ -468,19 +484,24 @@ def test_a_stopped_import_is_one_line_and_leaves_no_output(tmp_path, sig, existe
     traceback, and no OUT (an empty one that was there stays, empty), so the rerun is not
     refused as 'not empty' (a 31-line KeyboardInterrupt traceback before, and OUT holding
     checkpoints/0.partial_save)."""
-    _tiny_llama(tmp_path / "hf", layers=32)  # ~1 s of Orbax saves to stop in
+    _tiny_llama(tmp_path / "hf", layers=32)  # 32 Orbax saves, each slowed by 0.1 s, to stop in
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_LAYER_SAVES)
     out = tmp_path / "imp"
     if existed:
         out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(tmp_path / "slow"), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "convert_hf.py"), "import",
-                             str(tmp_path / "hf"), str(out)], cwd=ROOT, text=True,
+                             str(tmp_path / "hf"), str(out)], cwd=ROOT, text=True, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     while not list(tmp_path.glob("imp*/checkpoints")) and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
     assert "Traceback" not in err, err[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["hf", "imp"] if existed else ["hf"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["hf", "imp", "slow"] if existed
+                                                          else ["hf", "slow"])
     assert not existed or not any(out.iterdir())
     assert (proc.returncode, err) == (
         130, f"convert_hf.py: stopped by a signal; nothing was written to {out} (run the command "
