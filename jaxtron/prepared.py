@@ -78,7 +78,7 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
     for entry in data.mixture:
         if not (entry.weight > 0 and np.isfinite(entry.weight)):
             raise ConfigError(f"data.mixture path {entry.path}: weight={entry.weight} must be a "
-                              "positive number")
+                              "finite number above 0")
     seen = {}
     for entry in data.mixture:
         if (where := Path(entry.path).expanduser().resolve()) in seen:
@@ -94,6 +94,7 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
                               "a mixture must share one")
         if not manifest["splits"]["train"]["shards"]:
             raise ConfigError(f"data.mixture path {entry.path}: the train split has no shards")
+        _check_shards(entry.path, manifest)
     model = tokenizer_file(first, manifests[0])
     if not model.is_file() or _sha256(model) != tok["sha256"]:
         raise ConfigError(f"data.mixture path {first}: {model.name} is missing or does not match "
@@ -107,6 +108,26 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
     if tok["vocab_size"] > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the datasets' "
                           f"tokenizer ({tok['vocab_size']} pieces); raise it")
+
+
+def _check_shards(path: str, manifest: dict) -> None:
+    """Every shard opens and each split holds the documents its manifest counts: a shard emptied
+    or cut short (a copy or a disk that failed) is one line here, not a data worker's traceback
+    mid-run. Opening reads a shard's footer only."""
+    root = Path(path).expanduser()
+    for split in SPLITS:
+        documents = 0
+        for shard in manifest["splits"][split]["shards"]:
+            try:
+                documents += len(grain.sources.ArrayRecordDataSource([str(root / shard)]))
+            except (RuntimeError, OSError, ValueError) as e:
+                why = f" ({str(e).strip().splitlines()[0]})" if str(e).strip() else ""
+                raise ConfigError(f"data.mixture path {path}: shard {shard} cannot be read, cut "
+                                  f"short or damaged{why}; prepare the dataset again") from None
+        if documents != manifest["splits"][split]["documents"]:
+            raise ConfigError(f"data.mixture path {path}: the {split} shards hold {documents:,} "
+                              f"documents, its manifest.json {manifest['splits'][split]['documents']:,}"
+                              "; prepare the dataset again")
 
 
 def check_dataset(data: DataConfig, vocab_size: int) -> None:

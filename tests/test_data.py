@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -411,6 +412,18 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
     (other / "manifest.json").write_text(json.dumps(meta))
     stray = tmp_path / "stray.model"
     stray.write_bytes(b"x")
+    damaged = {}  # a shard emptied, cut in half, or a manifest counting other shards
+    for kind in ("emptied", "halved", "recounted"):
+        damaged[kind] = tmp_path / kind
+        write_dataset(damaged[kind], {"train": [np.arange(50)] * 40, "val": []},
+                      Path(datasets["model"]), shards=1)
+        (shard,) = damaged[kind].glob("train-*.arrayrecord")
+        if kind != "recounted":
+            os.truncate(shard, 0 if kind == "emptied" else shard.stat().st_size // 2)
+        else:
+            meta = json.loads((damaged[kind] / "manifest.json").read_text())
+            meta["splits"]["train"]["documents"] += 1
+            (damaged[kind] / "manifest.json").write_text(json.dumps(meta))
     cases = [
         (DataConfig(source="arrayrecord"), VOCAB, "^data.source=arrayrecord needs data.mixture"),
         (DataConfig(mixture=ok.mixture), VOCAB, "^data.mixture is set but data.source=stdlib"),
@@ -420,7 +433,16 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
         (mixture({"x": str(bad_manifest)}, "", ("x", 1.0)), VOCAB,
          f"^data.mixture path {bad_manifest}: .* is not a jaxtron.tokens.v1 manifest"),
         (mixture(datasets, "", ("a", 1.0), ("b", 0.0)), VOCAB,
-         "^data.mixture path .*/b: weight=0.0 must be a positive number"),
+         "^data.mixture path .*/b: weight=0.0 must be a finite number above 0"),
+        (mixture({"x": str(damaged["emptied"])}, "", ("x", 1.0)), VOCAB,
+         f"^data.mixture path {damaged['emptied']}: shard train-00000-00000.arrayrecord cannot be "
+         r"read, cut short or damaged \(.+\); prepare the dataset again$"),
+        (mixture({"x": str(damaged["halved"])}, "", ("x", 1.0)), VOCAB,
+         f"^data.mixture path {damaged['halved']}: shard train-00000-00000.arrayrecord cannot be "
+         r"read, cut short or damaged( \(.+\))?; prepare the dataset again$"),
+        (mixture({"x": str(damaged["recounted"])}, "", ("x", 1.0)), VOCAB,
+         f"^data.mixture path {damaged['recounted']}: the train shards hold 40 documents, its "
+         "manifest.json 41; prepare the dataset again$"),
         (mixture({**datasets, "o": str(other)}, "", ("a", 1.0), ("o", 1.0)), VOCAB,
          f"^data.mixture path {other} was tokenized with another tokenizer than .*/a"),
         (dataclasses.replace(ok, tokenizer=str(stray)), VOCAB,
