@@ -147,6 +147,10 @@ def check_paths(cfg: Config) -> None:
     leaves them as they were): run.dir can be a directory; its newest checkpoint, or else
     checkpoint.restore, holds this model; run.compile_cache can be a directory."""
     cli.check_run_dir(cfg.run.dir)
+    if (holder := weights.checkpoints_holding(Path(cfg.run.dir))) is not None:
+        raise ConfigError(f"run.dir={cfg.run.dir} is inside the checkpoints directory {holder}, "
+                          "whose old checkpoints a run deletes (or moves aside) with what is in "
+                          f"them; set run.dir to a directory outside it")
     check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
     c = cfg.checkpoint
     if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):

@@ -57,6 +57,20 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
         return []
 
 
+def checkpoints_holding(path: Path) -> Path | None:
+    """The checkpoints directory of a run or import that `path` is, or is inside (a checkpoint of
+    it included), else None: that run's rotation deletes old checkpoints with what is in them,
+    and its start moves an unreadable step directory aside."""
+    target = path.expanduser().resolve()
+    for place in (target, *target.parents):
+        if is_complete(place):
+            return place.parent
+        if place.name == "checkpoints" and ((place.parent / "config.yaml").is_file()
+                                            or run_checkpoints(place.parent)):
+            return place
+    return None
+
+
 def imported_only(restore: str) -> str:
     """checkpoint.restore naming an import (tools/convert_hf.py) as a whole state to resume."""
     return (f"checkpoint.restore={restore} holds imported weights only (no optimizer state or "

@@ -580,6 +580,24 @@ def test_an_empty_run_dir_is_refused_not_the_working_directory(tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/99", "checkpoints/new/run"])
+def test_a_run_dir_inside_another_runs_checkpoints_is_refused(tmp_path, capsys, inside):
+    """run.dir=runs/a/checkpoints/99 trained there; runs/a's next start took 99 for a damaged
+    checkpoint and moved the whole run into damaged_checkpoints/ (its rotation would delete one
+    named like a step it no longer keeps)."""
+    other = tmp_path / "a"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "config.yaml").write_text("train: {steps: 20}\n")
+    for dry in ([], ["--dry-run"]):
+        rc = _main([*dry, *SMALL_RUN, f"run.dir={other / inside}"])
+        _assert_one_line_status_2(rc, capsys.readouterr().err, (
+            f"run.dir={other / inside} is inside the checkpoints directory {other / 'checkpoints'}, "
+            "whose old checkpoints a run deletes (or moves aside) with what is in them; set run.dir "
+            "to a directory outside it\n"))
+    assert sorted(p.relative_to(other).as_posix() for p in other.rglob("*")) == [
+        "checkpoints", "config.yaml"]
+
+
 def test_a_run_dir_holding_other_files_is_not_written_into(tmp_path, capsys, monkeypatch):
     """`run.dir=.` in a source tree (or a dataset directory) would have mixed config.yaml,
     checkpoints/ and metrics.jsonl into the user's files; a directory of a run, an empty one and a

@@ -141,16 +141,12 @@ def _write_new_dir(path: Path, write: Callable[[Path], T]) -> T:
 def _check_outside_checkpoints(out: Path, step_dir: Path) -> None:
     """An export is not written into a checkpoint, nor into a checkpoints directory of a run
     or import: a later run's checkpoint rotation would delete it with the checkpoints."""
-    target = out.expanduser().resolve()
-    for place in (target, *target.parents):
-        run = place.parent
-        if place == step_dir.resolve().parent or weights.is_complete(place) or (
-                place.name == "checkpoints"
-                and ((run / "config.yaml").is_file() or weights.run_checkpoints(run))):
-            holder = place.parent if weights.is_complete(place) else place
-            raise ConfigError(f"{out} is inside the checkpoints directory {holder}, whose old "
-                              "checkpoints a run deletes with what is in them; export to a "
-                              f"directory outside it, e.g. {holder.parent / 'hf'}")
+    target, source = out.expanduser().resolve(), step_dir.resolve().parent
+    holder = source if source in (target, *target.parents) else weights.checkpoints_holding(out)
+    if holder is not None:
+        raise ConfigError(f"{out} is inside the checkpoints directory {holder}, whose old "
+                          "checkpoints a run deletes with what is in them; export to a "
+                          f"directory outside it, e.g. {holder.parent / 'hf'}")
 
 
 def _context(config_json: dict) -> int:
