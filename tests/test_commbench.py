@@ -4,8 +4,10 @@
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -162,3 +164,32 @@ def test_a_size_too_small_for_one_op_is_refused_before_any_is_timed(capsys, monk
     out, err = capsys.readouterr()
     assert "1 iteration after 0 warm-up" in out and timed == []
     assert err.startswith("commbench.py: error: --sizes: 2 B is less than one 4-byte element"), err
+
+
+def test_many_iterations_on_cpu_devices_do_not_deadlock():
+    """300 calls launched back to back on 8 CPU devices: XLA's CPU collectives waited for a
+    device's thread that never came, and XLA aborted the process 60 s later (status -6, a stack).
+    CPU devices run one call at a time."""
+    proc = subprocess.run([sys.executable, str(TOOL), "mesh.fsdp=8", "--ops", "all_reduce",
+                           "--sizes", "1KiB..4KiB", "--iters", "300"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len([line for line in proc.stdout.splitlines() if ROW.match(line)]) == 3
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_timing_is_one_line(sig):
+    """Ctrl-C or SIGTERM while the calls are timed: one line and 130, within seconds."""
+    proc = subprocess.Popen([sys.executable, str(TOOL), "mesh.fsdp=8", "--ops", "all_reduce",
+                             "--sizes", "1KiB", "--iters", "1000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("commbench: ")  # the timing starts next
+        time.sleep(2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert (proc.returncode, err) == (130, "commbench.py: stopped by a signal\n")

@@ -147,13 +147,16 @@ def input_array(mesh, per_device: int, dtype: str):
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(), out_specs=P(MESH_AXES)))()
 
 
-def seconds_per_call(fn, x, warmup: int, iters: int) -> float:
-    """Mean wall time of `iters` calls launched back to back, after `warmup` calls."""
+def seconds_per_call(fn, x, warmup: int, iters: int, in_flight: bool = True) -> float:
+    """Mean wall time of `iters` calls, launched back to back (`in_flight`) or each waited for,
+    after `warmup` calls."""
     for _ in range(warmup):
         fn(x).block_until_ready()
     start = time.perf_counter()
     for _ in range(iters):
         out = fn(x)
+        if not in_flight:
+            out.block_until_ready()
     out.block_until_ready()
     return (time.perf_counter() - start) / iters
 
@@ -176,7 +179,7 @@ def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
         for op in ops:
             for size in sizes:
                 local_count(op, size, mesh.shape[axis], np.dtype(dtype).itemsize)
-    rows = []
+    rows, cpu = [], mesh.devices.flat[0].platform == "cpu"
     for axis in axes:
         n, hosts = mesh.shape[axis], hosts_spanned(mesh, axis)
         for op in ops:
@@ -184,7 +187,9 @@ def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
             for size in sizes:
                 per_device, nbytes = local_count(op, size, n, np.dtype(dtype).itemsize)
                 x = input_array(mesh, per_device, dtype)
-                seconds = seconds_per_call(fn, x, warmup, iters)
+                # XLA's CPU collectives deadlock with many calls in flight (each needs every
+                # device's thread at once; a 2-core machine's pool has fewer): one at a time there
+                seconds = seconds_per_call(fn, x, warmup, iters, in_flight=not cpu)
                 algbw = nbytes / seconds / 1e9
                 rows.append({"op": op, "axis": axis, "n": n, "hosts": hosts, "bytes": nbytes,
                              "time_us": seconds * 1e6, "algbw_gbps": algbw,
