@@ -259,6 +259,16 @@ def _check_is_a_run(directory: Path, path: str) -> None:
                           "a new or empty directory, or to a run to resume")
 
 
+def check_counts(args: argparse.Namespace, **least: int) -> None:
+    """Each named option of `args` (attribute=its minimum) at least its minimum: else a
+    ConfigError naming the first that is not, as given (`--top -3 must be at least 1`). Options
+    left at None (not given) pass."""
+    for name, minimum in least.items():
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be at least {minimum}")
+
+
 def plural(n: int, noun: str) -> str:
     """'1 device', '8 devices'."""
     return f"{n} {noun}{'' if n == 1 else 's'}"

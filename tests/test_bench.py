@@ -87,6 +87,18 @@ def test_bench_data_refuses_bad_worker_counts_in_one_line(capsys, workers):
         "more, such as 0,2,4 (see python tools/bench_data.py --help)\n")
 
 
+@pytest.mark.parametrize("args, message", [(["--warmup", "-1", "--batches", "5"],
+                                            "--warmup -1 must be at least 0"),
+                                           (["--batches", "0"], "--batches 0 must be at least 1")])
+def test_bench_data_names_the_count_that_is_out_of_range(capsys, args, message):
+    """It said "--batches 5 must be at least 1 and --warmup -1 at least 0", blaming both."""
+    with pytest.raises(SystemExit) as exit:
+        bench_data.main(args)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err == (f"bench_data.py: error: {message} (see python "
+                                            "tools/bench_data.py --help)\n")
+
+
 def test_bench_data_says_one_batch_and_that_it_is_too_few(capsys):
     """Too few timed batches still run (a quick look), with one line saying how many to ask for;
     from bench_data.MIN_BATCHES on, no warning."""

@@ -141,6 +141,14 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert message in err
 
 
+@pytest.mark.parametrize("args, message", [(["--iters", "0"], "--iters 0 must be at least 1"),
+                                           (["--warmup", "-2"], "--warmup -2 must be at least 0")])
+def test_a_count_out_of_range_is_named(capsys, args, message):
+    assert cb.main(["mesh.fsdp=8", *args]) == 2
+    assert capsys.readouterr().err == f"commbench.py: error: {message}\n"
+
+
+
 @pytest.mark.parametrize("flag, name, message", [
     ("--json", "out", "--json {t}/out is a directory; name a file"),
     ("--json", "nowhere/cb.json", "--json {t}/nowhere/cb.json: directory {t}/nowhere does not exist"),

@@ -312,6 +312,14 @@ def _run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, capture_output=True, timeout=600, env=os.environ | env)
 
 
+@pytest.mark.parametrize("devices", ["0", "-4"])
+def test_doctor_tool_refuses_a_device_count_below_1(tmp_path, devices):
+    """`--devices 0` said "no problems found", `-4` planned a mesh for -4 devices."""
+    proc = _run("tools/doctor.py", "--devices", devices, f"run.dir={tmp_path}")
+    assert (proc.returncode, proc.stderr) == (2, f"doctor.py: error: --devices {devices} must be "
+                                                 "at least 1\n")
+
+
 def test_doctor_tool_strict_is_one_line_and_status_2(tmp_path):
     proc = _run("tools/doctor.py", "--strict", f"run.dir={tmp_path}", CUDA_LAUNCH_BLOCKING="1")
     assert proc.returncode == 2, proc.stderr

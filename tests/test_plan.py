@@ -103,7 +103,10 @@ def test_cli_ranks_writes_json_and_verifies_against_the_compiled_peak(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--gpus", "0"], "--gpus, --gpus-per-node and --top must be at least 1"),
+    (["--gpus", "0"], "--gpus 0 must be at least 1"),
+    (["--gpus", "8", "--top", "-3"], "--top -3 must be at least 1"),  # was: a line naming all four
+    (["--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
+    (["--gpus", "8", "--verify", "-1"], "--verify -1 must be at least 0"),
     (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
     (["--gpus", "8", "--remat", "fastest"], "--remat fastest is not one of"),
     (["--gpus", "8", "train.lr=1"], "unknown config key 'train.lr'"),

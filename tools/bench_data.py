@@ -28,6 +28,7 @@ from jaxtron import cli
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron.cli import one_line_errors
+from jaxtron.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fewer timed batches give a rate that is mostly noise and, with workers, mostly the batches
@@ -44,9 +45,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated data.workers values (default 0,2)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_intermixed_args(argv)
-    if args.batches < 1 or args.warmup < 0:
-        parser.error(f"--batches {args.batches} must be at least 1 and --warmup {args.warmup} "
-                     "at least 0")
+    try:
+        cli.check_counts(args, batches=1, warmup=0)
+    except ConfigError as e:
+        parser.error(str(e))
     return args
 
 

@@ -284,8 +284,7 @@ def check_args(args: argparse.Namespace) -> None:
     args.ops = choose(args.ops, OPS, "--ops")
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype {args.dtype}: choose from {', '.join(DTYPES)}")
-    if args.warmup < 0 or args.iters < 1:
-        raise ConfigError("--warmup must be >= 0 and --iters >= 1")
+    cli.check_counts(args, warmup=0, iters=1)
     if args.sizes is not None:
         args.sizes = parse_sizes(args.sizes)
     if args.json is not None:

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="YAML preset (repeatable; later files override earlier ones)")
     parser.add_argument("--strict", action="store_true",
                         help="problems are errors: exit status 2 when there is any")
-    parser.add_argument("--devices", type=int, default=0,
+    parser.add_argument("--devices", type=int,
                         help="plan the mesh for this many devices (default: the ones found)")
     distributed.add_flags(parser)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def diagnose(args: argparse.Namespace) -> int:
     """Run every check (joining the other processes first, if any); print; the exit status."""
+    cli.check_counts(args, devices=1)
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
     broken = doctor.check_jaxlib(doctor.installed_versions())
     if broken:  # jax will not import, and every other check needs it
@@ -62,7 +63,7 @@ def diagnose(args: argparse.Namespace) -> int:
         return finish([str(e), *environment], args.strict, show=True)
     import jax
 
-    problems = doctor.check_all(cfg, os.environ, devices=args.devices, coordinator=args.coordinator)
+    problems = doctor.check_all(cfg, os.environ, devices=args.devices or 0, coordinator=args.coordinator)
     return finish(problems, args.strict, show=jax.process_index() == 0)
 
 

@@ -82,9 +82,7 @@ def _remats(args: argparse.Namespace, cfg) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.gpus < 1 or args.gpus_per_node < 1 or args.top < 1 or args.verify < 0:
-        raise ConfigError("--gpus, --gpus-per-node and --top must be at least 1, --verify at "
-                          "least 0")
+    cli.check_counts(args, gpus=1, gpus_per_node=1, top=1, verify=0)
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of "
                           f"--gpus-per-node {args.gpus_per_node}")
