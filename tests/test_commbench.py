@@ -201,3 +201,16 @@ def test_a_stop_while_timing_is_one_line(sig):
             proc.kill()
             proc.wait(timeout=60)
     assert (proc.returncode, err) == (130, "commbench.py: stopped by a signal\n")
+
+
+def test_a_size_the_devices_cannot_hold_is_one_line(capsys, monkeypatch):
+    """A --sizes too big for device memory ended in XLA's RESOURCE_EXHAUSTED traceback."""
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4294967296 "
+                                         "bytes.\nmore detail")
+
+    monkeypatch.setattr(cb, "seconds_per_call", out_of_memory)
+    assert cb.main(["mesh.fsdp=8", "--ops", "all_reduce", "--sizes", "4KiB"]) == 2
+    assert capsys.readouterr().err == (
+        "commbench.py: error: --sizes 4 KiB: all_reduce over fsdp ran out of device memory "
+        "(RESOURCE_EXHAUSTED: Out of memory allocating 4294967296 bytes.); give smaller --sizes\n")

@@ -173,6 +173,7 @@ def hosts_spanned(mesh, axis: str) -> int:
 def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
             warmup: int, iters: int) -> list[dict]:
     """One row per (op, axis, size): time, algbw and busbw (nccl-tests' definitions)."""
+    import jax
     import numpy as np
 
     for axis in axes:  # every size fits every op before the first is timed
@@ -186,10 +187,17 @@ def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
             fn = collective(op, mesh, axis)
             for size in sizes:
                 per_device, nbytes = local_count(op, size, n, np.dtype(dtype).itemsize)
-                x = input_array(mesh, per_device, dtype)
-                # XLA's CPU collectives deadlock with many calls in flight (each needs every
-                # device's thread at once; a 2-core machine's pool has fewer): one at a time there
-                seconds = seconds_per_call(fn, x, warmup, iters, in_flight=not cpu)
+                try:
+                    x = input_array(mesh, per_device, dtype)
+                    # XLA's CPU collectives deadlock with many calls in flight (each needs every
+                    # device's thread at once; a 2-core machine's pool has fewer): one at a time
+                    seconds = seconds_per_call(fn, x, warmup, iters, in_flight=not cpu)
+                except jax.errors.JaxRuntimeError as e:
+                    if not re.search(r"RESOURCE_EXHAUSTED|out of memory", str(e), re.I):
+                        raise
+                    raise ConfigError(
+                        f"--sizes {human(size)}: {op} over {axis} ran out of device memory "
+                        f"({str(e).strip().splitlines()[0]}); give smaller --sizes") from None
                 algbw = nbytes / seconds / 1e9
                 rows.append({"op": op, "axis": axis, "n": n, "hosts": hosts, "bytes": nbytes,
                              "time_us": seconds * 1e6, "algbw_gbps": algbw,
