@@ -216,6 +216,18 @@ def _one_line(capsys, status: int, *args) -> str:
     return err
 
 
+def test_importing_a_jaxtron_run_says_to_export_it(pipeline_run, tmp_path, capsys):
+    """A run, its checkpoints directory or one checkpoint given to import said only that it has
+    no config.json."""
+    (step,) = weights.run_checkpoints(pipeline_run)[-1:]
+    for source in (pipeline_run, pipeline_run / "checkpoints", step):
+        err = _one_line(capsys, 2, "import", source, tmp_path / "out")
+        assert err == (f"convert_hf.py: error: {source} is a jaxtron run or checkpoint, not a "
+                       "Hugging Face model; to make one of it: python tools/convert_hf.py export "
+                       f"{source} OUT\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_pickled_weights_need_allow_pickle(tmp_path, capsys):
     model = _case("llama3")[0]
     model.config.save_pretrained(tmp_path / "hf")

@@ -197,6 +197,11 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
     if not source.is_dir():
         raise ConfigError(f"{source}: {'not a' if source.exists() else 'no such'} directory; "
                           "give a Hugging Face model directory (config.json and *.safetensors)")
+    if not (source / "config.json").exists() and (
+            weights.is_complete(source) or weights.checkpoints_holding(source) is not None
+            or (source / "config.yaml").is_file() or weights.run_checkpoints(source)):
+        raise ConfigError(f"{source} is a jaxtron run or checkpoint, not a Hugging Face model; "
+                          f"to make one of it: python tools/convert_hf.py export {source} OUT")
     config_json = hf.read_hf_config(source)  # its own message when there is none
     cfg = hf.read_config(source, dtype)
     get = hf.check_tensors(source, cfg, allow_pickle)
