@@ -43,7 +43,8 @@ def read_manifest(path: str) -> dict:
         if not file.exists() and (file.parent / ".parts").is_dir():  # tools/dataset_dir.PARTS
             raise ConfigError(f"{where} is an unfinished tools/prepare_data.py output (no "
                               "manifest.json yet); rerun the same command to finish it") from None
-        raise ConfigError(f"{where}: cannot read {file} ({e.strerror})") from None
+        shown = file if file.is_absolute() else f"{file} in {Path.cwd()}"  # relative: to here
+        raise ConfigError(f"{where}: cannot read {shown} ({e.strerror})") from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{where}: {file} is not a {MANIFEST_FORMAT} manifest "
                           f"({type(e).__name__}: {e})") from None

@@ -430,6 +430,9 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
         (dataclasses.replace(ok, workers=-1), VOCAB, "^data.workers=-1 must be >= 0"),
         (mixture({"x": str(tmp_path / "nope")}, "", ("x", 1.0)), VOCAB,
          f"^data.mixture path {tmp_path / 'nope'}: cannot read .*manifest.json"),
+        (mixture({"x": "no/such"}, "", ("x", 1.0)), VOCAB,  # relative: to the working directory
+         f"^data.mixture path no/such: cannot read no/such/manifest.json in {re.escape(str(Path.cwd()))} "
+         r"\(No such file or directory\)$"),
         (mixture({"x": str(bad_manifest)}, "", ("x", 1.0)), VOCAB,
          f"^data.mixture path {bad_manifest}: .* is not a jaxtron.tokens.v1 manifest"),
         (mixture(datasets, "", ("a", 1.0), ("b", 0.0)), VOCAB,
