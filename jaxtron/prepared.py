@@ -26,6 +26,9 @@ SPLITS = ("train", "val")
 SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
 VAL_RULE = "sha256"  # is_val's hash, recorded so one output directory never mixes two rules
 MAX_EXAMPLES = 100  # bad-input examples in the manifest
+# A damaged dataset's fix: tools/prepare_data.py rerun into the same --out goes on from the units
+# it recorded as finished, so it would find nothing to do.
+AGAIN = "prepare it again into a new --out (a rerun into this one keeps what it finished)"
 VOCAB_MULTIPLE = 128  # a vocabulary padded to this keeps the lm_head's matmul tile-aligned
 
 
@@ -99,7 +102,7 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
     model = tokenizer_file(first, manifests[0])
     if not model.is_file() or _sha256(model) != tok["sha256"]:
         raise ConfigError(f"data.mixture path {first}: {model.name} is missing or does not match "
-                          "the manifest's sha256; prepare the dataset again")
+                          f"the manifest's sha256; {AGAIN}")
     if data.tokenizer:
         mine = load_tokenizer(data, vocab_size)
         if (mine.sha256, mine.bos_id(), mine.eos_id()) != _identity(tok):
@@ -124,11 +127,11 @@ def _check_shards(path: str, manifest: dict) -> None:
             except (RuntimeError, OSError, ValueError) as e:
                 why = f" ({str(e).strip().splitlines()[0]})" if str(e).strip() else ""
                 raise ConfigError(f"data.mixture path {path}: shard {shard} cannot be read, cut "
-                                  f"short or damaged{why}; prepare the dataset again") from None
+                                  f"short or damaged{why}; {AGAIN}") from None
         if documents != manifest["splits"][split]["documents"]:
             raise ConfigError(f"data.mixture path {path}: the {split} shards hold {documents:,} "
                               f"documents, its manifest.json {manifest['splits'][split]['documents']:,}"
-                              "; prepare the dataset again")
+                              f"; {AGAIN}")
 
 
 def check_dataset(data: DataConfig, vocab_size: int) -> None:

@@ -439,13 +439,13 @@ def test_dataset_checks_are_one_line_config_errors(cfg, datasets, tmp_path):
          "^data.mixture path .*/b: weight=0.0 must be a finite number above 0"),
         (mixture({"x": str(damaged["emptied"])}, "", ("x", 1.0)), VOCAB,
          f"^data.mixture path {damaged['emptied']}: shard train-00000-00000.arrayrecord cannot be "
-         r"read, cut short or damaged \(.+\); prepare the dataset again$"),
+         r"read, cut short or damaged \(.+\); " + re.escape(prepared.AGAIN) + "$"),
         (mixture({"x": str(damaged["halved"])}, "", ("x", 1.0)), VOCAB,
          f"^data.mixture path {damaged['halved']}: shard train-00000-00000.arrayrecord cannot be "
-         r"read, cut short or damaged( \(.+\))?; prepare the dataset again$"),
+         r"read, cut short or damaged( \(.+\))?; " + re.escape(prepared.AGAIN) + "$"),
         (mixture({"x": str(damaged["recounted"])}, "", ("x", 1.0)), VOCAB,
          f"^data.mixture path {damaged['recounted']}: the train shards hold 40 documents, its "
-         "manifest.json 41; prepare the dataset again$"),
+         "manifest.json 41; " + re.escape(prepared.AGAIN) + "$"),
         (mixture({**datasets, "o": str(other)}, "", ("a", 1.0), ("o", 1.0)), VOCAB,
          f"^data.mixture path {other} was tokenized with another tokenizer than .*/a"),
         (dataclasses.replace(ok, tokenizer=str(stray)), VOCAB,

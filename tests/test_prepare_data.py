@@ -768,3 +768,28 @@ def test_an_unfinished_output_is_told_apart_from_a_dataset(tmp_path, tokenizer, 
     assert not unfinished(out) and not unfinished(tmp_path)
     (out / "manifest.json").unlink()
     assert unfinished(out)
+
+
+def test_a_damaged_shard_is_fixed_the_way_its_error_says(tmp_path, tokenizer, corpus):
+    """A shard cut short is refused with "prepare it again into a new --out": a rerun into the
+    same --out goes on from its finished units and leaves the damage (it said "prepare the
+    dataset again", which did nothing); a new --out is whole."""
+    from jaxtron.config import DataConfig, DatasetEntry
+    from jaxtron.prepared import AGAIN, check_dataset
+
+    def check(out: Path) -> None:
+        check_dataset(DataConfig(source="arrayrecord", mixture=[DatasetEntry(str(out))]), 10**6)
+
+    assert "into a new --out" in AGAIN  # the advice the rest of this test holds to
+    files, _ = corpus
+    run_tool(*files, "--tokenizer", tokenizer, "--out", tmp_path / "ds")
+    shard = sorted((tmp_path / "ds").glob("train-*.arrayrecord"))[0]
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(ConfigError, match=re.escape(f"{shard.name} cannot be read, cut short or "
+                                                    f"damaged") + ".*" + re.escape(AGAIN)):
+        check(tmp_path / "ds")
+    run_tool(*files, "--tokenizer", tokenizer, "--out", tmp_path / "ds")
+    with pytest.raises(ConfigError, match="cut short or damaged"):  # still: nothing was redone
+        check(tmp_path / "ds")
+    run_tool(*files, "--tokenizer", tokenizer, "--out", tmp_path / "new")
+    check(tmp_path / "new")
