@@ -375,18 +375,6 @@ def check_values(cfg: Config) -> None:
         )
     if m.head_size % 2:
         raise ConfigError(f"head size {m.head_size} must be even for RoPE; set model.head_dim")
-    if t.batch_size % t.microbatches:
-        fewer = max(d for d in range(1, t.microbatches) if t.batch_size % d == 0)
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}"
-            f"; use {multiples_near('train.batch_size', t.batch_size, t.microbatches)}, or "
-            f"train.microbatches={fewer}")
-
-
-def multiples_near(key: str, value: int, of: int) -> str:
-    """`key=A or B`: the multiples of `of` either side of `value` (A left out when it is 0)."""
-    low = value // of * of
-    return f"{key}={low} or {low + of}" if low else f"{key}={of}"
 
 
 def check_warnings(cfg: Config) -> list[str]:

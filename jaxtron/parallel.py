@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtron.config import Config, ConfigError, MeshConfig, multiples_near
+from jaxtron.config import Config, ConfigError, MeshConfig, TrainConfig
 
 # Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
 # so tensor and fsdp traffic stays on the fastest links and data/stage cross nodes.
@@ -233,13 +233,8 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
     if t.seq_len % sizes["tensor"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor="
                           f"{sizes['tensor']} (sequence parallelism splits it between blocks)")
-    batch_ways = _split(_RULES["act_batch"], sizes)
-    micro = t.batch_size // t.microbatches
-    if micro % batch_ways:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} / train.microbatches={t.microbatches} = {micro} "
-            f"sequences per microbatch is not divisible by data*fsdp={batch_ways}; use "
-            + multiples_near("train.batch_size", t.batch_size, t.microbatches * batch_ways))
+    if wrong := batch_split(t, _split(_RULES["act_batch"], sizes)):
+        raise ConfigError(wrong)
     io_ways = _split(_RULES["act_batch_io"], sizes)
     per_pass = t.batch_size // cfg.pipeline.passes
     if sizes["stage"] > 1 and per_pass % io_ways:
@@ -248,6 +243,28 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
             f"sequences per pass is not divisible by data*fsdp*stage={io_ways} (the stages share "
             "the embedding and LM head work); use "
             + multiples_near("train.batch_size", t.batch_size, cfg.pipeline.passes * io_ways))
+
+
+def batch_split(t: TrainConfig, ways: int) -> str | None:
+    """What keeps train.batch_size from splitting into train.microbatches of `ways` (data x fsdp)
+    shards each, with values that work; None when it splits."""
+    if t.batch_size % (t.microbatches * ways) == 0:
+        return None
+    if t.batch_size % t.microbatches:
+        what = f"is not divisible by train.microbatches={t.microbatches}"
+    else:
+        what = (f"/ train.microbatches={t.microbatches} = {t.batch_size // t.microbatches} "
+                f"sequences per microbatch is not divisible by data*fsdp={ways}")
+    fewer = [d for d in range(1, t.microbatches) if t.batch_size % (d * ways) == 0]
+    return (f"train.batch_size={t.batch_size} {what}; use "
+            f"{multiples_near('train.batch_size', t.batch_size, t.microbatches * ways)}"
+            + (f", or train.microbatches={max(fewer)}" if fewer else ""))
+
+
+def multiples_near(key: str, value: int, of: int) -> str:
+    """`key=A or B`: the multiples of `of` either side of `value` (A left out when it is 0)."""
+    low = value // of * of
+    return f"{key}={low} or {low + of}" if low else f"{key}={of}"
 
 
 def batch_spec() -> P:

@@ -94,12 +94,14 @@ BAD_INPUTS = [
     (["mesh.fsdp=3"], "has 3 devices but 8 are available"),
     (["mesh.tensor=8", "mesh.fsdp=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
     (["train.batch_size=12"], "not divisible by data*fsdp=8; use train.batch_size=8 or 16\n"),
-    (["train.batch_size=12", "train.microbatches=5"],
-     "train.batch_size=12 is not divisible by train.microbatches=5; use train.batch_size=10 or 15, "
-     "or train.microbatches=4\n"),
+    (["train.batch_size=12", "train.microbatches=5"],  # each value named works with the mesh
+     "train.batch_size=12 is not divisible by train.microbatches=5; use train.batch_size=40\n"),
+    (["train.batch_size=16", "train.microbatches=3", "mesh.fsdp=2", "mesh.data=4"],
+     "train.batch_size=16 is not divisible by train.microbatches=3; use train.batch_size=24, or "
+     "train.microbatches=2\n"),  # it said 15 or 18, which the next check refused
     (["train.batch_size=8", "train.microbatches=2"],
      "8 / train.microbatches=2 = 4 sequences per microbatch is not divisible by data*fsdp=8; "
-     "use train.batch_size=16\n"),
+     "use train.batch_size=16, or train.microbatches=1\n"),
     (["mesh.stage=2", "mesh.fsdp=4", "train.batch_size=4"],
      "= 4 sequences per pass is not divisible by data*fsdp*stage=8 (the stages share the "
      "embedding and LM head work); use train.batch_size=8\n"),
