@@ -198,8 +198,10 @@ def _split(entry: Any, sizes: dict[str, int]) -> int:
     return math.prod(sizes[a] for a in axes if a is not None)
 
 
-def check_divisible(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) -> None:
-    """Every sharded dimension must split evenly over its mesh axes."""
+def check_divisible(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int],
+                    model: Any = None) -> None:
+    """Every sharded dimension must split evenly over its mesh axes; the refusal names the
+    `model` setting (a ModelConfig) of that size, with the next value that splits."""
     paths = jax.tree_util.tree_flatten_with_path(abstract_tree)[0]
     specs = jax.tree.leaves(spec_tree, is_leaf=_is_spec)
     for (path, leaf), pspec in zip(paths, specs):
@@ -207,10 +209,12 @@ def check_divisible(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) -
             parts = _split(entry, sizes)
             if dim % parts:
                 name = ".".join(str(getattr(k, "key", k)) for k in path)
+                keys = [k for k, v in vars(model or object()).items() if v == dim]
+                fix = (" or ".join(f"model.{k}={(dim // parts + 1) * parts}" for k in keys)
+                       if keys else "the model width")
                 raise ConfigError(
                     f"parameter {name} {tuple(leaf.shape)}: dimension {dim} does not split over "
-                    f"mesh {entry} of size {parts}; change the mesh or the model width"
-                )
+                    f"mesh {entry} of size {parts}; change the mesh or {fix}")
 
 
 def bytes_per_device(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) -> int:

@@ -58,7 +58,7 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
     params = nnx.to_pure_dict(abstract_state)
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
-    parallel.check_divisible(params, param_specs, sizes)
+    parallel.check_divisible(params, param_specs, sizes, cfg.model)
     opt_state = jax.eval_shape(tx.init, params)
     opt_specs = optax.tree_map_params(
         tx, lambda _, s: s, opt_state, param_specs,

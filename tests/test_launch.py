@@ -111,9 +111,11 @@ BAD_INPUTS = [
     (["--bogus"], "unrecognized arguments: --bogus"),
     # heads, kv heads, seq and batch all divide tensor=2 (fsdp=4): only the weight width is off
     (["mesh.tensor=2", "model.mlp_dim=769"],
-     "dimension 769 does not split over mesh tensor of size 2; change the mesh or the model width"),
-    (["mesh.tensor=2", "model.vocab_size=8191"],
-     "dimension 8191 does not split over mesh ('tensor', 'stage') of size 2"),
+     "dimension 769 does not split over mesh tensor of size 2; change the mesh or "
+     "model.mlp_dim=770\n"),
+    (["mesh.tensor=2", "model.vocab_size=8191"],  # it said "the model width"
+     "dimension 8191 does not split over mesh ('tensor', 'stage') of size 2; change the mesh or "
+     "model.vocab_size=8192\n"),
     (["mesh.tensor=2", "train.seq_len=255"],
      "train.seq_len=255 is not divisible by mesh.tensor=2 (sequence parallelism splits it "
      "between blocks)"),
