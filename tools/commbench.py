@@ -35,6 +35,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
@@ -171,8 +172,10 @@ def hosts_spanned(mesh, axis: str) -> int:
 
 
 def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
-            warmup: int, iters: int) -> list[dict]:
-    """One row per (op, axis, size): time, algbw and busbw (nccl-tests' definitions)."""
+            warmup: int, iters: int, shown: Callable[[list[dict]], None] | None = None
+            ) -> list[dict]:
+    """One row per (op, axis, size): time, algbw and busbw (nccl-tests' definitions); `shown`
+    gets the rows so far after each."""
     import jax
     import numpy as np
 
@@ -202,6 +205,8 @@ def measure(mesh, axes: list[str], ops: list[str], sizes: list[int], dtype: str,
                 rows.append({"op": op, "axis": axis, "n": n, "hosts": hosts, "bytes": nbytes,
                              "time_us": seconds * 1e6, "algbw_gbps": algbw,
                              "busbw_gbps": algbw * bus_factor(op, n)})
+                if shown is not None:
+                    shown(rows)
                 del x
     return rows
 
@@ -336,10 +341,17 @@ def run(args: argparse.Namespace) -> None:
             print(f"skipped (size 1): {', '.join(skipped)}")
     if not axes:
         raise ConfigError("every axis chosen has size 1; nothing to measure (set e.g. mesh.fsdp=8)")
-    rows = measure(mesh, axes, args.ops, sizes, args.dtype, args.warmup, args.iters)
+    printed: list[str] = []
+
+    def show(rows: list[dict]) -> None:  # each row as it is measured: a stop keeps those
+        lines = format_table(rows).splitlines()
+        print("\n".join(lines[len(printed):]), flush=True)
+        printed[:] = lines
+
+    rows = measure(mesh, axes, args.ops, sizes, args.dtype, args.warmup, args.iters,
+                   show if main_process else None)
     if not main_process:
         return
-    print(format_table(rows), flush=True)
     if args.json:
         meta = {"device": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
                 "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters}
