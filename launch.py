@@ -175,29 +175,20 @@ def _check_data(cfg) -> str:
     if cfg.data.source == "arrayrecord":
         checked = f"data: {plural(len(cfg.data.mixture), 'prepared dataset')} checked"
         read = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len
-        splits = [prepared.read_manifest(e.path)["splits"]["train"] for e in cfg.data.mixture]
-        # Weights count documents: a dataset's share of tokens is weight x mean document length.
-        shares = [e.weight * s["tokens"] / max(s["documents"], 1)
-                  for e, s in zip(cfg.data.mixture, splits)]
         over = [f"{e.path} {times:,.1f} times over ({s['tokens']:,} tokens, weight {e.weight:g})"
-                for e, s, share in zip(cfg.data.mixture, splits, shares)
-                if s["tokens"] and (times := read * share / sum(shares) / s["tokens"]) > 1]
+                for e, s, share in prepared.mixture_shares(cfg.data)
+                if s["tokens"] and (times := read * share / s["tokens"]) > 1]
         if over:
             checked += f"; the run reads {read:,} tokens, so it reads {', '.join(over)}"
-        never = [f"{e.path} (weight {e.weight:g})"
-                 for e, s, share in zip(cfg.data.mixture, splits, shares)
-                 if read * share / sum(shares) < share / e.weight]  # less than one document
-        if never:
-            checked += (f"\nwarning: the run reads less than one document of {', '.join(never)}; "
-                        "raise its weight, or drop it from data.mixture")
     else:
         made = f"data.tokenizer={cfg.data.tokenizer}" if cfg.data.tokenizer else "trained, cached"
         if not cfg.data.tokenizer and cfg.model.vocab_size > CORPUS_PIECES:
             made += f"; at most {CORPUS_PIECES:,} here: give data.tokenizer for more"
         checked = (f"data: the standard library's sources, a tokenizer of "
                    f"{tok.get_piece_size():,} pieces ({made})")
-    unused = prepared.unused_vocab(cfg.data, cfg.model)
-    return checked + (f"\nwarning: {unused}" if unused else "")
+    warnings = filter(None, [prepared.unread(cfg.data, cfg.train),
+                             prepared.unused_vocab(cfg.data, cfg.model)])
+    return checked + "".join(f"\nwarning: {w}" for w in warnings)
 
 
 CLOSE_CALL = 0.1  # nearer the limit than this share, the estimate cannot tell: compile it

@@ -16,7 +16,7 @@ import grain
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxtron.config import SOURCES, ConfigError, DataConfig, ModelConfig
+from jaxtron.config import SOURCES, ConfigError, DataConfig, DatasetEntry, ModelConfig, TrainConfig
 from jaxtron.corpus import entropy_of, is_held_out
 from jaxtron.tokenizer import SP_FILE, Tokenizer, from_path, load_tokenizer
 
@@ -248,6 +248,28 @@ def split_documents(path: str, split: str) -> grain.MapDataset | None:
         return None
     decode = functools.partial(decode_tokens, dtype=manifest["dtype"])
     return grain.MapDataset.source(source).map(decode)
+
+
+def mixture_shares(data: DataConfig) -> list[tuple[DatasetEntry, dict, float]]:
+    """(entry, its train split from the manifest, its share of the tokens read) per dataset:
+    weights count documents, so a share is weight x mean document length, normalised."""
+    splits = [read_manifest(e.path)["splits"]["train"] for e in data.mixture]
+    shares = [e.weight * s["tokens"] / max(s["documents"], 1) for e, s in zip(data.mixture, splits)]
+    return [(e, s, share / sum(shares)) for e, s, share in zip(data.mixture, splits, shares)]
+
+
+def unread(data: DataConfig, train: TrainConfig) -> str | None:
+    """A warning naming the datasets of which the run reads less than one (mean) document."""
+    if data.source != "arrayrecord":
+        return None
+    read = train.steps * train.batch_size * train.seq_len
+    never = [f"{e.path} (weight {e.weight:g})" for e, s, share in mixture_shares(data)
+             if read * share < s["tokens"] / max(s["documents"], 1)]
+    if not never:
+        return None
+    fix = ("raise train.steps or train.batch_size" if len(never) == len(data.mixture)
+           else "raise its weight, or drop it from data.mixture")
+    return f"the run reads less than one document of {', '.join(never)}; {fix}"
 
 
 def mixture_summary(data: DataConfig) -> str:

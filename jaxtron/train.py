@@ -81,7 +81,9 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                                     cfg.run.tensorboard, is_main)
     log.info(f"run: {run_dir} (its resolved config in config.yaml)")
     eval_short = data_lib.eval_warning(eval_batches, cfg.train)
-    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab, eval_short])]:
+    unread = prepared.unread(cfg.data, cfg.train)  # the dry run's warnings, the run's too
+    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab, eval_short,
+                                                                     unread])]:
         log.info(f"warning: {warning}")
     log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
     shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())

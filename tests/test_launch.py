@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 import launch
-from jaxtron import config, metrics
+from jaxtron import config, metrics, prepared
+from jaxtron.config import DataConfig, DatasetEntry, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -288,8 +289,22 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
     # A weight of 1e-9 beside 1: the dataset vanished from that line without a word.
     assert launch.main([*args, f"data.mixture=[{{path: {out}, weight: 1}}, "
                                f"{{path: {tmp_path / 'copy'}, weight: 1e-9}}]"]) == 0
-    assert (f"warning: the run reads less than one document of {tmp_path / 'copy'} (weight 1e-09)"
-            "; raise its weight, or drop it from data.mixture") in capsys.readouterr().out.splitlines()
+    warned = (f"warning: the run reads less than one document of {tmp_path / 'copy'} (weight "
+              "1e-09); raise its weight, or drop it from data.mixture")
+    assert warned in capsys.readouterr().out.splitlines()
+    # The run itself says so too (only the dry run did), in a run of a document or so.
+    long_enough = -(-have // manifest["splits"]["train"]["documents"] // 512) + 1  # a document
+    assert launch.main([*args[1:-1], f"train.steps={long_enough}", "train.eval_every=0",
+                        "run.progress=lines", "checkpoint.every=0",
+                        f"run.dir={run_dir}4", f"data.mixture=[{{path: {out}, weight: 1}}, "
+                        f"{{path: {tmp_path / 'copy'}, weight: 1e-9}}]"]) == 0
+    printed = capsys.readouterr().out
+    assert any(line.endswith(warned) for line in printed.splitlines()), printed
+    # Every dataset short of a document: a weight cannot help, a longer run can.
+    data = DataConfig(source="arrayrecord", mixture=[DatasetEntry(str(out))])
+    assert prepared.unread(data, TrainConfig(steps=1, batch_size=1, seq_len=1)) == (
+        f"the run reads less than one document of {out} (weight 1); raise train.steps or "
+        "train.batch_size")
 
 
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])
