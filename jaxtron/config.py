@@ -399,6 +399,14 @@ def check_warnings(cfg: Config) -> list[str]:
     if cfg.model.collective_matmul and cfg.mesh.tensor == 1:
         found.append("model.collective_matmul=true does nothing with mesh.tensor=1 (it overlaps "
                      "the tensor axis's collectives); set mesh.tensor > 1, or drop it")
+    p, stages, per_pass = cfg.pipeline, cfg.mesh.stage, t.microbatches // cfg.pipeline.passes
+    if p.schedule == "circular" and p.repeats > 1 and stages == 1:
+        found.append(f"pipeline.repeats={p.repeats} does nothing with mesh.stage=1 (no pipeline); "
+                     "set mesh.stage > 1, or drop it")
+    if 1 < stages and per_pass < stages:  # the circular schedule refuses this outright
+        found.append(f"{per_pass} microbatch{'es' if per_pass > 1 else ''} per pass through "
+                     f"mesh.stage={stages} stages: they idle {(stages - 1) / (per_pass + stages - 1):.0%}"
+                     " of each step (bubble (S-1)/(M+S-1)); raise train.microbatches")
     return found
 
 

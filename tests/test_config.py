@@ -229,6 +229,11 @@ def test_of_an_override_given_twice_the_last_one_wins():
     (["model.collective_matmul=true", "mesh.tensor=1"],
      "model.collective_matmul=true does nothing with mesh.tensor=1 (it overlaps the tensor "
      "axis's collectives); set mesh.tensor > 1, or drop it"),
+    (["pipeline.schedule=circular", "pipeline.repeats=2", "mesh.stage=1"],
+     "pipeline.repeats=2 does nothing with mesh.stage=1 (no pipeline); set mesh.stage > 1, or "
+     "drop it"),
+    (["mesh.stage=4"], "1 microbatch per pass through mesh.stage=4 stages: they idle 75% of each "
+     "step (bubble (S-1)/(M+S-1)); raise train.microbatches"),
 ])
 def test_a_schedule_that_is_probably_not_meant_is_a_warning(overrides, warning):
     """Each was accepted without a word (the learning rate fell off a cliff after warm-up; a
