@@ -117,13 +117,15 @@ def _check_mixture(data: DataConfig, vocab_size: int) -> None:
 def _check_shards(path: str, manifest: dict) -> None:
     """Every shard opens and each split holds the documents its manifest counts: a shard emptied
     or cut short (a copy or a disk that failed) is one line here, not a data worker's traceback
-    mid-run. Opening reads a shard's footer only."""
+    mid-run. Opening reads a shard's footer only, once per process while the file is unchanged
+    (a start checks the datasets several times)."""
     root = Path(path).expanduser()
     for split in SPLITS:
         documents = 0
         for shard in manifest["splits"][split]["shards"]:
             try:
-                documents += len(grain.sources.ArrayRecordDataSource([str(root / shard)]))
+                stat = (root / shard).stat()
+                documents += _documents_in(str(root / shard), stat.st_size, stat.st_mtime_ns)
             except (RuntimeError, OSError, ValueError) as e:
                 why = f" ({str(e).strip().splitlines()[0]})" if str(e).strip() else ""
                 raise ConfigError(f"data.mixture path {path}: shard {shard} cannot be read, cut "
@@ -132,6 +134,12 @@ def _check_shards(path: str, manifest: dict) -> None:
             raise ConfigError(f"data.mixture path {path}: the {split} shards hold {documents:,} "
                               f"documents, its manifest.json {manifest['splits'][split]['documents']:,}"
                               f"; {AGAIN}")
+
+
+@functools.lru_cache(maxsize=None)
+def _documents_in(shard: str, size: int, mtime_ns: int) -> int:
+    """The records of one ArrayRecord file of this size and modification time."""
+    return len(grain.sources.ArrayRecordDataSource([shard]))
 
 
 def check_dataset(data: DataConfig, vocab_size: int) -> None:
