@@ -1,7 +1,9 @@
 """jaxtron: JAX/XLA SPMD training of Llama-family models on NVIDIA GPUs."""
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 
 # pyproject.toml's dependencies, by import name: a Python without them (the environment not
@@ -10,15 +12,40 @@ REQUIRED = ("jax", "flax", "optax", "orbax", "grain", "sentencepiece", "tokenize
             "yaml", "tensorboardX", "tqdm", "numpy", "array_record", "pyarrow", "matplotlib")
 
 
+def _release(package: str) -> tuple[int, ...]:
+    """The installed `package`'s version as numbers (0.12.9 -> (0, 12, 9)); () when unknown."""
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def mismatch() -> str:
+    """What to change when the installed jax and flax cannot work together, else "". jax 0.11
+    removed what flax 0.12.8 imports (jax.experimental.hijax.HiPrimitive); pip's resolver keeps
+    them apart, but an install with --no-deps or --target can pair them."""
+    jax, flax = _release("jax"), _release("flax")
+    if jax >= (0, 11) and () < flax < (0, 12, 9):
+        return (f"flax {'.'.join(map(str, flax))} does not work with jax "
+                f"{'.'.join(map(str, jax))}; install flax 0.12.9 or newer "
+                "(pip install 'flax>=0.12.9,<0.13')")
+    return ""
+
+
 def _check_installed() -> None:
     missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
-    if not missing:
+    if missing:
+        message = (f"this Python ({sys.executable}) lacks jaxtron's dependencies "
+                   f"({', '.join(missing)}); activate its environment (. .venv/bin/activate) or "
+                   "install them (pip install -e .)")
+    else:
+        message = mismatch()
+    if not message:
         return
-    message = (f"this Python ({sys.executable}) lacks jaxtron's dependencies ({', '.join(missing)})"
-               "; activate its environment (. .venv/bin/activate) or install them (pip install -e .)")
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
     if not script:
-        raise ModuleNotFoundError(message)
+        raise (ModuleNotFoundError if missing else ImportError)(message)
     print(f"{script}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
