@@ -1,0 +1,64 @@
+"""The dependency ranges admit no jax/flax pair that fails at import, and an environment that pairs
+them anyway (an install with --no-deps or --target) is told so in one line."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import jaxtron
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _admitted(package: str, python: str) -> list[Requirement]:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    found = [Requirement(d) for d in deps]
+    return [r for r in found if r.name == package
+            and (r.marker is None or r.marker.evaluate({"python_version": python}))]
+
+
+@pytest.mark.parametrize("python, flax, admitted", [
+    ("3.11", "0.12.8", True),   # with jax 0.10.2, the only jax there for Python 3.11
+    ("3.12", "0.12.8", False),  # with jax 0.11: jax.experimental.hijax has no HiPrimitive
+    ("3.12", "0.12.9", True),
+    ("3.12", "0.12.12", True),
+    ("3.12", "0.13.0", False),  # untested
+])
+def test_flax_range_depends_on_python(python, flax, admitted):
+    (flax_range,) = _admitted("flax", python)
+    assert flax_range.specifier.contains(flax) is admitted
+    (jax_range,) = _admitted("jax", python)
+    assert jax_range.specifier.contains("0.11.2") and jax_range.specifier.contains("0.10.2")
+
+
+@pytest.mark.parametrize("jax, flax, said", [
+    ("0.11.2", "0.12.8", "flax 0.12.8 does not work with jax 0.11.2; install flax 0.12.9 or "
+                         "newer (pip install 'flax>=0.12.9,<0.13')"),
+    ("0.11.2", "0.12.12", ""),
+    ("0.10.2", "0.12.8", ""),
+    ("0.11.2.dev20261101+cuda13", "0.12.8", "flax 0.12.8 does not work with jax 0.11.2; "
+                                            "install flax 0.12.9 or newer (pip install "
+                                            "'flax>=0.12.9,<0.13')"),
+])
+def test_a_mismatched_pair_is_named(monkeypatch, jax, flax, said):
+    versions = {"jax": jax, "flax": flax}
+    monkeypatch.setattr(jaxtron.importlib.metadata, "version", versions.__getitem__)
+    assert jaxtron.mismatch() == said
+
+
+def test_a_command_given_a_mismatched_pair_says_it_in_one_line(tmp_path):
+    """launch.py with flax's metadata claiming 0.12.8 beside jax 0.11.2: one line, exit 2,
+    before anything imports flax (which would fail with an AttributeError traceback)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as m\n_real = m.version\n"
+        "m.version = lambda p: {'jax': '0.11.2', 'flax': '0.12.8'}.get(p) or _real(p)\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--dry-run"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == ("launch.py: error: flax 0.12.8 does not work with jax 0.11.2; install "
+                           "flax 0.12.9 or newer (pip install 'flax>=0.12.9,<0.13')\n")
