@@ -162,7 +162,8 @@ def test_gpu_suite_lists_its_rows_within_eight_minutes(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     rows = benchmark.SUITES["gpu"].rows
     assert len(lines) == len(rows) + 1 and len(rows) >= 4
-    assert [line.split("  ")[0] for line in lines[:-1]] == [row.name for row in rows]
+    assert [line.split("  ")[0] for line in lines[:-1]] == [f"{i}. {row.name}".strip()
+                                                           for i, row in enumerate(rows, 1)]
     total = float(re.search(r"([\d.]+) min", lines[-1]).group(1))
     assert total == sum(row.minutes for row in rows) <= 8
     wanted = {("gpt2_124m.yaml", 1024), ("llama3_1b.yaml", 4096), ("llama3_1b.yaml", 8192),
@@ -207,13 +208,32 @@ def test_a_failure_is_said_in_one_line(stderr, said):
     assert benchmark.failure(row, -9 if not stderr else 1, stderr) == said
 
 
-@pytest.mark.parametrize("flag", ["--list", "--peer"])
-def test_suite_only_flags_are_refused_without_a_suite(capsys, flag):
+@pytest.mark.parametrize("args, message", [
+    (["--list"], "--list needs --suite (e.g. --suite gpu --list)"),
+    (["--peer"], "--peer needs --suite (e.g. --suite gpu --peer)"),
+    (["--rows", "1"], "--rows needs --suite (e.g. --suite gpu --rows 1,2)"),
+    (["--suite", "gpu", "--rows", "2,5"], "--rows 5: suite gpu has 4 rows (see --suite gpu --list)"),
+    (["--suite", "gpu", "--rows", "0"], "argument --rows: '0' is not a list of row numbers from 1, "
+                                        "such as 1,3"),
+    (["--suite", "gpu", "--rows", "1,1"], "argument --rows: '1,1' is not a list of row numbers "
+                                          "from 1, such as 1,3"),
+    (["--suite", "gpu", "train.steps=3"], "--suite runs its own configs; give --config and "
+                                          "overrides without it"),
+])
+def test_suite_options_are_checked_in_one_line(capsys, args, message):
     with pytest.raises(SystemExit) as exit:
-        bench.main([flag])
+        bench.main(args)
     assert exit.value.code == 2 and capsys.readouterr().err == (
-        f"bench.py: error: {flag} needs --suite (e.g. --suite gpu {flag}) (see python "
-        "tools/bench.py --help)\n")
+        f"bench.py: error: {message} (see python tools/bench.py --help)\n")
+
+
+def test_rows_picks_rows_by_their_number(capsys):
+    assert bench.main(["--suite", "gpu", "--list", "--rows", "4,2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = benchmark.SUITES["gpu"].rows
+    assert [line.split("  ")[0] for line in lines[:2]] == [f"4. {rows[3].name}",
+                                                            f"2. {rows[1].name}"]
+    assert lines[2].startswith(f"total {rows[3].minutes + rows[1].minutes:4.1f} min")
 
 
 def test_every_gpu_row_fits_one_h100_as_compiled():

@@ -42,6 +42,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "80 GB H100; smoke: the same harness on CPU in seconds)")
     parser.add_argument("--list", action="store_true",
                         help="with --suite: name its rows with their expected minutes, run none")
+    parser.add_argument("--rows", type=_positions, metavar="N,N",
+                        help="with --suite: only these rows, numbered as --list numbers them")
     parser.add_argument("--peer", action="store_true",
                         help="with --suite: after each row, MaxText's train step on the same "
                              "shapes and tokens per step, and the ratio")
@@ -62,10 +64,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--warmup {args.warmup} must be at least 0")
     if args.suite and (args.config or args.overrides):
         parser.error("--suite runs its own configs; give --config and overrides without it")
-    for flag in ("list", "peer"):
+    for flag in ("list", "peer", "rows"):
         if getattr(args, flag) and not args.suite:
-            parser.error(f"--{flag} needs --suite (e.g. --suite gpu --{flag})")
+            parser.error(f"--{flag} needs --suite (e.g. --suite gpu --{flag}"
+                         f"{' 1,2' if flag == 'rows' else ''})")
+    if args.rows and max(args.rows) > len(SUITES[args.suite].rows):
+        parser.error(f"--rows {max(args.rows)}: suite {args.suite} has "
+                     f"{len(SUITES[args.suite].rows)} rows (see --suite {args.suite} --list)")
     return args
+
+
+def _positions(text: str) -> list[int]:
+    """--rows 1,3 -> [1, 3]: positions from 1, each once."""
+    try:
+        rows = [int(part) for part in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1 or len(set(rows)) != len(rows):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of row numbers from 1, such as "
+                                         "1,3")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,11 +151,14 @@ def run_suite(args: argparse.Namespace) -> int:
     from jaxtron import benchmark
 
     suite = benchmark.SUITES[args.suite]
+    if args.rows:
+        suite = dataclasses.replace(suite, rows=tuple(suite.rows[i - 1] for i in args.rows))
     if args.list:
-        for row in suite.rows:
-            print(f"{row.name:<32} {row.minutes:4.1f} min  {row.config} {' '.join(row.overrides)}")
-        print(f"{'total':<32} {sum(r.minutes for r in suite.rows):4.1f} min on {suite.device} "
-              f"(expected, start-up and compiles included; --peer about doubles it)")
+        for i, row in enumerate(suite.rows, 1):
+            print(f"{args.rows[i - 1] if args.rows else i}. {row.name:<32} {row.minutes:4.1f} min"
+                  f"  {row.config} {' '.join(row.overrides)}")
+        print(f"total {sum(r.minutes for r in suite.rows):4.1f} min on {suite.device} (expected, "
+              f"start-up and compiles included; --peer about doubles it)")
         return 0
     if args.out:
         cli.writable_file(args.out, "--out")
