@@ -1,6 +1,13 @@
 """Test environment, set before jax or jaxtron is imported anywhere.
 
-- Eight simulated CPU devices for every test.
+- Eight simulated CPU devices for every test, and JAX_PLATFORMS=cpu: even on a GPU machine the
+  suite runs on the CPU. Except when the run selects the `gpu` marker (pytest -m gpu): then
+  JAX_PLATFORMS is left as it is (unset: jax starts the GPU, and jax.devices("cpu") still has the
+  eight CPU devices) and jax allocates GPU memory as needed instead of taking 75% at start, so
+  that subprocesses of the GPU tests get the GPU's memory too. Both are decided in
+  pytest_configure, after the command line is read and before any test module imports jax.
+- Tests marked `gpu` are skipped where no GPU backend starts (every run but `pytest -m gpu` on a
+  GPU machine).
 - A hermetic cache: JAXTRON_CACHE points at a fresh temporary directory made once per pytest
   session and removed at exit, so every run measures a cold start and never reads or writes the
   user's ~/.cache/jaxtron; subprocesses started by tests inherit it. An already-set JAXTRON_CACHE
@@ -12,9 +19,13 @@
 """
 
 import atexit
+import functools
+import itertools
 import os
+import re
 import shutil
 import signal
+import sys
 import tempfile
 
 import pytest
@@ -22,7 +33,66 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+NO_GPU = "needs an NVIDIA GPU: run with pytest -m gpu on a GPU machine"
+
+
+def gpu_selected(markexpr: str) -> bool:
+    """Whether the -m expression selects by the gpu marker, unnegated: for some set of other
+    markers, adding gpu turns a test from deselected to selected ("gpu", "gpu and not slow",
+    "slow or gpu"; not "not slow", "not gpu")."""
+    if "gpu" not in markexpr:
+        return False
+    from _pytest.mark.expression import Expression
+
+    try:
+        expression = Expression.compile(markexpr)
+    except Exception:  # a malformed expression: pytest itself reports it when it selects tests
+        return False
+    others = sorted(set(re.findall(r"[A-Za-z_]\w*", markexpr)) - {"and", "or", "not", "gpu"})
+    for present in itertools.product((False, True), repeat=min(len(others), 8)):
+        marks = {name for name, on in zip(others, present) if on}
+        if (expression.evaluate(lambda name, **kwargs: name == "gpu" or name in marks)
+                and not expression.evaluate(lambda name, **kwargs: name in marks)):
+            return True
+    return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if gpu_selected(config.option.markexpr or ""):
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "jax" in sys.modules:  # imported before this hook (a plugin): it read the variable already
+        import jax
+
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+
+
+@functools.cache
+def _gpu_missing() -> str | None:
+    """None when jax's CUDA backend starts here, else why not (starts jax's backends, so only
+    the first gpu test asks)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").replace(" ", "")
+    if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
+        return f"JAX_PLATFORMS={platforms}"  # e.g. cpu, as every run but -m gpu sets it
+    import jax
+
+    try:
+        jax.devices("cuda")
+    except RuntimeError as e:  # "Unknown backend cuda": no plugin, or it found no GPU
+        return str(e).split("\n")[0]
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None or (missing := _gpu_missing()) is None:
+        return
+    if os.path.exists("/proc/driver/nvidia") and not missing.startswith("JAX_PLATFORMS="):
+        # A driver, so a GPU, is here: a CUDA backend that does not start is the finding.
+        pytest.fail(f"an NVIDIA driver is present but jax's CUDA backend did not start: {missing}",
+                    pytrace=False)
+    pytest.skip(f"{NO_GPU} ({missing})")
 
 
 def _session_cache() -> str:
