@@ -266,7 +266,7 @@ def markdown_row(row: dict, peer: bool) -> str:
                       "" if ratio is None else f"{ratio:.2f}x"]
         else:
             cells += ["", ""]
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
 def summary(rows: list[dict], suite: Suite, command: str) -> list[str]:

@@ -182,6 +182,7 @@ def run_suite(args: argparse.Namespace) -> int:
                 f.write(line + "\n")
     if not args.json:
         command = " ".join(["python tools/bench.py --suite", args.suite, *(
+            [f"--rows {','.join(map(str, args.rows))}"] if args.rows else []), *(
             ["--peer"] if args.peer else []), *([f"--steps {args.steps}"] if args.steps else []),
             *([f"--warmup {args.warmup}"] if args.warmup is not None else [])])
         print("\n" + "\n".join(benchmark.summary(rows, suite, command)), flush=True)

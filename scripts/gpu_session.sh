@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One prepared call on a short-lived, offline GPU machine whose image has Python 3.12 and a CUDA
+# build of jax 0.11 (docs/performance.md, "Measuring on a GPU"). In the repository's root:
+#
+#   bash ../shared/gpu/wheels.sh maxtext      # beforehand, with the network: the wheels into .whl/
+#   bash scripts/gpu_session.sh STEP...       # on the GPU machine, .whl/ carried along
+#
+# It installs the wheels the image lacks into /tmp/site, writes machine.txt (nvidia-smi, versions),
+# then runs each STEP in order, each one's output into a file of its own under $OUT
+# (/tmp/gpu_session without it):
+#   tests          pytest -m gpu tests/test_gpu.py             -> gpu_tests.txt
+#   suite[:ROWS]   tools/bench.py --suite gpu [--rows ROWS]     -> suite[_ROWS].md, .jsonl
+#   peer[:ROWS]    the same with --peer (MaxText on each row)   -> peer[_ROWS].md, .jsonl
+# ROWS as `bench.py --suite gpu --list` numbers them (1,2). A step that fails does not stop the
+# next; the exit status is the first failing step's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_session}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+  date -u
+  nvidia-smi || true
+  python3 - <<'EOF'
+import importlib.metadata as m, sys
+print("python", sys.version.split()[0])
+for p in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "flax",
+          "optax", "orbax-checkpoint", "grain", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12",
+          "maxtext", "torch", "transformers"):
+    try:
+        print(p, m.version(p))
+    except m.PackageNotFoundError:
+        pass
+EOF
+} >"$out/machine.txt" 2>&1
+
+status=0
+for step in "$@"; do
+  name=${step%%:*}
+  rows=""
+  [[ "$step" == *:* ]] && rows=${step#*:}
+  file=$name${rows:+_${rows//,/-}}
+  echo "== $step ($(date -u +%T))"
+  case $name in
+    tests) python3 -m pytest -m gpu tests/test_gpu.py -q -rs 2>&1 | tee "$out/gpu_tests.txt" ;;
+    suite | peer)
+      python3 tools/bench.py --suite gpu ${rows:+--rows "$rows"} \
+        $([[ $name == peer ]] && echo --peer) --out "$out/$file.jsonl" 2>&1 | tee "$out/$file.md" ;;
+    *) echo "gpu_session.sh: error: unknown step '$step' (tests, suite[:ROWS], peer[:ROWS])" >&2
+       exit 2 ;;
+  esac
+  code=$?
+  [[ $status == 0 ]] && status=$code
+done
+exit "$status"
