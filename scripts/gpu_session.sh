@@ -12,7 +12,8 @@
 #   suite[:ROWS]   tools/bench.py --suite gpu [--rows ROWS]     -> suite[_ROWS].md, .jsonl
 #   peer[:ROWS]    the same with --peer (MaxText on each row)   -> peer[_ROWS].md, .jsonl
 # ROWS as `bench.py --suite gpu --list` numbers them (1,2). A step that fails does not stop the
-# next; the exit status is the first failing step's.
+# next; the exit status is the first failing step's. BENCH_SUITE=smoke rehearses it all on a CPU
+# machine (the gpu tests skip there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_session}
@@ -49,7 +50,7 @@ for step in "$@"; do
   case $name in
     tests) python3 -m pytest -m gpu tests/test_gpu.py -q -rs 2>&1 | tee "$out/gpu_tests.txt" ;;
     suite | peer)
-      python3 tools/bench.py --suite gpu ${rows:+--rows "$rows"} \
+      python3 tools/bench.py --suite "${BENCH_SUITE:-gpu}" ${rows:+--rows "$rows"} \
         $([[ $name == peer ]] && echo --peer) --out "$out/$file.jsonl" 2>&1 | tee "$out/$file.md" ;;
     *) echo "gpu_session.sh: error: unknown step '$step' (tests, suite[:ROWS], peer[:ROWS])" >&2
        exit 2 ;;

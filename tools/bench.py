@@ -228,6 +228,10 @@ def peer_row(row, result: dict, steps: int, warmup: int) -> dict:
         found = peers.run_maxtext(cfg, result["devices"], steps, warmup, timeout_s)
     except peers.PeerError as e:
         return {"peer": {"error": str(e)}, "peer_ratio": None}
+    if found.get("num_params") not in (None, result["params"]):  # no ratio of unlike models
+        return {"peer": {**found, "error": f"its model has {found['num_params']:,} parameters, "
+                                          f"jaxtron's {result['params']:,}: not compared"},
+                "peer_ratio": None}
     return {"peer": found, "peer_ratio": result["tokens_per_sec"] / found["tokens_per_sec"]}
 
 
