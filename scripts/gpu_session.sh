@@ -2,7 +2,7 @@
 # One prepared call on a short-lived, offline GPU machine whose image has Python 3.12 and a CUDA
 # build of jax 0.11 (docs/performance.md, "Measuring on a GPU"). In the repository's root:
 #
-#   bash ../shared/gpu/wheels.sh maxtext      # beforehand, with the network: the wheels into .whl/
+#   bash scripts/gpu_wheels.sh                # beforehand, with the network: the wheels into .whl/
 #   bash scripts/gpu_session.sh STEP...       # on the GPU machine, .whl/ carried along
 #
 # It installs the wheels the image lacks into /tmp/site, writes machine.txt (nvidia-smi, versions),
