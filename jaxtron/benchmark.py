@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
+import re
 import shutil
 import statistics
 import subprocess
@@ -225,7 +226,9 @@ def failure(row: Row, returncode: int | None, stderr: str, timeout_s: float = 0)
     if returncode is None:
         return f"timed out after {timeout_s:.0f} s"
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    last = lines[-1] if lines else f"exit status {returncode}"
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)
+              or ": error: " in line]  # a traceback's exception line, or the tool's own
+    last = (errors or lines)[-1] if lines else f"exit status {returncode}"
     if any(s in stderr for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")):
         detail = next((line for line in lines if "RESOURCE_EXHAUSTED" in line
                        or "ut of memory" in line), last)

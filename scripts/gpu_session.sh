@@ -31,8 +31,8 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 import importlib.metadata as m, sys
 print("python", sys.version.split()[0])
 for p in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "flax",
-          "optax", "orbax-checkpoint", "grain", "nvidia-cudnn-cu13", "nvidia-cudnn-cu12",
-          "maxtext", "torch", "transformers"):
+          "optax", "orbax-checkpoint", "grain", "omegaconf", "protobuf", "nvidia-cudnn-cu13",
+          "nvidia-cudnn-cu12", "maxtext", "torch", "transformers"):
     try:
         print(p, m.version(p))
     except m.PackageNotFoundError:

@@ -7,10 +7,13 @@
 set -eu
 cd "$(dirname "$0")/.."
 bash ../shared/gpu/wheels.sh maxtext >/dev/null
+# omegaconf 2.3 (the shared set's) fails every config.load (ReadonlyConfigError on the merge into
+# the frozen schema); 2.4, the range's, needs no antlr4 runtime.
+rm -f .whl/omegaconf-2.3.*.whl .whl/antlr4_python3_runtime-*.whl
 py312=${PY312:-$(pyenv prefix 3.12 2>/dev/null || pyenv prefix 3.12.1)/bin/python}
 "$py312" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl \
   fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
-  ml-collections==1.1.0 xprof==2.24.2
+  ml-collections==1.1.0 xprof==2.24.2 omegaconf==2.4.0
 du -sh .whl

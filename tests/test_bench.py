@@ -202,6 +202,10 @@ def test_a_row_that_hangs_is_stopped_and_said(monkeypatch, capsys):
     ("bench.py: error: model.attention=cudnn runs on NVIDIA GPUs only\n",
      "bench.py: error: model.attention=cudnn runs on NVIDIA GPUs only"),
     ("", "exit status -9"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1\nomegaconf.errors.ReadonlyConfigError"
+     ": Cannot set value of read-only config node\n    full_key: model.vocab_size\n"
+     "    object_type=ModelConfig\n", "omegaconf.errors.ReadonlyConfigError: Cannot set value of "
+     "read-only config node"),
 ])
 def test_a_failure_is_said_in_one_line(stderr, said):
     row = benchmark.SUITES["smoke"].rows[0]

@@ -62,3 +62,11 @@ def test_a_command_given_a_mismatched_pair_says_it_in_one_line(tmp_path):
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == ("launch.py: error: flax 0.12.8 does not work with jax 0.11.2; install "
                            "flax 0.12.9 or newer (pip install 'flax>=0.12.9,<0.13')\n")
+
+
+@pytest.mark.parametrize("version, admitted", [("2.3.0", False), ("2.4.0", True)])
+def test_omegaconf_range_leaves_out_the_release_that_refuses_the_merge(version, admitted):
+    """omegaconf 2.3.0 raises ReadonlyConfigError on config.load's merge into the frozen schema
+    (model.vocab_size), so every run fails with it."""
+    (omegaconf,) = _admitted("omegaconf", "3.12")
+    assert omegaconf.specifier.contains(version) is admitted
