@@ -70,7 +70,7 @@ def cudnn_attention(
 
     Inside the pipeline's stages (a partly manual program, whose shardings jax's cuDNN
     partitioning rule cannot read) the kernel runs in a `shard_map` over the remaining axes, on
-    each device's own sequences and heads (the specs of RULES)."""
+    each device's own sequences and heads (the specs of RULES), sealed (`_sealed`)."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual
     if mesh.empty or manual not in mesh.axis_types:  # outside the pipeline: jax partitions it
@@ -78,7 +78,7 @@ def cudnn_attention(
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
     q_spec = parallel.spec_here(("act_batch", None, "act_heads", None))
     kv_spec = parallel.spec_here(("act_batch", None, "act_kv_heads", None))
-    run = jax.shard_map(_cudnn_local, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
+    run = jax.shard_map(_sealed, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
                         out_specs=q_spec, axis_names=free, check_vma=False)
     return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
@@ -87,6 +87,35 @@ def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
                                         is_causal=True, implementation="cudnn")
+
+
+def _from_arrays(prim, *avals, **params) -> bool:
+    """Remat policy: save what is computed from arrays, recompute what is made of literals."""
+    del prim, params
+    return any(getattr(aval, "shape", ()) for aval in avals)
+
+
+def _sealed(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
+    """`_cudnn_local` as one unit that no transformation splits open inside a manual program.
+
+    jax's cuDNN entry makes zero-element placeholders (`jnp.zeros(0)`, in place of the bias,
+    sequence lengths, offsets and page tables it is not given) and passes them to its kernels,
+    forward and backward. Inside a `shard_map`, partial evaluation hoists such constants out of
+    the body and passes them back in: as residuals from the forward to the backward, and out of
+    the scans' bodies as loop-invariant values (a split `shard_map` computes its constants in a
+    zero-input one). XLA of jax 0.11.2 segfaults on a manual computation with a zero-element
+    operand (Shardy's canonicalizer: mlir::sdy::ManualComputationUnusedInputsPattern, from
+    xla::sdy::ShardyXLA in OptimizeHloModule; a CPU shard_map reading a `jnp.zeros(0)` argument
+    crashes too; GSPMD and jax 0.10 compile it). Two remats keep the placeholders inside: the
+    inner one (saving nothing) is what the forward program holds, and partial evaluation of a
+    remat recomputes what it may not save, so no constant leaves it; the outer one is the one
+    differentiated, and saves the kernel's residuals but not the placeholders, which the
+    backward makes again. The kernels run as often as unsealed: no forward is recomputed."""
+    kernel = lambda *args: _cudnn_local(*args)  # looked up at trace time (tests substitute it)
+    inner = jax.checkpoint(kernel, policy=jax.checkpoint_policies.nothing_saveable,
+                           prevent_cse=False)
+    outer = jax.checkpoint(inner, policy=_from_arrays, prevent_cse=False)
+    return outer(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
 ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {

@@ -351,3 +351,14 @@ def test_a_step_xla_cannot_compile_is_one_line_with_the_way_round(tmp_path):
                                 f"'xla.flags=[{aot.DOUBLE_BUFFERING}]'\n")
     assert len(proc.stderr.splitlines()) == 1
     _launch(tmp_path, "tiny.yaml", 8, *args, f"xla.flags=[{aot.DOUBLE_BUFFERING}]")
+
+
+def test_bf16_pipeline_stages_compile_with_cudnn_attention(tmp_path):
+    """tiny in bfloat16, 2 stages x fsdp 4, 4 microbatches: cuDNN attention in the stages. With
+    jax 0.11 XLA segfaulted here (Shardy's canonicalizer, on the zero-element placeholders of
+    jax's cuDNN entry hoisted into the stages' manual computations); attention.py seals the
+    kernel. Forward and backward kernel once per layer and iteration: 5 iterations x 2 layers."""
+    report = _launch(tmp_path, "tiny.yaml", 8, "mesh.stage=2", "mesh.fsdp=4",
+                     "train.batch_size=16", "train.microbatches=4", "model.dtype=bfloat16")
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax") == 10
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward") == 10

@@ -10,13 +10,15 @@ differences of near-zero gradients into the parameters). Measured over all 16 ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtron import config, parallel, pipeline
+from jaxtron import attention, config, parallel, pipeline
 from jaxtron.optim import make_optimizer
 from jaxtron.state import init_state, make_plan
 from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
@@ -207,3 +209,51 @@ def test_70b_pipeline_preset_plans_on_128_devices(capsys):
     assert "mesh: data=2, stage=8, fsdp=1, tensor=8 (128 devices)" in out
     assert "parameter bytes per device: 4,410,212,352 bytes" in out  # docs/parallelism.md
     assert "bubble 0.0266 = (S-1)/(R*M+S-1) = 7/263" in out
+
+
+def _with(x, placeholder):
+    """x + the sum of a zero-element array: x, with the placeholder used (as the cuDNN calls use
+    jax's, so that it is not pruned)."""
+    return x + jnp.sum(placeholder).astype(x.dtype)
+
+
+@jax.custom_vjp
+def _attend(q, k, v, segment_ids, placeholder):
+    return _with(attention.xla_attention(q, k, v, segment_ids), placeholder)
+
+
+def _attend_fwd(q, k, v, segment_ids, placeholder):
+    out, pullback = jax.vjp(lambda q, k, v: attention.xla_attention(q, k, v, segment_ids), q, k, v)
+    return _with(out, placeholder), (pullback, placeholder)
+
+
+def _attend_bwd(residuals, g):
+    pullback, placeholder = residuals
+    dq, dk, dv = pullback(g)
+    return _with(dq, placeholder), dk, dv, None, jnp.zeros_like(placeholder)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_cudnn_path_in_the_stages_matches_one_device(monkeypatch, remat):
+    """The stages' cuDNN path (attention.cudnn_attention: a shard_map over fsdp and tensor around
+    the sealed kernel) with a CPU kernel in cuDNN's place: XLA attention behind a custom_vjp that,
+    like jax's cuDNN entry, takes a zero-element placeholder and keeps it as a residual. Losses
+    and gradients are the one-device run's (XLA attention, no pipeline)."""
+    calls = []
+
+    def kernel(q, k, v, segment_ids):
+        calls.append(q.shape)
+        return _attend(q, k, v, segment_ids, jnp.zeros(0, q.dtype))
+
+    monkeypatch.setattr(attention, "_cudnn_local", kernel)
+    resolve = attention.resolve  # model.attention=cudnn in float32, which the kernel here allows
+    monkeypatch.setattr(attention, "resolve",
+                        lambda impl, *args: impl if impl == "cudnn" else resolve(impl, *args))
+    cfg = _cfg("mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", f"model.remat={remat}")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="cudnn"))
+    _check(cfg, 8, remat)
+    # each device's own rows and heads: 16 rows / 4 microbatches / fsdp 2, 4 heads / tensor 2
+    assert calls and set(calls) == {(2, 32, 2, 16)}
