@@ -1,5 +1,14 @@
 """jaxtron: JAX/XLA SPMD training of Llama-family models on NVIDIA GPUs."""
 
+import time
+
+# When this process first imported jaxtron, before anything else here (importlib.metadata alone
+# takes ~50 ms): where an attempt's start-up begins (jaxtron/goodput.py). launch.py imports
+# jaxtron as it starts, so this is Python's start give or take some milliseconds; /proc's start
+# of the pid is not, where a shell exec'ed python into it after other work (`pip install -e . &&
+# python launch.py`).
+STARTED = time.time()
+
 import importlib.metadata
 import importlib.util
 import os

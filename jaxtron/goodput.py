@@ -1,7 +1,8 @@
 """Goodput: where a run's wall time went, over all its attempts (each start of the same run.dir).
 
-An attempt's wall time, from its process start to the end of train(), is split into parts:
-  startup     process start to the loop (imports, joining processes, input, restore, init), less:
+An attempt's wall time, from its Python's start (jaxtron.STARTED: launch.py imports jaxtron first
+thing) to the end of train(), is split into parts:
+  startup     Python's start to the loop (imports, joining processes, input, restore, init), less:
   compile     lowering and compiling the train step
   data        the loop waiting for its next batch
   step        the loop's training steps (dispatch, and the device work seen at the loop's syncs)
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jaxtron
 from jaxtron.metrics import Stopwatch
 
 FILE = "goodput.json"
@@ -38,15 +40,12 @@ LOOP_PHASES = ("data", "checkpoint", "eval", "profile")  # the loop's time that 
 
 
 def process_start() -> float:
-    """When this process started, as a time.time() value: /proc on Linux (10 ms resolution),
-    else now (then start-up counts from the call to train())."""
-    try:
-        after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        age = (float(Path("/proc/uptime").read_text().split()[0])
-               - int(after_name[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: start, in ticks
-        return time.time() - max(age, 0.0)
-    except (OSError, ValueError, IndexError):
-        return time.time()
+    """When this process's Python started, as a time.time() value: when it first imported
+    jaxtron (jaxtron.STARTED), which launch.py does as it starts. Not /proc's start of the pid,
+    which counted what ran in it before python was exec'ed into it: `pip install -e . && python
+    launch.py` (bash execs the last command) counted the pip install, 48 of 51.9 s of
+    start-up."""
+    return jaxtron.STARTED
 
 
 class Attempt:

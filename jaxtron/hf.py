@@ -40,6 +40,7 @@ from jaxtron.hf_mapping import (
 from jaxtron.model import abstract_model
 
 INDEX = "model.safetensors.index.json"
+GENERATION = "generation_config.json"  # what transformers' generate() reads before config.json
 PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -241,11 +242,13 @@ def _hf_specs(cfg: ModelConfig, dtype) -> dict[str, tuple[tuple[int, ...], np.dt
 
 def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np.ndarray],
                      out_dir: str | Path, model_type: str = "llama", dtype: Any = None,
-                     context: int | None = None) -> Path:
+                     context: int | None = None, *, token_ids: dict | None = None) -> Path:
     """Write config.json and safetensors shards of at most SHARD_BYTES (with an index when there
     are several), asking `get(our path, layer or None)` for one tensor at a time, so that only
     one is in memory. `dtype`: the files' dtype (default cfg.param_dtype); `context`: see
-    hf_config."""
+    hf_config; `token_ids`: the tokenizer's bos_token_id, eos_token_id (an id or a list) and
+    pad_token_id if any, put into config.json and written as generation_config.json (without
+    them transformers assumes bos 1 and eos 2)."""
     if cfg.qkv_bias != (model_type == "qwen2"):
         raise ConfigError(f"model.qkv_bias={cfg.qkv_bias} does not fit model_type '{model_type}'"
                           " (QKV biases are Qwen2's)")
@@ -270,16 +273,31 @@ def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np
         index = {"metadata": {"total_size": sum(size for _, size in sizes)},
                  "weight_map": {n: file for file, names in zip(files, shards) for n in names}}
         (out / INDEX).write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype.name}, indent=2))
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype.name,
+                                                 **(token_ids or {})}, indent=2))
+    if token_ids:
+        write_generation_config(out, token_ids)
     return out
+
+
+def write_generation_config(out_dir: Path, token_ids: dict) -> None:
+    """out_dir/generation_config.json holding `token_ids`: written by transformers'
+    GenerationConfig where transformers is installed (it adds its version), else the same JSON
+    by hand (transformers is not a dependency of export)."""
+    try:
+        from transformers import GenerationConfig
+    except ImportError:
+        (out_dir / GENERATION).write_text(json.dumps(token_ids, indent=2, sort_keys=True) + "\n")
+        return
+    GenerationConfig(**token_ids).save_pretrained(out_dir)
 
 
 def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
                     model_type: str = "llama", dtype: Any = None,
-                    context: int | None = None) -> Path:
+                    context: int | None = None, *, token_ids: dict | None = None) -> Path:
     """Write `params` (our pure nested dict) as a Hugging Face directory (see write_pretrained)."""
     def get(path: ParamPath, layer: int | None) -> np.ndarray:
         value = functools.reduce(lambda node, key: node[key], path, params)
         return value if layer is None else value[layer]
 
-    return write_pretrained(cfg, get, out_dir, model_type, dtype, context)
+    return write_pretrained(cfg, get, out_dir, model_type, dtype, context, token_ids=token_ids)

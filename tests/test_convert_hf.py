@@ -21,10 +21,11 @@ import pytest
 import torch
 from test_hf_parity import CASES, LLAMA3_ROPE, TOL, _case, _hf, _inputs
 from test_tokenizer import LLAMA3, build_bpe, ids_of
-from transformers import AutoModelForCausalLM
+from tool_module import import_tool
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import launch
-from jaxtron import checkpoint, hf, parallel, prepared, tensorfile, weights
+from jaxtron import checkpoint, generate, hf, parallel, prepared, tensorfile, weights
 from jaxtron import state as state_lib
 from jaxtron import tokenizer as tokenizer_lib
 from jaxtron.config import ConfigError, MeshConfig, PipelineConfig
@@ -187,10 +188,12 @@ def test_a_pipeline_run_exports_to_transformers_and_fine_tunes_back_on_another_m
 def test_export_states_the_context_the_run_trained_at(pipeline_run, tmp_path, capsys):
     """config.json's max_position_embeddings is the run's train.seq_len (it said 8192 for a model
     trained at 64), so importing it back fine-tunes at 64 tokens, not 2048 (~18.7 GiB for the
-    tiny model)."""
+    tiny model). The default corpus's SentencePiece ids come with it: bos 1, eos 2, no pad."""
     assert _convert("export", pipeline_run, tmp_path / "hf") == 0
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())[
-        "max_position_embeddings"] == 64
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64 and "pad_token_id" not in config
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer_lib.BOS_ID,
+                                                                tokenizer_lib.EOS_ID)
     assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
     assert "preset: model.dtype=float32, train.seq_len=64;" in capsys.readouterr().out
     preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
@@ -366,9 +369,83 @@ def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
                         "train.steps=2", f"run.dir={tmp_path / 'run'}"]) == 0
     assert _convert("export", tmp_path / "run", tmp_path / "out") == 0
     assert tokenizer_lib.from_path(tmp_path / "out").sha256 == tok.sha256
+    # the document end, then the instruct config's turn end, as Llama 3 instruct lists them
+    ends = ids_of(tmp_path / "hf" / "tokenizer.json", "<|end_of_text|>", "<|eot_id|>")
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (generation.bos_token_id, generation.eos_token_id) == (tok.bos_id(), ends)
     # fine-tuned at 64 tokens, it is still the 131,072-token model it was imported as
     assert json.loads((tmp_path / "out" / "config.json").read_text())[
         "max_position_embeddings"] == 131072
+
+
+def _first_last_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer.json whose <s> is 0, </s> 1 and <pad> the last id (transformers'
+    defaults are bos 1 and eos 2), named so by a tokenizer_config.json; w2, w3, ... between."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<s>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, vocab - 1)} | {"<pad>": vocab - 1}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
+
+
+def test_an_export_carries_the_tokenizers_ids_and_generation_stops_at_its_eos(tmp_path, capsys):
+    """A tokenizer with bos 0, eos 1: config.json and generation_config.json carry its ids, so
+    transformers' generate() and tools/generate.py --tokens on the export stop where the model
+    produces 1. Without them transformers took bos 1 and eos 2, and both ran to max_new_tokens.
+    The tiny model is made to produce eos after a few tokens by swapping the embedding and
+    lm_head rows of id 1 and of the token its greedy continuation gives fifth (27 of
+    [53, 4, 22, 36, 27, 35, ...]): the same model with the two ids' names exchanged."""
+    _tiny_llama(tmp_path / "src")
+    prompt, new = [10, 20, 30], 16
+    free = generate.generate(*hf.from_pretrained(tmp_path / "src"), prompt, new)
+    swapped = free[4]
+    assert swapped not in (0, 1, 2, 63) and not {1, swapped} & set(free[:4] + prompt), free
+    rows = np.arange(64)
+    rows[[1, swapped]] = rows[[swapped, 1]]
+    _edit_tensors(tmp_path / "src", tmp_path / "hf", lambda t: {
+        **t, **{k: t[k][rows] for k in ("model.embed_tokens.weight", "lm_head.weight")}})
+    _first_last_tokenizer(tmp_path / "hf", 64)
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0  # copies the tokenizer
+    assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0  # the run's tokenizer
+
+    ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 63}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: config.get(k) for k in ids} == ids
+    written = json.loads((tmp_path / "out" / hf.GENERATION).read_text())
+    assert {k: written.get(k) for k in ids} == ids
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert {k: getattr(generation, k) for k in ids} == ids
+
+    want = free[:4] + [1]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    assert theirs[0, len(prompt):].tolist() == want
+    tool = import_tool(ROOT / "tools" / "generate.py")
+    capsys.readouterr()
+    assert tool.main([str(tmp_path / "out"), "--tokens", ",".join(map(str, prompt)),
+                      "--max-new-tokens", str(new)]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(map(str, want))
+
+
+def test_generation_config_without_transformers_is_what_transformers_writes(tmp_path,
+                                                                           monkeypatch):
+    """Export needs no transformers: without it generation_config.json is written by hand, with
+    the keys GenerationConfig.save_pretrained writes, less its version."""
+    ids = {"bos_token_id": 0, "eos_token_id": [1, 5], "pad_token_id": 63}
+    (tmp_path / "with").mkdir()
+    (tmp_path / "without").mkdir()
+    hf.write_generation_config(tmp_path / "with", ids)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    hf.write_generation_config(tmp_path / "without", ids)
+    monkeypatch.undo()
+    theirs = json.loads((tmp_path / "with" / hf.GENERATION).read_text())
+    assert theirs.pop("transformers_version")
+    assert json.loads((tmp_path / "without" / hf.GENERATION).read_text()) == theirs == ids
+    assert GenerationConfig.from_pretrained(tmp_path / "without").eos_token_id == [1, 5]
 
 
 def test_a_windowed_mistral_imports_with_its_window_as_the_sequence_bound(tmp_path):

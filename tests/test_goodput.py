@@ -162,3 +162,21 @@ def test_killed_then_resumed_run_accounts_both_attempts(tmp_path):
     assert summary["redone_steps"] == first["last_step"] - 4 and summary["attempts"] == 2
     assert summary["redone_s"] == pytest.approx(redone) and redone > 0
     assert "in 2 attempts" in proc.stdout and f"{first['last_step'] - 4} steps)" in proc.stdout
+
+
+def test_startup_begins_when_python_starts_not_when_its_pid_did(tmp_path):
+    """`sleep 3; exec python launch.py` in one shell: python runs in a pid that was alive 3 s
+    before it, as in `pip install -e . && python launch.py` (bash execs the last command), where
+    /proc's start of the pid counted the pip install as start-up (48 of 51.9 s). The attempt
+    starts after the pause, and start-up is what python took within the time it ran."""
+    pause_s, run_dir = 3, tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, "train.steps=1", "train.eval_every=0",
+           f"run.dir={run_dir}"]
+    before = time.time()
+    proc = subprocess.run(["bash", "-c", f'sleep {pause_s}; exec "$@"', "bash", *cmd], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    after = time.time()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record,) = json.loads((run_dir / goodput.FILE).read_text())
+    assert before + pause_s <= record["started"] <= record["started"] + record["wall_s"] <= after
+    assert 0 < record["seconds"]["startup"] < after - before - pause_s

@@ -10,7 +10,9 @@ weights, one layer per Orbax partial save), OUT_DIR/config.yaml (a preset that f
 the model section read from config.json, the tokenizer copied beside it, checkpoint.restore and
 weights_only set) and the tokenizer files. `export` takes a checkpoint saved on any mesh or
 pipeline layout (a step directory, or the newest of a run or import directory) and writes
-config.json (with `architectures`), safetensors shards with an index, and the run's tokenizer files.
+config.json (with `architectures`, and the tokenizer's bos/eos/pad ids, also written as
+generation_config.json, which transformers' generate() reads), safetensors shards with an index,
+and the run's tokenizer files.
 Host memory stays near one layer plus the largest tensor either way. Bad input: one line, exit 2.
 Either way the output is written beside OUT_DIR and renamed to it when complete, so a failure or
 a stop (Ctrl-C, SIGTERM: one line, exit 130) leaves no OUT_DIR; an export is refused inside a
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import os
 import secrets
 import shlex
@@ -36,6 +39,7 @@ from typing import TypeVar
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
 
+import sentencepiece as spm
 import yaml
 
 from jaxtron import cli, hf, hf_mapping, prepared, weights
@@ -262,7 +266,8 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     _check_outside_checkpoints(out, step_dir)
 
     def write(into: Path) -> str:
-        hf.write_pretrained(cfg.model, get, into, kind, dtype, _trained_context(cfg, meta))
+        hf.write_pretrained(cfg.model, get, into, kind, dtype, _trained_context(cfg, meta),
+                            token_ids=_token_ids(tok) if tok else None)
         return (f"tokenizer: {_write_tokenizer(tok, into)}" if tok
                 else "no tokenizer (pass --tokenizer)")
 
@@ -286,6 +291,36 @@ def _trained_context(cfg, meta: dict) -> int:
         except (ConfigError, OSError):
             pass  # the import was moved or removed: the run's own length stands
     return max(n for n in known if isinstance(n, int) and n > 0)
+
+
+def _token_ids(tok: tokenizer_lib.Tokenizer) -> dict:
+    """config.json's and generation_config.json's ids of the tokenizer: bos, eos (with the chat
+    turn's end that tokenizer_config.json may name as eos_token, which documents do not end
+    with: [document end, turn end], as Llama 3 instruct's config.json lists them) and pad where
+    it has one."""
+    ids: dict = {"bos_token_id": tok.bos_id(), "eos_token_id": tok.eos_id()}
+    named_eos, pad = _named_ids(tok)
+    if named_eos not in (None, tok.eos_id()):
+        ids["eos_token_id"] = [tok.eos_id(), named_eos]
+    if pad is not None:
+        ids["pad_token_id"] = pad
+    return ids
+
+
+def _named_ids(tok: tokenizer_lib.Tokenizer) -> tuple[int | None, int | None]:
+    """(eos, pad) as tokenizer_config.json names them beside a tokenizer.json, or (None, a
+    SentencePiece model's pad piece); None where there is no such token."""
+    if tokenizer_lib.SP_FILE in tok.files:
+        pad = spm.SentencePieceProcessor(model_proto=tok.files[tokenizer_lib.SP_FILE]).pad_id()
+        return None, pad if pad >= 0 else None
+    config = json.loads(tok.files.get(tokenizer_lib.HF_CONFIG, b"{}"))  # checked by Tokenizer
+
+    def vocab_id(key: str) -> int | None:
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token  # an AddedToken
+        return tok.piece_to_id(token) if isinstance(token, str) else None
+
+    return vocab_id("eos_token"), vocab_id("pad_token")
 
 
 def _run_tokenizer(cfg, meta: dict) -> tokenizer_lib.Tokenizer | None:
