@@ -247,11 +247,36 @@ def decode_tokens(record: bytes, dtype: str) -> np.ndarray:
     return np.frombuffer(record, np.dtype(dtype).newbyteorder("<")).astype(np.int32)
 
 
+class Shards(grain.sources.RandomAccessDataSource):
+    """The records of a split's shards in order, as one source; a record that cannot be read
+    mid-run (a shard damaged after the start's checks, or a chunk whose checksum fails) stops
+    the run with one line naming the dataset, shard and record instead of a reader's traceback."""
+
+    def __init__(self, path: str, shards: list[str]):
+        self.path, self.names = path, shards
+        root = Path(path).expanduser()
+        self.sources = [grain.sources.ArrayRecordDataSource([str(root / s)]) for s in shards]
+        self.ends = np.cumsum([len(source) for source in self.sources])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def __getitem__(self, index: int) -> bytes:
+        shard = int(np.searchsorted(self.ends, index, side="right"))
+        record = int(index - (self.ends[shard - 1] if shard else 0))
+        try:
+            return self.sources[shard][record]
+        except (RuntimeError, OSError) as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"data.mixture path {self.path}: shard {self.names[shard]} record "
+                              f"{record} cannot be read ({why}); {AGAIN}, or drop the dataset "
+                              "from data.mixture; the run's checkpoints are kept") from None
+
+
 def split_documents(path: str, split: str) -> grain.MapDataset | None:
     """The documents of one split of a prepared dataset as int32 arrays; None if it is empty."""
     manifest = read_manifest(path)
-    shards = [str(Path(path).expanduser() / s) for s in manifest["splits"][split]["shards"]]
-    source = grain.sources.ArrayRecordDataSource(shards) if shards else []
+    source = Shards(path, manifest["splits"][split]["shards"])
     if not len(source):
         return None
     decode = functools.partial(decode_tokens, dtype=manifest["dtype"])

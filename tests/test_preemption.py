@@ -82,6 +82,43 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, straight, kill_at):
     assert resumed == straight  # every step, the replayed ones included, bit for bit
 
 
+# Kills the process inside Orbax's commit of checkpoint 6: its arrays and commit_success file are
+# written into the temporary directory, which has not yet been renamed to checkpoints/6.
+KILL_IN_THE_COMMIT = """
+import os, signal
+from orbax.checkpoint._src.path import atomicity
+_rename = atomicity.async_path.rename
+async def _rename_or_die(src, dst):
+    if os.path.basename(str(dst)) == "6":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await _rename(src, dst)
+atomicity.async_path.rename = _rename_or_die
+"""
+
+
+def test_sigkill_during_a_saves_commit_keeps_the_previous_checkpoint(tmp_path, straight):
+    """A checkpoint whose commit was cut short is never read: the rerun resumes from the one
+    before, bit for bit, and saves the cut step again (Orbax writes into a temporary directory and
+    renames it when complete; the leftover is removed at the next start)."""
+    run_dir, hook = tmp_path / "run", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_IN_THE_COMMIT)
+    cmd = _cmd(run_dir, "checkpoint.every=3")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get(
+        "PYTHONPATH")]))}
+    killed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert _saved_steps(run_dir) == [3]
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.isdigit()]
+    assert any(name.startswith("6.") for name in leftovers), leftovers  # the cut commit's
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resumed from" in rerun.stdout and "step 3" in rerun.stdout
+    assert _losses(run_dir) == straight
+    assert _saved_steps(run_dir) == [6, 9, 10]  # checkpoint.keep=3
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.isdigit()] == []
+
+
 def test_sigterm_saves_the_interrupted_step_and_resumes_exactly(tmp_path, straight):
     run_dir = tmp_path / "run"
     cmd = _cmd(run_dir, "checkpoint.every=1000")  # only the signal and the end save
