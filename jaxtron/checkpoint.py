@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtron import data as data_lib
-from jaxtron import prepared, weights
+from jaxtron import damage, prepared, weights
 from jaxtron.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
@@ -50,14 +50,14 @@ class Checkpoints:
             # once, where Orbax's default would have the writes wait 300 s for a signal of it.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
+        _quiet_abandoned_reads()  # a failed write's leftovers are as noisy as a failed read's
+        for quiet in (_orbax_errors, _read_only_notes):  # before the manager reads each step's
+            logging.getLogger("absl").addFilter(quiet)  # metadata: restore_latest names damage
         self.manager = ocp.CheckpointManager(
             (run_dir / "checkpoints").absolute(), options=options,
             item_names=("state", "data", "meta"),
         )
         self.pending: int | None = None  # the step whose background write is not yet confirmed
-        _quiet_abandoned_reads()  # a failed write's leftovers are as noisy as a failed read's
-        for quiet in (_orbax_errors, _read_only_notes):
-            logging.getLogger("absl").addFilter(quiet)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -135,27 +135,25 @@ class Checkpoints:
         steps, damaged = self.steps(), []
         _quiet_abandoned_reads()  # before reading: they may land as a failed restore unwinds
         for step in steps:
-            try:
-                state, meta = self.restore(step, abstract_state, shardings)
-                restore_input(self.manager.directory / str(step) / "data", batches, warn)
-                self._move_aside(damaged, warn)
-                return step, state, meta
-            except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
-                atexit.register(_silence_shutdown)  # reads still in flight finish into the void
-                if jax.process_count() > 1:  # the others may have read it: none may go on alone
-                    raise ConfigError(
-                        f"checkpoint {self.manager.directory / str(step)} is unreadable on process "
-                        f"{jax.process_index()} ({read_error(e)}); move it aside and "
-                        "rerun to resume from an older one") from None
-                warn(f"warning: checkpoint {self.manager.directory / str(step)} is unreadable "
-                     f"({read_error(e)}); trying an older one")
-                damaged.append(step)
+            step_dir = Path(self.manager.directory) / str(step)
+            why = damage.meta_damage(step_dir)  # a missing or garbled file, named as such
+            if why is None:  # damaged array data shows in the read, in TensorStore's words
+                try:
+                    state, meta = self.restore(step, abstract_state, shardings)
+                    restore_input(step_dir / "data", batches, warn)
+                    self._move_aside(damaged, warn)
+                    return step, state, meta
+                except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
+                    atexit.register(_silence_shutdown)  # reads in flight finish into the void
+                    why = read_error(e)
+            if jax.process_count() > 1:  # the others may have read it: none may go on alone
+                raise ConfigError(
+                    f"checkpoint {step_dir} is unreadable on process {jax.process_index()} "
+                    f"({why}); move it aside and rerun to resume from an older one")
+            warn(f"warning: checkpoint {step_dir} is unreadable ({why}); trying an older one")
+            damaged.append(step)
         if steps:
-            where = self.manager.directory
-            which = (f"the one checkpoint in {where} is unreadable" if len(steps) == 1 else
-                     f"none of the {len(steps)} checkpoints in {where} is readable")
-            raise ConfigError(f"{which}; move {'it' if len(steps) == 1 else 'them'} aside to start "
-                              "over, or set run.dir to a new directory")
+            raise ConfigError(_none_readable(Path(self.manager.directory), len(steps)))
         return None
 
     def _move_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:
@@ -180,6 +178,14 @@ class Checkpoints:
                 self.manager.close()
 
 
+def _none_readable(where: Path, count: int, causes: str = "") -> str:
+    """The error when none of the `count` checkpoints in `where` reads back."""
+    which = (f"the one checkpoint in {where} is unreadable" if count == 1 else
+             f"none of the {count} checkpoints in {where} is readable")
+    return (f"{which}{causes}; move {'it' if count == 1 else 'them'} aside to start over, or set "
+            "run.dir to a new directory")
+
+
 _SAVE_CAUSES = ("No space left on device", "Disk quota exceeded", "Permission denied",
                 "Read-only file system", "Not a directory")  # said as "<cause> (<checkpoints dir>)"
 
@@ -196,8 +202,11 @@ def save_error(e: BaseException, directory: Path) -> str:
 
 def _orbax_errors(record: logging.LogRecord) -> bool:
     """Orbax's ERROR logs of a failed background save (each with a traceback, several per
-    failure): not shown; the failure reaches the loop as one CheckpointSaveError line."""
-    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+    failure): not shown; the failure reaches the loop as one CheckpointSaveError line. Nor its
+    notes on a damaged step's commit metadata, read as it lists the steps: restore_latest names
+    the damage in its own warning."""
+    return not ((record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+                or record.getMessage().startswith("Metadata file does not exist"))
 
 
 class RunDirLock:
@@ -282,10 +291,12 @@ def _silence_shutdown() -> None:
 
 def check_start(run_dir: Path, model: ModelConfig, restore: str,
                 data: DataConfig | None = None) -> None:
-    """Before anything is written: run.dir's newest checkpoint, or else checkpoint.restore, holds
-    this model's arrays (one line naming the fields that differ), its data was tokenized like
-    `data`, and checkpoint.restore names a checkpoint. A refused command leaves run.dir as it was."""
-    steps = weights.run_checkpoints(run_dir)
+    """Before anything is written: run.dir's newest checkpoint whose metadata reads, or else
+    checkpoint.restore, holds this model's arrays (one line naming the fields that differ), its
+    data was tokenized like `data`, and checkpoint.restore names a checkpoint. A refused command
+    leaves run.dir as it was."""
+    # Damaged ones are passed over here, and set aside by Checkpoints.restore_latest.
+    steps = damage.survey(run_dir / "checkpoints", damage.meta_damage)[0]
     if steps:
         meta = weights.read_meta(steps[-1])
         if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
@@ -306,15 +317,24 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
 
 def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:
     """Where a run would start, for the dry run (check_start has checked the model): the newest
-    checkpoint in run.dir, else checkpoint.restore's, else nothing."""
+    sound checkpoint in run.dir, naming the newer damaged ones a run sets aside (as far as their
+    files tell: no array is read), else checkpoint.restore's, else nothing."""
     found = weights.run_checkpoints(run_dir)
+    newest = int(found[-1].name) if found else -1
+    damaged = {int(d.name): damage.damage(d) for d in
+               damage.step_dirs(run_dir / "checkpoints") if int(d.name) > newest}
+    if damaged and not found:  # as restore_latest stops, naming each cause
+        causes = "; ".join(f"checkpoint {n}: {why}" for n, why in sorted(damaged.items()))
+        raise ConfigError(_none_readable(run_dir / "checkpoints", len(damaged), f" ({causes})"))
     if found:
         step = int(weights.read_meta(found[-1]).get("step", found[-1].name))
         left = ("nothing left to train: raise train.steps to go on" if step >= steps else
                 f"{steps - step:,} steps to go")
-        return (f"start: resumes from {found[-1]} (step {step:,} of {steps:,}: {left}); its arrays "
-                "are read at start-up, and an unreadable newest checkpoint is set aside for an "
-                "older one")
+        aside = "".join(f"; checkpoint {n} is damaged ({why}) and will be set aside"
+                        for n, why in sorted(damaged.items(), reverse=True))
+        return (f"start: resumes from {found[-1]} (step {step:,} of {steps:,}: {left}){aside}; its "
+                "arrays are read at start-up" + ("" if damaged else ", and an unreadable newest "
+                                                 "checkpoint is set aside for an older one"))
     if restore:
         directory = _restore_dir(restore, None)
         what = "its weights only (step 0, fresh optimizer)" if weights_only else "its whole state"

@@ -28,6 +28,7 @@ import numpy as np
 import yaml
 
 from jaxtron import config as config_lib
+from jaxtron import damage
 from jaxtron.config import ConfigError
 
 LAYERED = "layers"  # meta["layout"] of a checkpoint that stores each layer separately
@@ -48,13 +49,15 @@ def complete_steps(checkpoints_dir: Path) -> list[Path]:
 
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
-    """A run directory's complete checkpoints, oldest first; none where run.dir has no
-    checkpoints directory or cannot be read (too long a path, a file on the way: the run's own
-    path checks name those)."""
-    try:
-        return complete_steps(run_dir / "checkpoints")
-    except OSError:
-        return []
+    """A run directory's checkpoints a resume could start from, oldest first: a damaged one
+    (jaxtron/damage.py) is left out, every one by its metadata, and the newest left by the files
+    its OCDBT tree points into too (a resume reads no other). Metadata with no tree beside it is
+    taken as it reads: the start-up checks need no arrays."""
+    sound, _ = damage.survey(run_dir / "checkpoints", damage.meta_damage)
+    while sound and (sound[-1] / "state" / "manifest.ocdbt").is_file() \
+            and damage.files_damage(sound[-1]):
+        sound.pop()
+    return sound
 
 
 def checkpoints_holding(path: Path) -> Path | None:
@@ -126,45 +129,6 @@ def _saves(config_yaml: Path) -> str:
     except (ConfigError, OSError):
         return f"its {config_yaml.name} does not load"
     return f"checkpoint.every={every}" + (": it saves only at the end" if every == 0 else "")
-
-
-def damage(step_dir: Path) -> str | None:
-    """Why a complete checkpoint's arrays cannot be read, or None when every file its OCDBT
-    B+tree points into is there and long enough (the tree itself is read, no array data), so a
-    truncated or missing data file shows before a restore meets it (OUT_OF_RANGE)."""
-    import tensorstore as ts
-
-    state = step_dir.absolute() / "state"
-    if not json.loads((state / "_METADATA").read_text()).get("use_ocdbt", True):
-        return None  # one file per chunk: nothing here says how long each should be
-    try:
-        base = ts.KvStore.open(f"file://{state}/").result()
-        pending = [v["root"]["location"] for v in ts.ocdbt.dump(base).result()["versions"][-1:]
-                   if "location" in v["root"]]
-        while pending:
-            location = pending.pop()
-            kind, prefix, name = location.rsplit(":", 2)[0].split(":", 2)
-            offset, length = (int(n) for n in location.rsplit(":", 2)[1:])
-            file = state / (prefix + name)
-            size = file.stat().st_size if file.is_file() else None
-            if size is None or size < offset + length:
-                held = "is missing" if size is None else f"holds {size:,} bytes"
-                return (f"{file.relative_to(step_dir.absolute())} {held}; the checkpoint "
-                        f"needs {offset + length:,}")
-            if kind == "btreenode":
-                pending += _locations(ts.ocdbt.dump(base, location).result())
-    except Exception as e:  # noqa: BLE001 - any failure to read the tree is damage
-        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return None
-
-
-def _locations(node: Any) -> list[str]:
-    """The value and node locations ('value:<dir>:<file>:<offset>:<length>') in a dumped node."""
-    if isinstance(node, dict):
-        return [loc for v in node.values() for loc in _locations(v)]
-    if isinstance(node, list):
-        return [loc for v in node for loc in _locations(v)]
-    return [node] if isinstance(node, str) and node.startswith(("value:", "btreenode:")) else []
 
 
 def read_meta(step_dir: Path) -> dict:

@@ -7,10 +7,11 @@
 Prints the step, the saved metadata (loss, tokens seen, save time, the model section of the config),
 every array of the `state` item with its shape, dtype and bytes (from Orbax's metadata: nothing is
 read but the small metadata files) and totals. Each listed checkpoint's files are checked against
-the sizes its OCDBT tree records: a truncated or missing one marks it damaged, and a damaged
-checkpoint shown ends in one line on stderr, exit status 1. A path that is not a checkpoint: one
-line on stderr, exit status 2. Only files and Orbax are used, not jaxtron's config schema, so checkpoints written
-under older or newer schemas still read.
+the sizes its OCDBT tree records: a truncated or missing one marks it damaged, as do metadata
+files missing or garbled and a step directory left empty (jaxtron/damage.py); a damaged
+checkpoint shown (a listing shows the newest) ends in one line on stderr, exit status 1. A path
+that is not a checkpoint: one line on stderr, exit status 2. Only files and Orbax are used, not
+jaxtron's config schema, so checkpoints written under older or newer schemas still read.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import yaml
 from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.weights import complete_steps, damage, locate, read_meta
+from jaxtron.damage import damage, meta_damage, step_dirs, survey
+from jaxtron.weights import locate, read_meta
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
@@ -85,10 +87,10 @@ def mesh_summary(sharding: Any) -> str | None:
 
 
 def print_listing(checkpoints_dir: Path) -> dict[Path, str]:
-    """Every complete checkpoint with its loss, or why its arrays cannot be read; returns the
-    damaged ones with that reason."""
-    steps = complete_steps(checkpoints_dir)
-    damaged = {step_dir: why for step_dir in steps if (why := damage(step_dir))}
+    """Every checkpoint (every step directory) with its loss, or why it cannot be restored (its
+    metadata or array files); returns the damaged ones with that reason."""
+    steps = step_dirs(checkpoints_dir)
+    damaged = survey(checkpoints_dir)[1]
     note = f", {len(damaged)} of them damaged" if damaged else ""
     print(f"{checkpoints_dir.absolute()}: {cli.plural(len(steps), 'complete checkpoint')}{note}")
     for step_dir in steps:
@@ -152,15 +154,19 @@ def inspect(path: Path) -> int:
     status 1 when that checkpoint's files are damaged (a restore would fail on it)."""
     from jaxtron.checkpoint import DAMAGED_DIR
 
-    moved = path.parent.name == DAMAGED_DIR and (path / "state").is_dir()  # <step>-<time>
+    moved = path.parent.name == DAMAGED_DIR and path.is_dir()  # <step>-<time>
     listing, step_dir = (None, path.absolute()) if moved else locate(path)
-    damaged = print_listing(listing) if listing is not None else {}
-    why = damaged.get(step_dir, damage(step_dir) if listing is None else None)
-    print_checkpoint(step_dir)
+    if listing is not None:  # the newest, damaged or not: the one a resume tries first
+        damaged, step_dir = print_listing(listing), step_dirs(listing)[-1].absolute()
+    else:
+        damaged = {step_dir: why} if (why := damage(step_dir)) else {}
+    why = damaged.get(step_dir)
+    if not meta_damage(step_dir):  # else there is nothing to show but the damage
+        print_checkpoint(step_dir)
     if not why:
         return 0
-    older = [] if moved else [p for p in complete_steps(step_dir.parent) if p not in damaged
-                              and p != step_dir and int(p.name) < int(step_dir.name)]
+    older = [] if moved else [p for p in survey(step_dir.parent)[0]
+                              if int(p.name) < int(step_dir.name)]
     fallback = (f"a resume moves it aside and starts from step {older[-1].name}" if older
                 else "a resume moved it aside (the run goes on from its other checkpoints)"
                 if moved else "no older undamaged checkpoint is left")
