@@ -17,8 +17,9 @@ Exit status: 0 done; 2 bad input (one line says what to change), or with --stric
 problem; 3 stopped on a non-finite loss
 (train.on_nonfinite=stop); 4 a due checkpoint could not be saved (the line says why; the previous
 checkpoint is intact); 75 preempted by SIGTERM/SIGINT/SIGHUP after saving a checkpoint (rerun resumes).
-Several processes: when one dies, JAX aborts the others (SIGABRT) within about 30 s
-(jaxtron/distributed.py).
+Several processes: when one is lost (killed, frozen, its node down), the others stop within
+run.peer_timeout_s (60 s) with one line naming it and status 75: the newest checkpoint is intact
+and the same command resumes (jaxtron/distributed.py; each process trains in a supervised child).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                "key). `base:` in a preset names another preset, relative to the preset's file. "
                "Exit status: 0 done, 2 bad input (one line says what to change), 3 stopped on a "
                "non-finite loss, 4 a due checkpoint could not be saved, 75 preempted after a "
-               "checkpoint (rerun to resume).")
+               "checkpoint or another process lost (rerun to resume).")
     parser.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
                         help="YAML preset (repeatable; later files override earlier ones; "
                              "default: configs/tiny.yaml)")
@@ -304,15 +305,22 @@ def _deferred(signum, frame) -> bool:
 def main(argv: list[str] | None = None) -> int:
     signals = _StartupSignals()
     signals.install()
+    if os.environ.get("JAXTRON_SUPERVISOR"):  # distributed.SUPERVISED, before the imports
+        from jaxtron.distributed import die_with_parent
+
+        die_with_parent()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)  # imports jax: a second or two
         from jaxtron.checkpoint import CheckpointSaveError
         from jaxtron.cli import one_line_errors
+        from jaxtron.distributed import end_if_lost
         from jaxtron.train import NonFiniteError, Preempted
 
         signals.check()
     except KeyboardInterrupt:
         return _stopped_at_start()
+    if argv is None and (status := _supervise(args)) is not None:
+        return status
     statuses = {NonFiniteError: EXIT_NONFINITE, CheckpointSaveError: EXIT_SAVE_FAILED}
     try:
         return _leave_peers(one_line_errors(lambda: run(args), statuses=statuses))
@@ -321,16 +329,46 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
         return _stopped_at_start()
+    except Exception as e:
+        end_if_lost(e)  # a collective that lost its peer: one line, 75 (distributed.LOST_PEER)
+        raise
+
+
+def _supervise(args: argparse.Namespace) -> int | None:
+    """A training run of several processes trains in a child process that this one supervises,
+    so that a lost process ends it in one line and status 75 (jaxtron/distributed.py): the
+    child's exit status. None: train here (one process, a plan, or the child itself; a config
+    error is said by the run, as without several processes)."""
+    from jaxtron import distributed
+    from jaxtron.config import ConfigError, load
+
+    if args.dry_run or args.compile_for or os.environ.get(distributed.SUPERVISED):
+        return None
+    try:
+        _, count, rank = distributed.cluster_processes()
+        if args.coordinator is not None or args.num_processes is not None:
+            distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
+            count, rank = args.num_processes, args.process_id
+        cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
+    except ConfigError:
+        return None
+    if count == 1:
+        return None
+    return distributed.supervise([sys.executable, *sys.orig_argv[1:]], rank, count,
+                                 Path(cfg.run.dir), cfg.run.peer_timeout_s)
 
 
 def _leave_peers(status: int) -> int:
     """An error exit of one process of several (its line is out) skips jax.distributed's shutdown
     barrier: the others are held in a collective or a save's barrier and never reach it, so it
     would hold this process 30 s, then abort it (status -6, a C++ stack) instead of `status`.
-    They stop on its missing heartbeat instead (distributed.HEARTBEAT_TIMEOUT_S)."""
+    They stop on its missing heartbeat instead (within run.peer_timeout_s)."""
     import jax
 
+    from jaxtron import distributed
+
     if status and jax.distributed.is_initialized():
+        distributed.announce_exit(status)  # the others' failing collectives: not a lost peer
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
@@ -375,7 +413,8 @@ def run(args: argparse.Namespace) -> int | None:
     cli.outlive_readers()  # `| head` or a closed terminal must not end a run (metrics: run.dir)
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count, and logs the flags once its checks pass.
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                           cfg.run.peer_timeout_s)
     xla_flags.start_backend()  # the first device touched: a backend that cannot start, one line
     distributed.check_same_config(to_yaml(cfg))  # processes that differ would part, then hang
     parallel.mesh_shape(cfg.mesh, jax.device_count())  # an error here, not a warning then one

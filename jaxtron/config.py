@@ -167,6 +167,10 @@ class RunConfig:
     profile_all_processes: bool = False  # every process traces into profile/process_<i>; else only 0
     # JAX's persistent compilation cache: a restart loads compiled programs from DIR; "" = off
     compile_cache: str = ""
+    # Several processes: one that stops answering (killed, frozen, its node down) ends the run
+    # within this many seconds; the others exit 75 (restartable) naming it. JAX's heartbeat
+    # timeout is half of it: a busy or compiling process still sends heartbeats (a C++ thread).
+    peer_timeout_s: int = 60
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,7 @@ def _ranges(cfg: Config) -> tuple:
         ("optim.weight_decay", o.weight_decay, *at_least(0)),
         ("optim.clip_norm", o.clip_norm, *at_least(0)),
         ("checkpoint.every", c.every, *at_least(0)), ("checkpoint.keep", c.keep, *at_least(1)),
+        ("run.peer_timeout_s", cfg.run.peer_timeout_s, *at_least(4)),
         ("checkpoint.keep_every", c.keep_every, *at_least(0)),
         ("pipeline.repeats", p.repeats, *at_least(1)), ("pipeline.passes", p.passes, *at_least(1)),
         ("data.workers", cfg.data.workers, *at_least(0)),

@@ -11,9 +11,14 @@ one token, so each token after bos is a target exactly once per epoch. Chunks ar
 into rows of seq_len; `segment_ids` number the chunks in a row from 1 (0 is padding) and
 `positions` count from 0 inside each chunk, so no token attends across a document boundary.
 
+Each process builds only the rows of the global batch its devices hold (jaxtron/rows.py): every
+process packs the stream's keys and lengths into the same plan of every global batch, then reads
+only the chunks of its own rows, so the rows equal the global batch's for any process count.
+
 Eval batches come the same way from held-out documents (the manifests' val splits, or ~1 % of the
-stdlib files), unshuffled. Resume is exact for the same process count, worker count and pipeline;
-otherwise `BatchIterator.restore` warns and skips ahead deterministically (docs/data.md).
+stdlib files), unshuffled, whole on every process. Resume is exact for the same worker count and
+pipeline on any process count; otherwise `BatchIterator.restore` warns and skips ahead
+deterministically (docs/data.md).
 """
 
 from __future__ import annotations
@@ -36,10 +41,14 @@ from jaxtron import corpus as corpus_lib
 from jaxtron import prepared
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
 from jaxtron.prepared import check_dataset, mixture_summary, read_manifest, split_documents
+from jaxtron.rows import FAN_OUT, PlanDocument, Recent, Rows, assemble, placeholder
 from jaxtron.tokenizer import load_tokenizer
 
 PACKING_BINS_PER_ROW = 4  # packer bins = 4 x local batch: ~1 % padding on the stdlib at seq 256
 READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # no threads: state is exact
+# Documents the plan read are kept for its rows up to this many batches of tokens: the packer's
+# bins (4 batches) and a batch being filled.
+RECENT_BATCHES = PACKING_BINS_PER_ROW + 2
 
 
 # ---------------------------------------------------------------- stages shared by both sources
@@ -49,6 +58,13 @@ def chunk_index(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     docs = np.repeat(np.arange(len(counts)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     return np.stack([docs, (np.arange(len(docs)) - first) * seq_len], axis=1)
+
+
+def chunk_lengths(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The tokens of every chunk of `chunk_index(lengths, seq_len)`, in its order."""
+    index = chunk_index(lengths, seq_len)
+    ends = np.minimum(index[:, 1] + seq_len + 1, np.asarray(lengths, np.int64)[index[:, 0]] + 2)
+    return ends - index[:, 1] - 1
 
 
 def _chunk(
@@ -88,6 +104,10 @@ class SplitDocument(grain.experimental.FlatMapTransform):
         index = chunk_index(np.array([len(doc)]), self.seq_len)
         return [_chunk(row, [doc], self.seq_len, self.bos_id, self.eos_id) for row in index]
 
+    def cut(self, doc: np.ndarray, number: int) -> dict[str, np.ndarray]:
+        """Chunk `number` of the document alone."""
+        return _chunk((0, number * self.seq_len), [doc], self.seq_len, self.bos_id, self.eos_id)
+
 
 def _stream_seed(seed: int, stream: int) -> int:
     """A 32-bit seed per random stage; unrelated across seeds (Grain adds the epoch to the seed)."""
@@ -113,6 +133,20 @@ def _as_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
+def _pack(ds: grain.IterDataset, seq_len: int, local_batch: int, seed: int,
+          features: tuple[str, ...], drop_remainder: bool = True) -> grain.IterDataset:
+    """First-fit pack the `features` (all of one length per element) into rows, then batch rows.
+    Where each element goes depends only on the lengths, the order and the seed."""
+    ds = grain.experimental.FirstFitPackIterDataset(
+        ds,
+        length_struct={key: seq_len for key in features},
+        num_packing_bins=PACKING_BINS_PER_ROW * local_batch,
+        seed=_stream_seed(seed, 1),
+        shuffle_bins=True,
+    )
+    return ds.batch(local_batch, drop_remainder=drop_remainder)
+
+
 def pack_and_batch(
     ds: grain.MapDataset | grain.IterDataset, seq_len: int, local_batch: int, seed: int,
     drop_remainder: bool = True,
@@ -120,33 +154,39 @@ def pack_and_batch(
     """First-fit pack chunks into rows of seq_len, then batch rows: int32 [local_batch, seq_len]."""
     if isinstance(ds, grain.MapDataset):
         ds = ds.to_iter_dataset(READ)
-    ds = grain.experimental.FirstFitPackIterDataset(
-        ds,
-        length_struct={"tokens": seq_len, "targets": seq_len},
-        num_packing_bins=PACKING_BINS_PER_ROW * local_batch,
-        seed=_stream_seed(seed, 1),
-        shuffle_bins=True,
-    )
-    return ds.batch(local_batch, drop_remainder=drop_remainder).map(_as_batch)
+    return _pack(ds, seq_len, local_batch, seed, ("tokens", "targets"), drop_remainder).map(
+        _as_batch)
 
 
 # ---------------------------------------------------------------- streams and iterators
 @dataclasses.dataclass(frozen=True)
 class Stream:
-    """A global map dataset of pack inputs: chunks, or documents that `split` cuts into chunks."""
+    """A global map dataset of pack inputs (chunks, or documents that `split` cuts into chunks),
+    and `keys`, the same stream as keys that the packing plan is made of without the tokens."""
 
     items: grain.MapDataset
+    keys: grain.MapDataset  # per item: its chunk's id in `chunks`, or (documents) its position
     split: SplitDocument | None  # None: items are already chunks
-    bos_id: int
     size: int  # items in one pass (of a repeated stream)
+    chunks: grain.MapDataset | None = None  # every chunk by id (the stdlib), and its length
+    lengths: np.ndarray | None = None
 
-    def count(self, batch: dict[str, np.ndarray]) -> int:
-        """Items a batch consumed: its chunks, or (documents) its chunks that begin with bos."""
-        seg = batch["segment_ids"]
+    def plan(self, key: int, recent: Recent) -> dict[str, np.ndarray] | tuple[int, int]:
+        """A chunk's placeholder, or a document's key and length, which only reading it tells
+        (the document kept in `recent` for the rows built from the plan)."""
         if self.split is None:
-            return int(seg.max(axis=1).sum())
-        starts = (batch["positions"] == 0) & (seg != 0)
-        return int((batch["tokens"][starts] == self.bos_id).sum())
+            return placeholder(int(self.lengths[key]), key * FAN_OUT)
+        return int(key), len(recent.put(int(key), self.items[key]))
+
+    def fetch(self, key: int, recent: Recent) -> dict[str, np.ndarray] | np.ndarray:
+        """The chunk or document of a key."""
+        if self.split is None:
+            return self.chunks[key]
+        return doc if (doc := recent.get(key)) is not None else self.items[key]
+
+    def cut(self, item: dict[str, np.ndarray] | np.ndarray, number: int) -> dict[str, np.ndarray]:
+        """Chunk `number` of a fetched item."""
+        return item if self.split is None else self.split.cut(item, number)
 
 
 def _stdlib_stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
@@ -160,8 +200,11 @@ def _stdlib_stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | 
     chunks = chunk_dataset(docs, seq_len, tok.bos_id(), tok.eos_id())
     if seed is None and not len(chunks):
         raise ConfigError("no stdlib file is held out for eval; set train.eval_every=0")
-    items = chunks.repeat(None) if seed is None else shuffle_and_shard(chunks, seed)
-    return Stream(items, None, tok.bos_id(), len(chunks))
+    ids = grain.MapDataset.range(len(chunks))  # shuffled as the chunks: by their count alone
+    items, keys = ((ds.repeat(None) if seed is None else shuffle_and_shard(ds, seed))
+                   for ds in (chunks, ids))
+    lengths = chunk_lengths(np.fromiter((len(doc) for doc in docs), np.int64, len(docs)), seq_len)
+    return Stream(items, keys, None, len(chunks), chunks, lengths)
 
 
 def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
@@ -177,7 +220,8 @@ def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
     weights = [entry.weight for entry in data.mixture]
     items = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, weights)
     tok = read_manifest(data.mixture[0].path)["tokenizer"]
-    return Stream(items, SplitDocument(seq_len, tok["bos_id"], tok["eos_id"]), tok["bos_id"], size)
+    split = SplitDocument(seq_len, tok["bos_id"], tok["eos_id"])
+    return Stream(items, grain.MapDataset.range(len(items)), split, size)
 
 
 def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
@@ -188,14 +232,19 @@ def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -
     return _stdlib_stream(data, seq_len, vocab_size, seed)
 
 
-def _batches(stream: Stream, start: int, train: TrainConfig, workers: int) -> grain.IterDataset:
-    """Skip `start` items of the global stream, then pack and batch it into *global* batches:
-    the same for every process and any process count (each device takes its shard of them)."""
-    items = stream.items[start:] if start else stream.items
-    ds = items.to_iter_dataset(READ)
+def _batches(stream: Stream, start: int, train: TrainConfig, workers: int,
+             rows: np.ndarray | None = None) -> grain.IterDataset:
+    """Skip `start` items of the global stream, pack its keys into the plan of each *global*
+    batch (the same for every process and any process count), and build the rows `rows` of
+    it (all when None), with "items": the stream items each batch begins."""
+    keys = stream.keys[start:] if start else stream.keys
+    recent = Recent(RECENT_BATCHES * train.batch_size * train.seq_len)  # one per Grain worker
+    ds = keys.map(functools.partial(stream.plan, recent=recent)).to_iter_dataset(READ)
     if stream.split is not None:
-        ds = grain.experimental.FlatMapIterDataset(ds, stream.split)
-    ds = pack_and_batch(ds, train.seq_len, train.batch_size, train.seed)
+        ds = grain.experimental.FlatMapIterDataset(ds, PlanDocument(train.seq_len))
+    ds = _pack(ds, train.seq_len, train.batch_size, train.seed, ("tokens",))
+    ds = ds.map(functools.partial(assemble, rows=rows, cut=stream.cut,
+                                  fetch=functools.partial(stream.fetch, recent=recent)))
     if workers:
         if not absl_flags.FLAGS.is_parsed():  # grain 0.2.18 reads an absl flag once jax is loaded
             absl_flags.FLAGS.mark_as_parsed()  # (google/grain#1355, fixed after that release)
@@ -219,16 +268,16 @@ class BatchIterator(grain.DatasetIterator):
 
     _it: grain.DatasetIterator | None = None  # None until built (Grain's __del__ calls close)
 
-    def __init__(self, build: Callable[[int], grain.IterDataset], count: Callable[[dict], int],
-                 layout: dict):
+    def __init__(self, build: Callable[[int], grain.IterDataset], layout: dict,
+                 rows: Rows | None = None):
         super().__init__()
-        self._build, self._count, self.layout = build, count, layout
+        self._build, self.layout, self.rows = build, layout, rows
         self._start, self._consumed = 0, 0
         self._it = iter(build(0))
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = next(self._it)  # the global batch, identical on every process
-        self._consumed += self._count(batch)
+        batch = next(self._it)  # this process's rows of the global batch
+        self._consumed += batch.pop("items")  # of the global batch: the same on every process
         return batch
 
     def get_state(self) -> dict:
@@ -315,12 +364,15 @@ def saved_iterator_state(directory: Path, process_index: int, process_count: int
     return json.loads(files[0].read_text())
 
 
-def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int) -> BatchIterator:
-    """The endless stream of packed global training batches, int32 [batch_size, seq_len]; every
-    process reads the same ones, so results and resume do not depend on the process count."""
+def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int,
+                 rows: Rows | None = None) -> BatchIterator:
+    """The endless stream of packed training batches, int32 [len(rows), seq_len]: the rows `rows`
+    (rows.local_rows; all when None) of the global batches, which are the same for any process
+    count, so results and resume do not depend on it."""
     stream = _stream(data, train.seq_len, vocab_size, train.seed)
-    build = functools.partial(_batches, stream, train=train, workers=data.workers)
-    return BatchIterator(build, stream.count, layout_of(data, train))
+    build = functools.partial(_batches, stream, train=train, workers=data.workers,
+                              rows=None if rows is None else rows.indices)
+    return BatchIterator(build, layout_of(data, train), rows)
 
 
 def layout_of(data: DataConfig, train: TrainConfig) -> dict:
@@ -342,8 +394,8 @@ def make_eval_batches(data: DataConfig, train: TrainConfig,
     stream = _stream(data, train.seq_len, vocab_size, None)
     batches, read = [], 0
     for batch in itertools.islice(_batches(stream, 0, train, workers=0), train.eval_batches):
+        read += batch.pop("items")
         batches.append(batch)
-        read += stream.count(batch)
         if read > stream.size:  # the split began again: every item of it is in
             break
     return batches

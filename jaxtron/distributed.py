@@ -1,14 +1,29 @@
-"""jax.distributed bootstrap: join the other processes of a multi-process run, or do nothing.
+"""jax.distributed bootstrap: join the other processes of a multi-process run, or do nothing; and
+end the run cleanly and restartably when one of them is lost.
 
 A run is multi-process when launch.py is given --coordinator/--num-processes/--process-id, or when
 Slurm (srun) or Open MPI (mpirun) started several tasks; JAX reads those clusters' variables
 itself. Call `initialize` before anything touches jax devices.
 
-If one process dies, the others must not hang in a collective forever. JAX's coordination service
-(on process 0) notices a process whose heartbeats stop, and one that exits while the others are
-still running (its shutdown barrier times out); it then terminates every process with a fatal
-error that names the cause. The timeouts below bound that: a killed peer stops the rest in about
-HEARTBEAT_TIMEOUT_S, a peer that exits on a Python error in about SHUTDOWN_TIMEOUT_S.
+A lost process (killed, frozen, its node gone) must stop the others within run.peer_timeout_s,
+with one line naming it and exit status 75 (restartable: the newest checkpoint is intact, the same
+command resumes). JAX notices it by itself: a collective with a killed peer fails at once (Gloo:
+"Connection reset by peer"), and the coordination service (on process 0) marks a process whose
+heartbeats stop, after JAX's heartbeat timeout (half of run.peer_timeout_s), frozen ones too; a
+process that loses process 0 notices at its next heartbeat. That also bounds every wait in a
+collective or a barrier (Orbax's around save and restore, multihost_utils'). But JAX then ends
+every process from C++ (LOG(FATAL): 30 lines and a stack, status 134), and jaxlib's hook for that
+(missed_heartbeat_callback) cannot be used from Python (it throws std::bad_cast); a watchdog thread
+in the training process could not help either: the abort comes from a C++ thread, which writes to
+the terminal first. So each multi-process launch.py trains in a child process that it supervises
+(`supervise`): it passes the child's stdout through, reads its stderr, keeps the runtime's error
+and fatal lines off the terminal (into run.dir/logs/process_<i>.err), and when the child ends on
+the runtime's abort or on a collective that lost its peer (`end_if_lost`: no traceback), prints
+the one line and exits 75; it kills a child still alive run.peer_timeout_s after the first sign.
+Any other ending passes through unchanged, and a process that leaves on an error of its own (a
+failed save: status 4) says so first (`announce_exit`), so that the others keep their own error.
+Killing the supervisor kills the child (PR_SET_PDEATHSIG); it forwards SIGTERM, SIGINT and SIGHUP
+to the child, which has a process group of its own (a terminal's Ctrl-C reaches it once).
 """
 
 from __future__ import annotations
@@ -17,18 +32,20 @@ import os
 import re
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from jaxtron import cli, xla_flags
 from jaxtron.config import ConfigError
 
-# A process whose heartbeats stop for this long is dead. JAX's default (100 s) leaves a job hanging
-# for well over a minute; heartbeats come from a C++ thread, so a busy or compiling process still
-# sends them, and 20 s also rides out a few seconds of network trouble.
-HEARTBEAT_TIMEOUT_S = 20
+# A process whose heartbeats stop for run.peer_timeout_s / 2 is dead (JAX's heartbeat timeout).
+# JAX's default (100 s) leaves a job hanging for minutes; heartbeats come from a C++ thread, so a
+# busy or compiling process still sends them; 30 s also rides out network trouble.
+PEER_TIMEOUT_S = 60  # config.RunConfig.peer_timeout_s's default
 # How long processes that finished wait at exit for the others. Every step, and the last
 # checkpoint's commit, is synchronous across processes, so healthy processes end within seconds of
 # each other; a longer wait means a peer stopped early (an exception) and is waiting for nothing.
@@ -36,6 +53,8 @@ SHUTDOWN_TIMEOUT_S = 30
 # How long processes wait for each other to start (JAX's default): big jobs start slowly.
 INIT_TIMEOUT_S = 300
 STOPPED = 75  # a signal while joining: launch.py's status for a stop before training started
+LOST_PEER = 75  # another process was lost: restartable, as a preemption (scripts/slurm requeues)
+SUPERVISED = "JAXTRON_SUPERVISOR"  # in a training process's environment: its supervisor's pid
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")  # host:port, [v6]:port
 
@@ -107,9 +126,10 @@ def check_flags(coordinator: str | None, num_processes: int | None,
         raise ConfigError(f"--process-id={process_id} must be in 0..{num_processes - 1}")
 
 
-def initialize(coordinator: str | None, num_processes: int | None,
-               process_id: int | None) -> None:
-    """Join the run's other processes: from the flags, else from Slurm/Open MPI, else do nothing."""
+def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
+               peer_timeout_s: int = PEER_TIMEOUT_S) -> None:
+    """Join the run's other processes: from the flags, else from Slurm/Open MPI, else do nothing.
+    A process silent for half of `peer_timeout_s` is lost (JAX's heartbeat timeout)."""
     if (coordinator, num_processes, process_id) == (None, None, None):
         cluster, count, rank = cluster_processes()
         if count == 1:
@@ -127,14 +147,14 @@ def initialize(coordinator: str | None, num_processes: int | None,
     try:
         jax.distributed.initialize(  # JAX's own timeout, later, ends in a C++ abort (134)
             coordinator, num_processes, process_id, initialization_timeout=int(timeout) + 60,
-            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            heartbeat_timeout_seconds=max(peer_timeout_s // 2, 2),
             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
         )
     finally:
         joined()
     devices = xla_flags.start_backend()  # a backend that cannot start: one line, not a trace
     if jax.process_index() == 0:
-        print(joined_summary(devices), flush=True)
+        print(joined_summary(devices, peer_timeout_s), flush=True)
 
 
 def check_same_config(text: str) -> None:
@@ -239,7 +259,7 @@ def _give_up_after(timeout: float, where: str, manual: bool) -> Callable[[], Non
     return done
 
 
-def joined_summary(devices: list) -> str:
+def joined_summary(devices: list, peer_timeout_s: int = PEER_TIMEOUT_S) -> str:
     """One line: how many processes joined and which devices each brought."""
     by_process: dict[int, list[int]] = {}
     for device in devices:
@@ -249,8 +269,8 @@ def joined_summary(devices: list) -> str:
     if len(by_process) > len(shown):
         parts.append(f"... {len(by_process) - len(shown)} more")
     return (f"jax.distributed: {len(by_process)} processes joined, {len(devices)} "
-            f"{devices[0].device_kind} devices ({'; '.join(parts)}); a dead process stops the "
-            f"others within ~{HEARTBEAT_TIMEOUT_S} s")
+            f"{devices[0].device_kind} devices ({'; '.join(parts)}); a lost process stops the "
+            f"others within {peer_timeout_s} s (run.peer_timeout_s)")
 
 
 def _ids(ids: list[int]) -> str:
@@ -259,3 +279,230 @@ def _ids(ids: list[int]) -> str:
     if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
         return f"devices {ids[0]}-{ids[-1]}"
     return "devices " + ",".join(map(str, ids))
+
+
+# --- A lost process: the supervisor (see the module's docstring) ---------------------------------
+
+# A runtime log line (absl): level, date, time, thread, file:line]
+_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([\w.-]+):\d+\]")
+_RUNTIME_FILES = ("coordination_service", "client.h")  # JAX's coordination service and client
+# What a collective or the coordination service says when another process is gone.
+_LOST = re.compile(r"Gloo .*failed|NCCL|[Cc]onnection (reset|closed|refused)|[Bb]roken pipe|"
+                   r"heartbeat|coordination service|UNAVAILABLE|DEADLINE_EXCEEDED")
+# Who: "Task 1 heartbeat timeout", "unhealthy (stopped sending heartbeats):\n1"; else process 0,
+# the coordination service's, if this process's RPCs to it failed (killed: refused; frozen: timed
+# out heartbeats).
+_LOST_TASK = re.compile(r"Task (\d+) heartbeat timeout|stopped sending heartbeats\):\s*(\d+)")
+_LOST_LEADER = re.compile(r"Failed to send RPC to coordination service|"
+                          r"CoordinationService/Heartbeat")
+_LEFT = "jaxtron/left_on_error/"  # key-value store: the processes that left on their own error
+_MARK = "(lost peer): "  # end_if_lost's line, which the supervisor keeps for the log
+
+
+def die_with_parent() -> None:
+    """In a supervised training process: end when the supervisor ends (kill -9 included), as a
+    process of the run would; the kernel does it (PR_SET_PDEATHSIG), Linux only."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != os.environ.get(SUPERVISED):  # it ended before prctl
+        os._exit(1)
+
+
+def end_if_lost(error: BaseException) -> None:
+    """A collective that failed because another process is gone (several processes), or an
+    error it caused (a checkpoint's save): one line, no traceback, then exit LOST_PEER;
+    supervised, first wait for JAX's coordination service to name the process (it aborts this
+    one; the supervisor says it, or ends the wait). Returns for any other error."""
+    import jax
+
+    if not jax.distributed.is_initialized() or (text := _lost_collective(error)) is None:
+        return
+    if _ask_coordinator(lambda client: client.key_value_dir_get(_LEFT)):
+        return  # a process left on an error of its own (its line says it): not a lost one
+    first = text.strip().splitlines()[0] if text.strip() else "JaxRuntimeError"
+    print(f"{cli.script_name()}: error: a collective with another process failed {_MARK}{first}; "
+          "rerun the same command to resume", file=sys.stderr, flush=True)
+    if os.environ.get(SUPERVISED):
+        while True:
+            time.sleep(60)
+    sys.stdout.flush()
+    os._exit(LOST_PEER)
+
+
+def announce_exit(status: int) -> None:
+    """Before this process leaves the others on an error of its own (its line is out): tell
+    them, so that their collectives failing with it are not taken for a lost process."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        _ask_coordinator(lambda client: client.key_value_set(
+            f"{_LEFT}{jax.process_index()}", str(status), allow_overwrite=True))
+
+
+def _ask_coordinator(request: Callable, timeout_s: float = 2.0):
+    """request(client) on the coordination service's key-value store (Orbax uses the same
+    client); None when it fails or takes longer than `timeout_s` (process 0 gone or frozen)."""
+    from jax._src import distributed as jax_distributed
+
+    client, answer = jax_distributed.global_state.client, []
+    if client is None:
+        return None
+
+    def ask() -> None:
+        try:
+            answer.append(request(client))
+        except Exception:  # noqa: BLE001 - no answer is the answer
+            pass
+
+    thread = threading.Thread(target=ask, name="coordinator", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return answer[0] if answer else None
+
+
+def _lost_collective(error: BaseException | None) -> str | None:
+    """The message of the JaxRuntimeError naming a lost connection that is `error` or, through
+    its causes and contexts, led to it (Checkpoints wraps one in CheckpointSaveError)."""
+    for _ in range(8):
+        if error is None:
+            return None
+        if type(error).__name__ == "JaxRuntimeError" and _LOST.search(str(error)):
+            return str(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _Stderr:
+    """The training process's stderr, line by line: passed to the terminal, except the runtime's
+    error lines (from the coordination service and its client), everything after a fatal one,
+    and end_if_lost's line, which are kept (for the log and the verdict)."""
+
+    def __init__(self):
+        self.kept: list[str] = []
+        self.first_sign: float | None = None  # when the first kept error line came
+        self.collective_failed = False
+        self.fatal = False
+        self.runtime_fatal = False  # the coordination client ended the process (LOG(FATAL))
+        self._runtime = False  # in a kept runtime message's continuation lines
+
+    def take(self, line: str) -> str | None:
+        """The line to pass on, or None to keep it."""
+        logged = _LOG_LINE.match(line)
+        if logged:
+            self._runtime = logged.group(1) in "EF" and logged.group(2).startswith(_RUNTIME_FILES)
+            self.fatal = self.fatal or logged.group(1) == "F"
+            self.runtime_fatal = self.runtime_fatal or (self._runtime and logged.group(1) == "F")
+        keep = (self.fatal or self._runtime or _MARK in line
+                or line.startswith("*** Check failure"))
+        if _MARK in line:
+            self.collective_failed = True
+        if not keep:
+            return line
+        self.kept.append(line)
+        if self.first_sign is None and (self._runtime or self.collective_failed):
+            self.first_sign = time.monotonic()
+        return None
+
+    def lost_process(self) -> int | None:
+        """The process the runtime names as lost, if it does."""
+        text = "".join(self.kept)
+        if match := _LOST_TASK.search(text):
+            return int(match.group(1) or match.group(2))
+        return 0 if _LOST_LEADER.search(text) else None
+
+
+def supervise(command: list[str], process_id: int, num_processes: int, run_dir: Path,
+              peer_timeout_s: int) -> int:
+    """Run `command` (this launch.py, again) as the training process and return its exit status;
+    LOST_PEER with one line when it ended because another process was lost (see the module's
+    docstring)."""
+    # Its own process group: a terminal's Ctrl-C, or a signal to this process's group, reaches
+    # it once, forwarded from here.
+    child = subprocess.Popen(command, env={**os.environ, SUPERVISED: str(os.getpid())},
+                             stderr=subprocess.PIPE, process_group=0)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    stderr = _Stderr()
+    reader = threading.Thread(target=_pass_on, args=(child.stderr, stderr), daemon=True)
+    reader.start()
+    killed = False
+    while child.poll() is None:
+        if stderr.first_sign and time.monotonic() - stderr.first_sign > peer_timeout_s:
+            child.kill()  # past the bound: JAX never named the process
+            killed = True
+        time.sleep(0.2)
+    reader.join(10)
+    status = child.returncode
+    aborted = status == -signal.SIGABRT and stderr.runtime_fatal
+    if not (killed or aborted or stderr.collective_failed):
+        if stderr.fatal:  # not the coordination service's: shown as it came
+            sys.stderr.write("".join(stderr.kept))
+        else:
+            _keep_log(run_dir, process_id, stderr.kept, f"exit status {status}")
+        return 128 - status if status < 0 else status
+    _keep_log(run_dir, process_id, stderr.kept, "lost peer")
+    line = _lost_line(stderr.lost_process(), num_processes, run_dir)
+    print(f"{cli.script_name()}: error: {line}", file=sys.stderr, flush=True)
+    return LOST_PEER
+
+
+def _pass_on(stream, stderr: _Stderr) -> None:
+    """Copy the child's stderr to ours, line by line, through `stderr`."""
+    for raw in iter(stream.readline, b""):
+        line = stderr.take(raw.decode(errors="replace"))
+        if line is not None:
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # nobody reads it any more: the run goes on
+                pass
+
+
+def _keep_log(run_dir: Path, process_id: int, lines: list[str], why: str) -> None:
+    """The kept lines, for a closer look: run_dir/logs/process_<i>.err (appended)."""
+    if not run_dir.is_dir() or not lines:
+        return
+    try:
+        (run_dir / "logs").mkdir(exist_ok=True)
+        with (run_dir / "logs" / f"process_{process_id}.err").open("a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {why}\n{''.join(lines)}")
+    except OSError:
+        pass
+
+
+def _lost_line(lost: int | None, num_processes: int, run_dir: Path) -> str:
+    """'process 1 of 2 stopped answering (lost peer) after step 7; the last checkpoint, step 6,
+    is intact: rerun the same command to resume'."""
+    from jaxtron import weights
+
+    who = (f"another process of {num_processes}" if lost is None else
+           f"process {lost} of {num_processes}" + (" (the coordinator)" if lost == 0 else ""))
+    step = _last_logged_step(run_dir / "metrics.jsonl")
+    after = f" after step {step}" if step else ""
+    try:
+        saved = weights.complete_steps(run_dir / "checkpoints")
+    except OSError:
+        saved = []
+    kept = (f"the last checkpoint, step {saved[-1].name}, is intact: rerun the same command to "
+            "resume" if saved else "no checkpoint was saved yet: rerun the same command to start")
+    return f"{who} stopped answering (lost peer){after}; {kept}"
+
+
+def _last_logged_step(metrics: Path) -> int | None:
+    """The step of the last row in metrics.jsonl (process 0 writes it), if any."""
+    import json
+
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None

@@ -41,6 +41,7 @@ the sum within 15% of the compiled peak, so a change to the step that moves the 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 
@@ -272,6 +273,38 @@ def available_host_bytes() -> int:
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return 0
+
+
+# glibc's mallopt parameter for the number of heaps ("arenas") threads allocate from.
+M_ARENA_MAX = -8
+# Measured on a 120-save soak (tests/test_host_memory.py, one CPU device): glibc's default of up to
+# 8 heaps per core, each keeping the freed pages of the save threads' host copies, held 1.15 GiB
+# at save 20 and 1.22 GiB at save 110; with 2 heaps and freed pages returned after each save
+# 0.81 and 0.79 GiB.
+ARENAS = 2
+
+
+def _glibc():
+    """glibc through ctypes, or None (another C library: nothing to tune)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def limit_heaps() -> None:
+    """Cap glibc's malloc heaps at ARENAS (MALLOC_ARENA_MAX, where set, is the user's choice)."""
+    if (libc := _glibc()) is not None and "MALLOC_ARENA_MAX" not in os.environ:
+        libc.mallopt(M_ARENA_MAX, ARENAS)
+
+
+def release_freed() -> None:
+    """Give the pages malloc holds free back to the OS (after a checkpoint save: its host copies
+    are freed by then), so that resident memory stays flat over thousands of saves."""
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
 
 
 def process_bytes() -> int:

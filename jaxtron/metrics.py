@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxtron.config import Config, ModelConfig
+from jaxtron.memory import process_bytes
 
 # Dense (not 2:4-sparse) BF16 tensor-core peaks in TFLOP/s; first matching substring wins.
 PEAK_TFLOPS = (
@@ -35,7 +36,7 @@ PEAK_TFLOPS = (
 )
 
 KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "tflops_per_device", "mfu",
-        "tokens")
+        "tokens", "host_memory_gib")
 BAR_DROPS = ("ms", "lr", "grad_norm", "tok")  # what the progress bar drops first when narrow
 
 
@@ -119,9 +120,10 @@ class MetricsWriter:
         """Follow the terminal's size, as tqdm's dynamic_ncols would, but never 0 or less."""
         self.bar.ncols, self.bar.nrows = terminal_shape(self.bar.fp)
 
-    def info(self, message: str) -> None:
-        """A plain line on stdout, with the time (above the progress bar if there is one)."""
-        if not self.is_main:
+    def info(self, message: str, every_process: bool = False) -> None:
+        """A plain line on stdout, with the time (above the progress bar if there is one); from
+        process 0, or with `every_process` from each (a line that differs between processes)."""
+        if not self.is_main and not every_process:
             return
         line = f"{time.strftime('%H:%M:%S')} {message}"
         if self.bar is not None:
@@ -301,6 +303,8 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
         "tokens_per_sec": cost.tokens / step_time, "step_time": step_time,
         "tflops_per_device": tflops, "mfu": None if peak is None else tflops / peak,
         "tokens": tokens,
+        # this process's resident memory: a leak (one per save, per batch) shows as a rising line
+        "host_memory_gib": round(process_bytes() / 2**30, 4),
     }
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtron import parallel, pipeline, vocab
 from jaxtron.config import Config
 from jaxtron.optim import lr_schedule, schedule_count
+from jaxtron.rows import local_rows
 from jaxtron.state import Plan
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
@@ -143,15 +144,24 @@ def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh,
     return total / max(count, 1)
 
 
-def global_batch(batch: dict, mesh: Mesh) -> dict:
-    """The global numpy batch (the same on every process) -> one jax.Array per key, sharded over
-    the batch axes. Each local device takes its own shard out of the global rows, so any mesh
-    over any process layout works, also where a batch shard spans processes (pipeline stages or
-    tensor ranks on other hosts)."""
+def global_batch(batch: dict, mesh: Mesh, batch_size: int | None = None) -> dict:
+    """A numpy batch -> one jax.Array per key, sharded over the batch axes. `batch` holds this
+    process's rows (rows.local_rows) of a global batch of `batch_size` rows, or (None) all of
+    them. Each local device takes its own shard out of those rows, so any mesh over any process
+    layout works, also where a batch shard spans processes (pipeline stages or tensor ranks on
+    other hosts)."""
     sharding = NamedSharding(mesh, parallel.batch_spec())
+    seq_len = batch[BATCH_KEYS[0]].shape[1]
+    mine = None if batch_size is None else local_rows(mesh, batch_size, seq_len)
+    if mine is not None and len(batch[BATCH_KEYS[0]]) != len(mine):
+        raise ValueError(f"a batch of {len(batch[BATCH_KEYS[0]])} rows where this process holds "
+                         f"{len(mine)} of {batch_size}")
 
     def put(rows: np.ndarray) -> jax.Array:
-        return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+        if mine is None:
+            return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+        return jax.make_array_from_callback((batch_size, seq_len), sharding,
+                                            lambda index: rows[mine.positions(index[0]), index[1]])
 
     return {k: put(batch[k]) for k in BATCH_KEYS}
 

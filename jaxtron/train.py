@@ -33,19 +33,22 @@ from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
+from jaxtron.rows import local_rows
 from jaxtron.state import initial_state, make_plan
 from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
 
 
 def train(cfg: Config, devices: list | None = None, started: float | None = None) -> list[dict]:
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows.
-    `started` (a time.time()) opens this attempt's goodput account: by default when its process
-    started, or when the run's previous attempt ended if later (an earlier call in this process)."""
+    `started` (a time.time()) opens this attempt's goodput account: by default when its Python
+    started (goodput.process_start), or when the run's previous attempt ended if later (an
+    earlier call in this process)."""
     run_dir = Path(cfg.run.dir)
     check_paths(cfg)  # a refused start writes nothing
     if started is None:
         started = max(goodput.process_start(), goodput.previous_end(run_dir))
     compile_cache.use(cfg.run.compile_cache)  # before anything compiles
+    memory.limit_heaps()  # before the input, the state and the checkpoint threads allocate
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
     cfg = attention_lib.configure(cfg, devices[0].platform)
@@ -64,8 +67,10 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
     prepared.check_eval(cfg.data, cfg.train.eval_every)
     unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
-    # Every process reads the same global batches; global_batch gives each device its shard.
-    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)
+    # Each process builds only the rows of the global batches its devices hold (of the same
+    # packing plan on every process); global_batch gives each device its shard of them.
+    rows = local_rows(mesh, cfg.train.batch_size, cfg.train.seq_len)
+    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size, rows)
     eval_batches = []
     if cfg.train.eval_every:
         eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
@@ -99,6 +104,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     if plan.pipe:
         log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
     log.info(corpus)
+    log.info(f"input: {len(rows)} of {cfg.train.batch_size} rows per step", every_process=True)
 
     # State: restored from the latest checkpoint, else born sharded; the step compiled once.
     run = RunContext(mesh, Checkpoints(cfg.checkpoint, run_dir), log, batches, eval_batches,
@@ -126,6 +132,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
             return _loop(cfg, run, state, start, tokens_seen)
     except BaseException as e:
+        distributed.end_if_lost(e)  # another process is gone: one line, exit 75, no clean-up
         outcome = ("preempted" if isinstance(e, Preempted) else "stopped before training"
                    if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}")
         raise
@@ -361,7 +368,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
     for step in range(start + 1, steps + 1):
         run.profile.before(step, state)
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
-            batch = global_batch(next(batches), run.mesh)
+            batch = global_batch(next(batches), run.mesh, cfg.train.batch_size)
         state, pending = run.step_fn(state, batch)
         run.ckpt.check()  # a background write that failed stops the run now, not `every` steps on
         run.account.last_step = step
@@ -390,6 +397,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
             run.account.saved(step)  # the step has finished: a resume from here redoes what follows
             with watch.time("checkpoint"):  # only the save's own blocking part
                 run.ckpt.save(step, state, batches, meta)
+                memory.release_freed()  # the previous save's host copies, freed by now
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
                          "(the write goes on in the background)")
         if stop:  # launch.py says it, in one line

@@ -6,7 +6,9 @@
         --batches 300 --workers 0,2,4
 
 Config files and `section.key=value` overrides work as in launch.py; `--workers` replaces
-`data.workers`. Setup (tokenizer, corpus cache, starting workers) and the first `--warmup` batches
+`data.workers`. `--shares 1,2,4,8` also times a host of 2, 4, 8 processes: one that builds 1/2,
+1/4, 1/8 of the rows (its own; every host still plans the whole batch), simulated here by choosing
+its rows. Setup (tokenizer, corpus cache, starting workers) and the first `--warmup` batches
 are not timed. "tokens" counts every position delivered (batch x seq_len), "real" the non-padding
 ones. This measures the loader alone: compare it with the tokens/s the train step consumes.
 """
@@ -24,11 +26,14 @@ from pathlib import Path
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
 
+import numpy as np
+
 from jaxtron import cli
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
+from jaxtron.rows import Rows
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fewer timed batches give a rate that is mostly noise and, with workers, mostly the batches
@@ -43,6 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed batches first")
     parser.add_argument("--workers", default=[0, 2], type=worker_counts,
                         help="comma-separated data.workers values (default 0,2)")
+    parser.add_argument("--shares", default=[1], type=share_counts,
+                        help="comma-separated N: time a process that builds 1/N of the rows "
+                             "(default 1)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_intermixed_args(argv)
     try:
@@ -64,11 +72,27 @@ def worker_counts(text: str) -> list[int]:
     return counts
 
 
-def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int) -> dict:
-    """Pull warmup + batches from make_batches; time the last `batches`."""
+def share_counts(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything else is a usage error naming the form."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = [0]
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of counts of 1 or more, such "
+                                         "as 1,2,4,8")
+    return counts
+
+
+def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int,
+          share: int = 1) -> dict:
+    """Pull warmup + batches from make_batches for a process building the first 1/share of the
+    rows; time the last `batches`. Tokens count the global batch that each step trains on."""
     data = dataclasses.replace(cfg.data, workers=workers)
+    size = cfg.train.batch_size
+    rows = None if share == 1 else Rows(np.arange(size // share), size)
     start = time.perf_counter()
-    it = data_lib.make_batches(data, cfg.train, cfg.model.vocab_size)
+    it = data_lib.make_batches(data, cfg.train, cfg.model.vocab_size, rows)
     for _ in range(warmup):
         next(it)
     ready = time.perf_counter()
@@ -77,10 +101,10 @@ def bench(cfg: config_lib.Config, workers: int, batches: int, warmup: int) -> di
         real += int((next(it)["segment_ids"] != 0).sum())
     elapsed = time.perf_counter() - ready
     it.close()
-    tokens = batches * cfg.train.batch_size * cfg.train.seq_len
+    built = batches * (size // share) * cfg.train.seq_len
     return {"workers": workers, "setup_s": ready - start, "elapsed_s": elapsed,
-            "tokens_per_s": tokens / elapsed, "real_per_s": real / elapsed,
-            "padding": 1 - real / tokens}
+            "tokens_per_s": built * share / elapsed, "real_per_s": real * share / elapsed,
+            "padding": 1 - real / built, "ms_per_batch": 1e3 * elapsed / batches}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,11 +124,18 @@ def report(args: argparse.Namespace) -> None:
     print(f"data.source={cfg.data.source}, global batch {cfg.train.batch_size} x seq_len "
           f"{cfg.train.seq_len}, {args.warmup} warm-up + {args.batches} timed "
           f"batch{'es' if args.batches != 1 else ''}")
+    if bad := [n for n in args.shares if cfg.train.batch_size % n]:
+        raise ConfigError(f"--shares {bad[0]} does not divide train.batch_size="
+                          f"{cfg.train.batch_size}; give divisors of it")
     for workers in args.workers:
-        r = bench(cfg, workers, args.batches, args.warmup)
-        print(f"workers={workers}: {r['tokens_per_s']:,.0f} tokens/s per host "
-              f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
-              f"{r['elapsed_s']:.2f} s timed, {r['setup_s']:.2f} s setup + warm-up", flush=True)
+        for share in args.shares:
+            r = bench(cfg, workers, args.batches, args.warmup, share)
+            rows = ("" if args.shares == [1] else
+                    f", rows {cfg.train.batch_size // share} of {cfg.train.batch_size}")
+            print(f"workers={workers}{rows}: {r['tokens_per_s']:,.0f} tokens/s per host "
+                  f"({r['real_per_s']:,.0f} real, padding {r['padding']:.1%}); "
+                  f"{r['ms_per_batch']:.2f} ms a batch, {r['elapsed_s']:.2f} s timed, "
+                  f"{r['setup_s']:.2f} s setup + warm-up", flush=True)
 
 
 if __name__ == "__main__":
