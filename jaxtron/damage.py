@@ -55,6 +55,10 @@ def files_damage(step_dir: Path) -> str | None:
     state = step_dir.absolute() / "state"
     if not json.loads((state / "_METADATA").read_text()).get("use_ocdbt", True):
         return None  # one file per chunk: nothing here says how long each should be
+    if not ((state / "d").is_dir() or any(state.glob("ocdbt.process_*"))):
+        return None  # metadata alone (no array was written): nothing to point into
+    if not (state / "manifest.ocdbt").is_file():  # the tree's root: no array can be found
+        return "state/manifest.ocdbt is missing"
     try:
         base = ts.KvStore.open(f"file://{state}/").result()
         pending = [v["root"]["location"] for v in ts.ocdbt.dump(base).result()["versions"][-1:]

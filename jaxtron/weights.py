@@ -51,11 +51,10 @@ def complete_steps(checkpoints_dir: Path) -> list[Path]:
 def run_checkpoints(run_dir: Path) -> list[Path]:
     """A run directory's checkpoints a resume could start from, oldest first: a damaged one
     (jaxtron/damage.py) is left out, every one by its metadata, and the newest left by the files
-    its OCDBT tree points into too (a resume reads no other). Metadata with no tree beside it is
-    taken as it reads: the start-up checks need no arrays."""
+    its OCDBT tree points into too (a resume reads no other). Metadata with no array files beside
+    it is taken as it reads: the start-up checks need no arrays."""
     sound, _ = damage.survey(run_dir / "checkpoints", damage.meta_damage)
-    while sound and (sound[-1] / "state" / "manifest.ocdbt").is_file() \
-            and damage.files_damage(sound[-1]):
+    while sound and damage.files_damage(sound[-1]):
         sound.pop()
     return sound
 

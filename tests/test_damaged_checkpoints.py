@@ -1,11 +1,12 @@
 """A damaged checkpoint is skipped, not fatal (CPU, the real entry points).
 
 One uninterrupted 16-step run saves checkpoints 5, 10, 15 and 16; each case copies 10 and 15 (a run
-stopped at step 15), damages 15 in one of five ways, and reruns to step 15: it names the damage,
+stopped at step 15), damages 15 in one of six ways, and reruns launch.py to step 15: it names the damage,
 sets 15 aside in damaged_checkpoints/, resumes from 10 with the uninterrupted run's losses, and
 saves 15 again; a run on to 16 then resumes from that new 15, again with the same loss.
 """
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -47,6 +48,11 @@ def _marker_only(step_dir: Path) -> None:
     (step_dir / "state").mkdir()
 
 
+def _manifest_deleted(step_dir: Path) -> None:
+    """The root of the OCDBT tree gone: no array can be found, though every metadata file reads."""
+    (step_dir / "state" / "manifest.ocdbt").unlink()
+
+
 def _emptied(step_dir: Path) -> None:
     shutil.rmtree(step_dir)
     step_dir.mkdir()
@@ -57,6 +63,7 @@ DAMAGE = {  # kind -> (how, the cause the warning names)
     "meta_deleted": (_meta_deleted, r"meta/metadata is missing"),
     "truncated": (_truncated, r"OUT_OF_RANGE: Error reading .+"),  # TensorStore's words
     "marker_only": (_marker_only, r"state/_METADATA is missing"),
+    "manifest_deleted": (_manifest_deleted, r"NOT_FOUND: .+"),  # TensorStore's words
     "emptied": (_emptied, r"its directory is empty"),
 }
 
@@ -89,8 +96,11 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_saved_again(straight, tmp_
     cache = straight_dir.parent / "xla"
     run_dir = _stopped_at_15(straight_dir, tmp_path / "run", kind)
     capsys.readouterr()
-    again = train(_cfg(run_dir, 15, cache))
+    # launch.py, to the same step: a damaged newest checkpoint is not "nothing to do"
+    assert launch.main([*ARGS, "train.steps=15", f"run.dir={run_dir}",
+                        f"run.compile_cache={cache}"]) == 0
     out = capsys.readouterr().out
+    again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert re.search(rf"warning: checkpoint {run_dir}/checkpoints/15 is unreadable "
                      rf"\({DAMAGE[kind][1]}\); trying an older one", out), out
     moved = list((run_dir / "damaged_checkpoints").iterdir())
@@ -111,6 +121,8 @@ def test_the_dry_run_names_each_kind_of_damage(straight, tmp_path, capsys):
         run_dir = _stopped_at_15(straight_dir, tmp_path / kind, kind)
         if kind == "truncated":  # the OCDBT tree says how long the file should be
             cause = r"state/ocdbt\.process_0/d/\w+ holds 1,000 bytes; the checkpoint needs [\d,]+"
+        if kind == "manifest_deleted":
+            cause = r"state/manifest\.ocdbt is missing"
         assert launch.main(["--dry-run", *ARGS, "train.steps=15", f"run.dir={run_dir}"]) == 0
         out = capsys.readouterr().out
         assert re.search(rf"^start: resumes from {run_dir}/checkpoints/10 \(step 10 of 15: 5 steps "
@@ -128,6 +140,8 @@ def test_inspect_ckpt_names_each_damaged_checkpoint(straight, tmp_path, capsys):
         run_dir = _stopped_at_15(straight_dir, tmp_path / kind, kind)
         if kind == "truncated":
             cause = r"state/ocdbt\.process_0/d/\w+ holds 1,000 bytes; the checkpoint needs [\d,]+"
+        if kind == "manifest_deleted":
+            cause = r"state/manifest\.ocdbt is missing"
         assert inspect_ckpt.main([str(run_dir)]) == 1
         out, err = capsys.readouterr()
         assert re.match(rf"{run_dir}/checkpoints: 2 complete checkpoints, 1 of them damaged\n"

@@ -161,7 +161,8 @@ def inspect(path: Path) -> int:
     else:
         damaged = {step_dir: why} if (why := damage(step_dir)) else {}
     why = damaged.get(step_dir)
-    if not meta_damage(step_dir):  # else there is nothing to show but the damage
+    readable = not meta_damage(step_dir) and (step_dir / "state" / "manifest.ocdbt").is_file()
+    if not why or readable:  # else there is nothing to show but the damage
         print_checkpoint(step_dir)
     if not why:
         return 0
