@@ -19,7 +19,7 @@ problem; 3 stopped on a non-finite loss
 checkpoint is intact); 75 preempted by SIGTERM/SIGINT/SIGHUP after saving a checkpoint (rerun resumes).
 Several processes: when one is lost (killed, frozen, its node down), the others stop within
 run.peer_timeout_s (60 s) with one line naming it and status 75: the newest checkpoint is intact
-and the same command resumes (jaxtron/distributed.py; each process trains in a supervised child).
+and the same command resumes (jaxtron/supervisor.py; each process trains in a supervised child).
 """
 
 from __future__ import annotations
@@ -306,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     signals = _StartupSignals()
     signals.install()
     if os.environ.get("JAXTRON_SUPERVISOR"):  # distributed.SUPERVISED, before the imports
-        from jaxtron.distributed import die_with_parent
+        from jaxtron.supervisor import follow_parent
 
-        die_with_parent()
+        follow_parent()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)  # imports jax: a second or two
         from jaxtron.checkpoint import CheckpointSaveError
@@ -336,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _supervise(args: argparse.Namespace) -> int | None:
     """A training run of several processes trains in a child process that this one supervises,
-    so that a lost process ends it in one line and status 75 (jaxtron/distributed.py): the
+    so that a lost process ends it in one line and status 75 (jaxtron/supervisor.py): the
     child's exit status. None: train here (one process, a plan, or the child itself; a config
     error is said by the run, as without several processes)."""
-    from jaxtron import distributed
+    from jaxtron import distributed, supervisor
     from jaxtron.config import ConfigError, load
 
     if args.dry_run or args.compile_for or os.environ.get(distributed.SUPERVISED):
@@ -354,7 +354,7 @@ def _supervise(args: argparse.Namespace) -> int | None:
         return None
     if count == 1:
         return None
-    return distributed.supervise([sys.executable, *sys.orig_argv[1:]], rank, count,
+    return supervisor.supervise([sys.executable, *sys.orig_argv[1:]], rank, count,
                                  Path(cfg.run.dir), cfg.run.peer_timeout_s)
 
 

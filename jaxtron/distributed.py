@@ -16,14 +16,10 @@ every process from C++ (LOG(FATAL): 30 lines and a stack, status 134), and jaxli
 (missed_heartbeat_callback) cannot be used from Python (it throws std::bad_cast); a watchdog thread
 in the training process could not help either: the abort comes from a C++ thread, which writes to
 the terminal first. So each multi-process launch.py trains in a child process that it supervises
-(`supervise`): it passes the child's stdout through, reads its stderr, keeps the runtime's error
-and fatal lines off the terminal (into run.dir/logs/process_<i>.err), and when the child ends on
-the runtime's abort or on a collective that lost its peer (`end_if_lost`: no traceback), prints
-the one line and exits 75; it kills a child still alive run.peer_timeout_s after the first sign.
-Any other ending passes through unchanged, and a process that leaves on an error of its own (a
-failed save: status 4) says so first (`announce_exit`), so that the others keep their own error.
-Killing the supervisor kills the child (PR_SET_PDEATHSIG); it forwards SIGTERM, SIGINT and SIGHUP
-to the child, which has a process group of its own (a terminal's Ctrl-C reaches it once).
+(jaxtron/supervisor.py), which prints the one line and exits 75. Here: `end_if_lost`, the
+training process's side (a collective that lost its peer: no traceback), and `announce_exit`: a
+process that leaves on an error of its own (a failed save: status 4) says so first, so that the
+others keep their own error.
 """
 
 from __future__ import annotations
@@ -32,12 +28,10 @@ import os
 import re
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from jaxtron import cli, xla_flags
 from jaxtron.config import ConfigError
@@ -283,33 +277,11 @@ def _ids(ids: list[int]) -> str:
 
 # --- A lost process: the supervisor (see the module's docstring) ---------------------------------
 
-# A runtime log line (absl): level, date, time, thread, file:line]
-_LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([\w.-]+):\d+\]")
-_RUNTIME_FILES = ("coordination_service", "client.h")  # JAX's coordination service and client
 # What a collective or the coordination service says when another process is gone.
 _LOST = re.compile(r"Gloo .*failed|NCCL|[Cc]onnection (reset|closed|refused)|[Bb]roken pipe|"
                    r"heartbeat|coordination service|UNAVAILABLE|DEADLINE_EXCEEDED")
-# Who: "Task 1 heartbeat timeout", "unhealthy (stopped sending heartbeats):\n1"; else process 0,
-# the coordination service's, if this process's RPCs to it failed (killed: refused; frozen: timed
-# out heartbeats).
-_LOST_TASK = re.compile(r"Task (\d+) heartbeat timeout|stopped sending heartbeats\):\s*(\d+)")
-_LOST_LEADER = re.compile(r"Failed to send RPC to coordination service|"
-                          r"CoordinationService/Heartbeat")
 _LEFT = "jaxtron/left_on_error/"  # key-value store: the processes that left on their own error
 _MARK = "(lost peer): "  # end_if_lost's line, which the supervisor keeps for the log
-
-
-def die_with_parent() -> None:
-    """In a supervised training process: end when the supervisor ends (kill -9 included), as a
-    process of the run would; the kernel does it (PR_SET_PDEATHSIG), Linux only."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if str(os.getppid()) != os.environ.get(SUPERVISED):  # it ended before prctl
-        os._exit(1)
 
 
 def end_if_lost(error: BaseException) -> None:
@@ -373,136 +345,4 @@ def _lost_collective(error: BaseException | None) -> str | None:
         if type(error).__name__ == "JaxRuntimeError" and _LOST.search(str(error)):
             return str(error)
         error = error.__cause__ or error.__context__
-    return None
-
-
-class _Stderr:
-    """The training process's stderr, line by line: passed to the terminal, except the runtime's
-    error lines (from the coordination service and its client), everything after a fatal one,
-    and end_if_lost's line, which are kept (for the log and the verdict)."""
-
-    def __init__(self):
-        self.kept: list[str] = []
-        self.first_sign: float | None = None  # when the first kept error line came
-        self.collective_failed = False
-        self.fatal = False
-        self.runtime_fatal = False  # the coordination client ended the process (LOG(FATAL))
-        self._runtime = False  # in a kept runtime message's continuation lines
-
-    def take(self, line: str) -> str | None:
-        """The line to pass on, or None to keep it."""
-        logged = _LOG_LINE.match(line)
-        if logged:
-            self._runtime = logged.group(1) in "EF" and logged.group(2).startswith(_RUNTIME_FILES)
-            self.fatal = self.fatal or logged.group(1) == "F"
-            self.runtime_fatal = self.runtime_fatal or (self._runtime and logged.group(1) == "F")
-        keep = (self.fatal or self._runtime or _MARK in line
-                or line.startswith("*** Check failure"))
-        if _MARK in line:
-            self.collective_failed = True
-        if not keep:
-            return line
-        self.kept.append(line)
-        if self.first_sign is None and (self._runtime or self.collective_failed):
-            self.first_sign = time.monotonic()
-        return None
-
-    def lost_process(self) -> int | None:
-        """The process the runtime names as lost, if it does."""
-        text = "".join(self.kept)
-        if match := _LOST_TASK.search(text):
-            return int(match.group(1) or match.group(2))
-        return 0 if _LOST_LEADER.search(text) else None
-
-
-def supervise(command: list[str], process_id: int, num_processes: int, run_dir: Path,
-              peer_timeout_s: int) -> int:
-    """Run `command` (this launch.py, again) as the training process and return its exit status;
-    LOST_PEER with one line when it ended because another process was lost (see the module's
-    docstring)."""
-    # Its own process group: a terminal's Ctrl-C, or a signal to this process's group, reaches
-    # it once, forwarded from here.
-    child = subprocess.Popen(command, env={**os.environ, SUPERVISED: str(os.getpid())},
-                             stderr=subprocess.PIPE, process_group=0)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    stderr = _Stderr()
-    reader = threading.Thread(target=_pass_on, args=(child.stderr, stderr), daemon=True)
-    reader.start()
-    killed = False
-    while child.poll() is None:
-        if stderr.first_sign and time.monotonic() - stderr.first_sign > peer_timeout_s:
-            child.kill()  # past the bound: JAX never named the process
-            killed = True
-        time.sleep(0.2)
-    reader.join(10)
-    status = child.returncode
-    aborted = status == -signal.SIGABRT and stderr.runtime_fatal
-    if not (killed or aborted or stderr.collective_failed):
-        if stderr.fatal:  # not the coordination service's: shown as it came
-            sys.stderr.write("".join(stderr.kept))
-        else:
-            _keep_log(run_dir, process_id, stderr.kept, f"exit status {status}")
-        return 128 - status if status < 0 else status
-    _keep_log(run_dir, process_id, stderr.kept, "lost peer")
-    line = _lost_line(stderr.lost_process(), num_processes, run_dir)
-    print(f"{cli.script_name()}: error: {line}", file=sys.stderr, flush=True)
-    return LOST_PEER
-
-
-def _pass_on(stream, stderr: _Stderr) -> None:
-    """Copy the child's stderr to ours, line by line, through `stderr`."""
-    for raw in iter(stream.readline, b""):
-        line = stderr.take(raw.decode(errors="replace"))
-        if line is not None:
-            try:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-            except (OSError, ValueError):  # nobody reads it any more: the run goes on
-                pass
-
-
-def _keep_log(run_dir: Path, process_id: int, lines: list[str], why: str) -> None:
-    """The kept lines, for a closer look: run_dir/logs/process_<i>.err (appended)."""
-    if not run_dir.is_dir() or not lines:
-        return
-    try:
-        (run_dir / "logs").mkdir(exist_ok=True)
-        with (run_dir / "logs" / f"process_{process_id}.err").open("a") as f:
-            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {why}\n{''.join(lines)}")
-    except OSError:
-        pass
-
-
-def _lost_line(lost: int | None, num_processes: int, run_dir: Path) -> str:
-    """'process 1 of 2 stopped answering (lost peer) after step 7; the last checkpoint, step 6,
-    is intact: rerun the same command to resume'."""
-    from jaxtron import weights
-
-    who = (f"another process of {num_processes}" if lost is None else
-           f"process {lost} of {num_processes}" + (" (the coordinator)" if lost == 0 else ""))
-    step = _last_logged_step(run_dir / "metrics.jsonl")
-    after = f" after step {step}" if step else ""
-    try:
-        saved = weights.complete_steps(run_dir / "checkpoints")
-    except OSError:
-        saved = []
-    kept = (f"the last checkpoint, step {saved[-1].name}, is intact: rerun the same command to "
-            "resume" if saved else "no checkpoint was saved yet: rerun the same command to start")
-    return f"{who} stopped answering (lost peer){after}; {kept}"
-
-
-def _last_logged_step(metrics: Path) -> int | None:
-    """The step of the last row in metrics.jsonl (process 0 writes it), if any."""
-    import json
-
-    try:
-        lines = metrics.read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
     return None

@@ -1,8 +1,8 @@
-"""A lost process ends a two-process run cleanly and restartably (jaxtron/distributed.py).
+"""A lost process ends a two-process run cleanly and restartably (jaxtron/supervisor.py).
 
 Two launch.py processes x 4 CPU devices (gloo) train a one-layer model; after four logged steps
 process 1 is killed (SIGKILL of its launch.py, whose training process dies with it) or frozen
-(SIGSTOP of launch.py and its training process, as a hung node freezes them). Process 0 used to
+(SIGSTOP of its launch.py, whose training process stops with it, as a hung node freezes both). Process 0 used to
 stop with status 134 (or 4, when a save was under way), a Python traceback (`Gloo AllGather
 failed ... Connection reset by peer`) and ~30 lines of C++ fatal output and a stack; now it says
 in one line which process was lost and which checkpoint is intact, and exits 75. The same
@@ -94,10 +94,8 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
                and time.monotonic() < deadline):
             time.sleep(0.1)
         assert len(_rows(run_dir)) >= 4, (logs / "lost-0.txt").read_text()[-3000:]
-        if sig == signal.SIGKILL:
-            procs[1].send_signal(sig)  # launch.py only: its training process goes with it
-        else:
-            _signal(procs[1].pid, sig)  # all of it, as a hung node freezes it
+        # launch.py only: its training process dies with it, or stops with it
+        procs[1].send_signal(sig)
         lost_at = time.monotonic()
         code = procs[0].wait(timeout=120)
         stopped_after = time.monotonic() - lost_at
