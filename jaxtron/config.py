@@ -171,6 +171,10 @@ class RunConfig:
     # within this many seconds; the others exit 75 (restartable) naming it. JAX's heartbeat
     # timeout is half of it: a busy or compiling process still sends heartbeats (a C++ thread).
     peer_timeout_s: int = 60
+    # Several processes: one whose start-up restore or training loop makes no progress (a step, a
+    # save, an evaluation batch) for this many seconds stops with status 75, as a stuck peer
+    # (alive, so its heartbeats go on) would otherwise hold every process for ever; 0: no bound
+    stuck_timeout_s: int = 1800
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,7 @@ def _ranges(cfg: Config) -> tuple:
         ("optim.clip_norm", o.clip_norm, *at_least(0)),
         ("checkpoint.every", c.every, *at_least(0)), ("checkpoint.keep", c.keep, *at_least(1)),
         ("run.peer_timeout_s", cfg.run.peer_timeout_s, *at_least(4)),
+        ("run.stuck_timeout_s", cfg.run.stuck_timeout_s, *at_least(0)),
         ("checkpoint.keep_every", c.keep_every, *at_least(0)),
         ("pipeline.repeats", p.repeats, *at_least(1)), ("pipeline.passes", p.passes, *at_least(1)),
         ("data.workers", cfg.data.workers, *at_least(0)),

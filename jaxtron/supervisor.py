@@ -29,6 +29,7 @@ from pathlib import Path
 
 from jaxtron import cli
 from jaxtron.distributed import _MARK, LOST_PEER, SUPERVISED
+from jaxtron.watchdog import STUCK_MARK
 
 FOLLOW_S = 0.2  # how often the training process looks whether its supervisor is stopped
 
@@ -85,6 +86,7 @@ class _Stderr:
         self.kept: list[str] = []
         self.first_sign: float | None = None  # when the first kept error line came
         self.collective_failed = False
+        self.stuck = False  # the process said that the run made no progress (jaxtron/watchdog.py)
         self.fatal = False
         self.runtime_fatal = False  # the coordination client ended the process (LOG(FATAL))
         self._runtime = False  # in a kept runtime message's continuation lines
@@ -100,6 +102,7 @@ class _Stderr:
                 or line.startswith("*** Check failure"))
         if _MARK in line:
             self.collective_failed = True
+        self.stuck = self.stuck or STUCK_MARK in line
         if not keep:
             return line
         self.kept.append(line)
@@ -139,6 +142,9 @@ def supervise(command: list[str], process_id: int, num_processes: int, run_dir: 
     reader.join(10)
     status = child.returncode
     aborted = status == -signal.SIGABRT and stderr.runtime_fatal
+    if stderr.stuck:  # its line is out; the runtime's that followed are kept for the log
+        _keep_log(run_dir, process_id, stderr.kept, "no progress")
+        return LOST_PEER
     if not (killed or aborted or stderr.collective_failed):
         if stderr.fatal:  # not the coordination service's: shown as it came
             sys.stderr.write("".join(stderr.kept))

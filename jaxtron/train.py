@@ -36,6 +36,7 @@ from jaxtron.optim import make_optimizer
 from jaxtron.rows import local_rows
 from jaxtron.state import initial_state, make_plan
 from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
+from jaxtron.watchdog import Watchdog
 
 
 def train(cfg: Config, devices: list | None = None, started: float | None = None) -> list[dict]:
@@ -111,11 +112,14 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                      metrics_lib.StepCost.of(cfg, devices))
     run.account = goodput.Attempt(run.watch, started, run_dir if is_main else None, log.info)
     run.profile = Profile(cfg.run, run_dir, log, run.watch)
+    run.watchdog = Watchdog(cfg.run.stuck_timeout_s if jax.process_count() > 1 else 0)
     outcome = "done"
     try:
         with jax.set_mesh(mesh), Preemption() as run.preemption:
+            run.watchdog.tick("restoring or creating the state")  # Orbax's barriers
             state, start, tokens_seen = initial_state(cfg, plan, tx, mesh, ckpt=run.ckpt,
                                                       batches=batches, info=log.info)
+            run.watchdog.pause()  # compiling: this process's own work, as long as it takes
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
                 return []
@@ -129,6 +133,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                 cache = " (and stored in " if "misses" in events else " (loaded from "
                 cache += "run.compile_cache)"
             log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s{cache}")
+            run.watchdog.tick("running the first step (all processes compile it first)")
             run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
             return _loop(cfg, run, state, start, tokens_seen)
     except BaseException as e:
@@ -144,6 +149,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                 raise
             print(f"warning: goodput.json was not updated ({e.strerror})", flush=True)
         finally:
+            run.watchdog.close()
             log.close()
             if lock:
                 lock.release()
@@ -187,8 +193,11 @@ def _evaluate(run: RunContext, step: int, state: dict) -> bool:
     jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
     alone = jax.process_count() == 1  # several: jax's sync point picks the step all stop at
     with run.watch.time("eval"):  # not a step's time (StepWindow leaves it out)
-        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh,
-                        lambda: alone and run.preemption.signal is not None)
+        def stopped() -> bool:  # asked before each batch
+            run.watchdog.tick(f"evaluating at step {step}")
+            return alone and run.preemption.signal is not None
+
+        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh, stopped)
     if loss is None:
         run.log.info(f"evaluation at step {step} left unfinished: a signal came")
     else:
@@ -340,6 +349,7 @@ class RunContext:
     preemption: Preemption | None = None
     account: goodput.Attempt | None = None
     profile: Profile | None = None
+    watchdog: Watchdog | None = None
     step_fn: Callable | None = None
     eval_fn: Callable | None = None
 
@@ -366,6 +376,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
     run.account.start_loop(start)
     run.log.begin(start)
     for step in range(start + 1, steps + 1):
+        run.watchdog.tick(f"training step {step}")
         run.profile.before(step, state)
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
             batch = global_batch(next(batches), run.mesh, cfg.train.batch_size)
@@ -395,6 +406,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                     "config": config_lib.to_yaml(cfg),
                     "layer_order": pipeline.config_order(cfg, run.mesh.shape["stage"]).tolist()}
             run.account.saved(step)  # the step has finished: a resume from here redoes what follows
+            run.watchdog.tick(f"saving checkpoint {step}")
             with watch.time("checkpoint"):  # only the save's own blocking part
                 run.ckpt.save(step, state, batches, meta)
                 memory.release_freed()  # the previous save's host copies, freed by now
@@ -405,6 +417,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
                 run.ckpt.wait()  # "checkpoint saved" only once it is
             why = f"signal {preemption.signal}" if preemption.signal else "a preemption notice"
             raise Preempted(f"preempted by {why} at step {step}")
+    run.watchdog.tick("writing the last checkpoint")
     with watch.time("checkpoint"):
         run.ckpt.wait()  # the last save is on disk before "done" is said
     for phase in ("data", "checkpoint", "eval"):

@@ -129,3 +129,63 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in resumed],
                                    [r[key] for r in reference[newest:]], rtol=RTOL)
+
+
+# Process 1 is alive but stuck in Python at step 4 (its heartbeats go on, so JAX never ends it).
+STUCK_AT_STEP_4 = """
+import time
+from jaxtron import metrics
+_tick = metrics.MetricsWriter.tick
+def _stuck(self, step):
+    if step == 4:
+        time.sleep(10**6)
+    return _tick(self, step)
+metrics.MetricsWriter.tick = _stuck
+"""
+STUCK_TIMEOUT_S = 15
+
+
+def test_a_stuck_process_ends_the_run_in_one_line_each_with_75(tmp_path, reference):
+    """Both processes stop within run.stuck_timeout_s (and the lost-peer bound after it), each
+    with one error line and status 75, and the same command resumes exactly."""
+    run_dir, logs, hook = tmp_path / "run", tmp_path / "logs", tmp_path / "hook"
+    logs.mkdir()
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STUCK_AT_STEP_4)
+    port, procs = _free_port(), []
+    for i in range(PROCESSES):
+        env = _env()
+        if i == 1:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", str(PROCESSES), "--process-id", str(i), *OVERRIDES,
+             f"run.stuck_timeout_s={STUCK_TIMEOUT_S}", f"run.dir={run_dir}"],
+            cwd=ROOT, env=env, stdout=(logs / f"stuck-{i}.txt").open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        _end(procs)
+    out = [(logs / f"stuck-{i}.txt").read_text() for i in range(PROCESSES)]
+    assert codes == [75, 75], (codes, out[0][-2000:], out[1][-2000:])
+    for text in out:
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and re.match(r"launch\.py: error: (no progress in 15 s while "
+                                             r"[^(]+ \(run.stuck_timeout_s\)|process "
+                                             r"\d of 2 stopped answering \(lost peer\))",
+                                             errors[0]), text[-3000:]
+        assert not [n for n in NOISE if n in text] and not re.search(r"^[EF]\d{4} ", text, re.M)
+    assert "no progress in 15 s while training step 4" in out[1]  # the stuck one says so itself
+    newest = int(weights.complete_steps(run_dir / "checkpoints")[-1].name)
+
+    procs = _start(run_dir, logs, "rerun")
+    try:
+        assert [p.wait(timeout=400) for p in procs] == [0, 0]
+    finally:
+        _end(procs)
+    resumed = [r for r in _rows(run_dir) if r["step"] > newest][-(8 - newest):]
+    assert [r["step"] for r in resumed] == list(range(newest + 1, 9))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in resumed],
+                                   [r[key] for r in reference[newest:]], rtol=RTOL)
