@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 import warnings
@@ -27,10 +25,9 @@ import orbax.checkpoint as ocp
 from jaxtron import data as data_lib
 from jaxtron import damage, prepared, weights
 from jaxtron.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig
+from jaxtron.lock import IN_USE, LOCK_FILE, RunDirLock  # noqa: F401 - where callers find them
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
-LOCK_FILE = ".jaxtron-run.lock"  # run.dir/<this>: flock'ed by the run's process 0 while it runs
-IN_USE = "run.dir {} is in use by another run ({}); wait for it or choose another run.dir"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -207,33 +204,6 @@ def _orbax_errors(record: logging.LogRecord) -> bool:
     the damage in its own warning."""
     return not ((record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
                 or record.getMessage().startswith("Metadata file does not exist"))
-
-
-class RunDirLock:
-    """An advisory lock on run.dir held for a run's lifetime by its process 0, so that a second
-    run into the same run.dir is refused before it writes anything. flock: the kernel drops the
-    lock when the process ends however it ends, so a killed run's lock file blocks nothing."""
-
-    def __init__(self, run_dir: Path):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / LOCK_FILE
-        self.file = open(path, "a+")  # noqa: SIM115 - held open for the run's lifetime
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "pid ? on host ?"
-            self.file.close()
-            raise ConfigError(IN_USE.format(run_dir, holder)) from None
-        self.file.truncate(0)
-        self.file.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-        self.file.flush()
-
-    def release(self) -> None:
-        """Let the next run in (idempotent)."""
-        if not self.file.closed:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.file.close()
 
 
 def read_error(e: BaseException) -> str:

@@ -1,8 +1,6 @@
 """Typed, frozen run configuration: YAML presets + gin-style `section.key=value` overrides.
-
 OmegaConf merges and converts types against the dataclass schema (presets.py reads the files);
-this module adds closest-name suggestions for unknown keys, range checks, and one-line
-`ConfigError`s that `launch.py` turns into exit status 2."""
+here: closest-name suggestions for unknown keys, range checks, one-line `ConfigError`s."""
 
 from __future__ import annotations
 
@@ -167,13 +165,10 @@ class RunConfig:
     profile_all_processes: bool = False  # every process traces into profile/process_<i>; else only 0
     # JAX's persistent compilation cache: a restart loads compiled programs from DIR; "" = off
     compile_cache: str = ""
-    # Several processes: one that stops answering (killed, frozen, its node down) ends the run
-    # within this many seconds; the others exit 75 (restartable) naming it. JAX's heartbeat
-    # timeout is half of it: a busy or compiling process still sends heartbeats (a C++ thread).
+    # Several processes: one that stops answering (killed, frozen, node down) ends the run within
+    # this many seconds, the others exit 75 naming it (JAX's heartbeat timeout: half of it)
     peer_timeout_s: int = 60
-    # Several processes: one whose start-up restore or training loop makes no progress (a step, a
-    # save, an evaluation batch) for this many seconds stops with status 75, as a stuck peer
-    # (alive, so its heartbeats go on) would otherwise hold every process for ever; 0: no bound
+    # ... one whose restore, step, save or eval batch stalls this long exits 75; 0: no bound
     stuck_timeout_s: int = 1800
 
 
@@ -322,9 +317,9 @@ def _ranges(cfg: Config) -> tuple:
         ("optim.weight_decay", o.weight_decay, *at_least(0)),
         ("optim.clip_norm", o.clip_norm, *at_least(0)),
         ("checkpoint.every", c.every, *at_least(0)), ("checkpoint.keep", c.keep, *at_least(1)),
+        ("checkpoint.keep_every", c.keep_every, *at_least(0)),
         ("run.peer_timeout_s", cfg.run.peer_timeout_s, *at_least(4)),
         ("run.stuck_timeout_s", cfg.run.stuck_timeout_s, *at_least(0)),
-        ("checkpoint.keep_every", c.keep_every, *at_least(0)),
         ("pipeline.repeats", p.repeats, *at_least(1)), ("pipeline.passes", p.passes, *at_least(1)),
         ("data.workers", cfg.data.workers, *at_least(0)),
         ("xla.mem_fraction", cfg.xla.mem_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -10,10 +10,7 @@ Every document is bos + tokens + eos, cut into chunks of at most seq_len + 1 tok
 one token, so each token after bos is a target exactly once per epoch. Chunks are packed first-fit
 into rows of seq_len; `segment_ids` number the chunks in a row from 1 (0 is padding) and
 `positions` count from 0 inside each chunk, so no token attends across a document boundary.
-
-Each process builds only the rows of the global batch its devices hold (jaxtron/rows.py): every
-process packs the stream's keys and lengths into the same plan of every global batch, then reads
-only the chunks of its own rows, so the rows equal the global batch's for any process count.
+Each process builds only the rows its devices hold, from a plan of each global batch (rows.py).
 
 Eval batches come the same way from held-out documents (the manifests' val splits, or ~1 % of the
 stdlib files), unshuffled, whole on every process. Resume is exact for the same worker count and

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxtron import attention as attention_lib
@@ -33,6 +31,7 @@ from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import check_remat
 from jaxtron.optim import make_optimizer
+from jaxtron.preemption import Preemption
 from jaxtron.rows import local_rows
 from jaxtron.state import initial_state, make_plan
 from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
@@ -294,44 +293,6 @@ class NonFiniteError(RuntimeError):
 
 class Preempted(RuntimeError):
     """SIGTERM/SIGINT/SIGHUP arrived; a checkpoint of the current step was saved."""
-
-
-class Preemption:
-    """SIGTERM/SIGINT/SIGHUP -> a flag the loop reads at step boundaries. Under jax.distributed JAX's
-    own notifier owns SIGTERM and its sync point makes every process stop at the same step."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> "Preemption":
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: the terminal closed
-                previous = signal.getsignal(sig)
-                if previous == signal.SIG_IGN:  # nohup, a background job: the user's choice
-                    continue
-                self._previous[sig] = signal.signal(sig, self._handle)
-                if getattr(previous, "signalled", None):  # launch.py's, during start-up
-                    self.signal = previous.signalled[0]
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def before_training(self) -> None:
-        """Before the first step there is nothing new to save: a signal stops the start now
-        (KeyboardInterrupt: exit 75, rerun to start) rather than after a compile and a step."""
-        if self.signal is not None:
-            raise KeyboardInterrupt
-
-    def requested(self, step: int) -> bool:
-        if jax.process_count() > 1:
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.signal is not None
 
 
 @dataclass
