@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         signals.check()
     except KeyboardInterrupt:
         return _stopped_at_start()
-    if argv is None and (status := _supervise(args)) is not None:
+    if argv is None and (status := _supervised(args)) is not None:
         return status
     statuses = {NonFiniteError: EXIT_NONFINITE, CheckpointSaveError: EXIT_SAVE_FAILED}
     try:
@@ -334,28 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _supervise(args: argparse.Namespace) -> int | None:
-    """A training run of several processes trains in a child process that this one supervises,
-    so that a lost process ends it in one line and status 75 (jaxtron/supervisor.py): the
-    child's exit status. None: train here (one process, a plan, or the child itself; a config
-    error is said by the run, as without several processes)."""
-    from jaxtron import distributed, supervisor
-    from jaxtron.config import ConfigError, load
+def _supervised(args: argparse.Namespace) -> int | None:
+    """Several processes train in a supervised child (jaxtron/supervisor.py): its status."""
+    from jaxtron.supervisor import supervise_launch
 
-    if args.dry_run or args.compile_for or os.environ.get(distributed.SUPERVISED):
-        return None
-    try:
-        _, count, rank = distributed.cluster_processes()
-        if args.coordinator is not None or args.num_processes is not None:
-            distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
-            count, rank = args.num_processes, args.process_id
-        cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
-    except ConfigError:
-        return None
-    if count == 1:
-        return None
-    return supervisor.supervise([sys.executable, *sys.orig_argv[1:]], rank, count,
-                                 Path(cfg.run.dir), cfg.run.peer_timeout_s)
+    return supervise_launch(args, args.config or [DEFAULT_CONFIG])
 
 
 def _leave_peers(status: int) -> int:

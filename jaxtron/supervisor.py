@@ -118,6 +118,29 @@ class _Stderr:
         return 0 if _LOST_LEADER.search(text) else None
 
 
+def supervise_launch(args, configs: list) -> int | None:
+    """launch.py's training run of several processes trains in a child process that this one
+    supervises: the child's exit status. None: train here (one process, a plan, or the child
+    itself; a config error is said by the run, as without several processes)."""
+    from jaxtron import distributed
+    from jaxtron.config import ConfigError, load
+
+    if args.dry_run or args.compile_for or os.environ.get(SUPERVISED):
+        return None
+    try:
+        _, count, rank = distributed.cluster_processes()
+        if args.coordinator is not None or args.num_processes is not None:
+            distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
+            count, rank = args.num_processes, args.process_id
+        cfg = load(configs, args.overrides)
+    except ConfigError:
+        return None
+    if count == 1:
+        return None
+    return supervise([sys.executable, *sys.orig_argv[1:]], rank, count, Path(cfg.run.dir),
+                     cfg.run.peer_timeout_s)
+
+
 def supervise(command: list[str], process_id: int, num_processes: int, run_dir: Path,
               peer_timeout_s: int) -> int:
     """Run `command` (this launch.py, again) as the training process and return its exit status;
