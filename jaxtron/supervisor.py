@@ -35,7 +35,8 @@ FOLLOW_S = 0.2  # how often the training process looks whether its supervisor is
 
 # A runtime log line (absl): level, date, time, thread, file:line]
 _LOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ([\w.-]+):\d+\]")
-_RUNTIME_FILES = ("coordination_service", "client.h")  # JAX's coordination service and client
+# JAX's coordination service, its client, and the preemption notices that go through it.
+_RUNTIME_FILES = ("coordination_service", "client.h", "preemption_sync_manager")
 # Who: "Task 1 heartbeat timeout", "unhealthy (stopped sending heartbeats):\n1"; else process 0,
 # the coordination service's, if this process's RPCs to it failed (killed: refused; frozen: timed
 # out heartbeats).
@@ -79,8 +80,9 @@ def _stop_with(parent: int) -> None:
 
 class _Stderr:
     """The training process's stderr, line by line: passed to the terminal, except the runtime's
-    error lines (from the coordination service and its client), everything after a fatal one,
-    and end_if_lost's line, which are kept (for the log and the verdict)."""
+    warning and error lines (from the coordination service and its client), everything after a
+    fatal one, and end_if_lost's line, which are kept (for the log and the verdict). The
+    watchdog's line is the process's own verdict: always passed on."""
 
     def __init__(self):
         self.kept: list[str] = []
@@ -90,23 +92,28 @@ class _Stderr:
         self.fatal = False
         self.runtime_fatal = False  # the coordination client ended the process (LOG(FATAL))
         self._runtime = False  # in a kept runtime message's continuation lines
+        self._sign = False  # ... of an error or a fatal one (a warning is no sign of a lost peer)
 
     def take(self, line: str) -> str | None:
         """The line to pass on, or None to keep it."""
         logged = _LOG_LINE.match(line)
         if logged:
-            self._runtime = logged.group(1) in "EF" and logged.group(2).startswith(_RUNTIME_FILES)
-            self.fatal = self.fatal or logged.group(1) == "F"
-            self.runtime_fatal = self.runtime_fatal or (self._runtime and logged.group(1) == "F")
+            level = logged.group(1)
+            self._runtime = level in "WEF" and logged.group(2).startswith(_RUNTIME_FILES)
+            self._sign = self._runtime and level in "EF"
+            self.fatal = self.fatal or level == "F"
+            self.runtime_fatal = self.runtime_fatal or (self._runtime and level == "F")
+        if STUCK_MARK in line:  # even after a fatal line: the supervisor adds none of its own
+            self.stuck = True
+            return line
         keep = (self.fatal or self._runtime or _MARK in line
                 or line.startswith("*** Check failure"))
         if _MARK in line:
             self.collective_failed = True
-        self.stuck = self.stuck or STUCK_MARK in line
         if not keep:
             return line
         self.kept.append(line)
-        if self.first_sign is None and (self._runtime or self.collective_failed):
+        if self.first_sign is None and (self._sign or self.collective_failed):
             self.first_sign = time.monotonic()
         return None
 

@@ -189,3 +189,35 @@ def test_a_stuck_process_ends_the_run_in_one_line_each_with_75(tmp_path, referen
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in resumed],
                                    [r[key] for r in reference[newest:]], rtol=RTOL)
+
+
+def test_the_supervisor_passes_on_the_watchdog_line_and_keeps_the_runtime_noise():
+    """What the training process's stderr shows when its peer (process 0, the coordination
+    service's host) stopped on its own watchdog while this one's watchdog fired too: the runtime's
+    warning and error lines and the fatal line's tail are kept for the log; the watchdog's line,
+    which comes after the fatal one, still reaches the terminal (it is the only line: the
+    supervisor adds none)."""
+    from jaxtron import supervisor
+
+    stuck = ("launch.py: error: no progress in 15 s while training step 4 "
+             "(run.stuck_timeout_s): a process of the run is stuck\n")
+    lines = [
+        "[Gloo] Rank 1 is connected to 1 peer ranks.\n",
+        "W1127 18:30:08.687653    6761 preemption_sync_manager.cc:147] Failed to retrieve "
+        "preemption notice from coordination service: UNAVAILABLE: Socket closed\n",
+        "Additional GRPC error information from remote target coordination_service\n",
+        "E1127 18:30:08.687763    6761 preemption_sync_manager.cc:159] Failed to cancel "
+        "preemption barrier: FAILED_PRECONDITION\n",
+        "F1127 18:30:09.000001    6761 client.h:77] Terminating process because the JAX "
+        "distributed service detected fatal errors.\n",
+        "*** Check failure stack trace: ***\n",
+        stuck,
+    ]
+    stderr = supervisor._Stderr()
+    shown = [line for line in lines if stderr.take(line) is not None]
+    assert shown == [lines[0], stuck]
+    assert stderr.stuck and stderr.runtime_fatal and len(stderr.kept) == 5
+    assert stderr.first_sign is not None
+
+    healthy = supervisor._Stderr()  # a warning alone from the runtime is no sign of a lost peer
+    assert healthy.take(lines[1]) is None and healthy.first_sign is None
