@@ -4,7 +4,7 @@
     python launch.py --config configs/llama3_8b.yaml mesh.fsdp=8 train.steps=100
     python launch.py --config configs/llama3_70b.yaml --dry-run --devices 128 mesh.tensor=8
     python launch.py --config configs/llama3_8b.yaml --compile-for h100 --devices 8 --report r.json
-    python launch.py model.collective_matmul=true xla.flags=[--xla_dump_to=/tmp/hlo]  # overlap, flags
+    python launch.py model.remat=full xla.flags=[--xla_dump_to=/tmp/hlo]  # a remat policy, flags
     python launch.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0   # and id 1
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
     python launch.py --strict ...                    # a set-up problem stops the run (exit 2)
@@ -87,7 +87,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     resolved config; allocate and write nothing."""
     import jax
 
-    from jaxtron import checkpoint, cli, doctor, memory, pipeline
+    from jaxtron import aot, autofit, checkpoint, cli, doctor, memory, pipeline
     from jaxtron import config as config_lib
     from jaxtron import weights
     from jaxtron.optim import make_optimizer
@@ -97,6 +97,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     if not (finished := _finished(cfg)):  # a finished run writes nothing: any storage will do
         check_paths(cfg)  # in the order a run checks: paths, layout, data
         _check_unlocked(Path(cfg.run.dir))
+    cfg, chosen = autofit.resolve(cfg, num_devices, *aot.usable_on(gpu, cfg, jax.devices()))
     plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
     data_check = _check_data(cfg)
     no_room = [] if finished else doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes())
@@ -107,7 +108,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
         print(f"warning: {warning}")
     print("mesh: " + ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
           + f" ({cli.plural(num_devices, 'device')})")
-    print(f"parameters: {plan.num_params:,}")
+    print(f"parameters: {plan.num_params:,}" + (f"\n{chosen}" if chosen else ""))
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
     if plan.pipe:
@@ -477,11 +478,8 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
     outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}
     cfg, flags = aot.gpu_program(cfg)
-    from jaxtron.optim import make_optimizer
-    from jaxtron.state import make_plan
-
-    make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), args.devices)  # layout: one line
-    print(f"xla flags: {' '.join(flags) or 'none'}", flush=True)  # then the long compile
+    cfg, chosen = aot.fitted(cfg, args.compile_for, args.devices)  # layout: one line
+    print(f"xla flags: {' '.join(flags) or 'none'}" + (f"\n{chosen}" if chosen else ""), flush=True)
     report = aot.compile_for(cfg, args.compile_for, args.devices, args.gpus_per_host, args.hlo)
     print("\n".join(aot.format_report(report)))
     if args.report:

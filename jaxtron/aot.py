@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtron import attention, hlo, memory, metrics, parallel, xla_flags
+from jaxtron import attention, autofit, flops, hlo, memory, metrics, parallel, xla_flags
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
 from jaxtron.optim import make_optimizer
@@ -101,7 +101,7 @@ def usable_fraction(cfg: Config | None = None) -> float:
 def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,
                 hlo_path: str | None = None) -> dict:
     """Compile cfg's train step for `num_devices` GPUs of `target`; the report (see `report`)."""
-    cfg = for_gpus(cfg)
+    cfg = fitted(cfg, target, num_devices)[0]  # model.remat=auto, train.microbatches=auto
     compiled, plan, seconds = compile_step_for(cfg, target, num_devices, gpus_per_host)
     text = compiled.as_text()
     if hlo_path:
@@ -130,7 +130,7 @@ def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: 
     """(compiled train step, plan, seconds): train()'s step, compiled for the target's devices
     (`model.attention=auto` meaning what it means on them: cudnn)."""
     devices = target_devices(target, num_devices, gpus_per_host)
-    cfg = for_gpus(cfg)
+    cfg = fitted(cfg, target, num_devices)[0]
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, num_devices)
     mesh = parallel.make_mesh(cfg.mesh, devices)
@@ -141,7 +141,8 @@ def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: 
     with jax.set_mesh(mesh):  # the constraints on activations need the mesh, as in train()
         lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
         try:
-            compiled = lowered.compile()
+            usable = int(capacity_bytes(target) * usable_fraction(cfg))
+            compiled = lowered.compile(autofit.compiler_options(cfg, plan, usable, "gpu"))
         except jax.errors.JaxRuntimeError as e:
             raise ConfigError(compile_failure(str(e), target)) from None
     return compiled, plan, time.perf_counter() - start
@@ -172,8 +173,9 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
     peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     estimate = memory.estimate(cfg, plan)
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    model_flops = metrics.flops_per_token(cfg.model, cfg.train.seq_len) * tokens / num_devices
+    tokens = cfg.train.batch_size * cfg.train.seq_len / num_devices  # per device
+    counted = flops.compiled(module)
+    rows = hlo.collectives(module, plan.mesh_sizes, _hosts(cfg, target, num_devices, gpus_per_host))
     return {
         "target": target,
         "device_kind": target_device_kind(target),
@@ -181,6 +183,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
         "hosts": num_devices // gpus_per_host,
         "gpus_per_host": gpus_per_host,
         "mesh": plan.mesh_sizes,
+        "remat": cfg.model.remat,
         "hosts_layout": parallel.describe_hosts(plan.mesh_sizes, gpus_per_host),
         "memory": {"argument_bytes": stats.argument_size_in_bytes,
                    "output_bytes": stats.output_size_in_bytes,
@@ -190,14 +193,35 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
         "fits": peak <= usable,
         "plan_peak_bytes": sum(estimate.values()),
         "plan_terms": estimate,
-        "flops": {"model_per_device": round(model_flops),
-                  "compiled_per_device": hlo.dot_flops(module)},
-        "collectives": hlo.collectives(module, plan.mesh_sizes,
-                                       _hosts(cfg, target, num_devices, gpus_per_host)),
+        "flops": {"model_per_device": round(metrics.flops_per_token(cfg.model, cfg.train.seq_len)
+                                            * tokens),
+                  "compiled_per_device": counted["matmul"] + counted["attention"],
+                  "matmul_per_device": counted["matmul"],
+                  "attention_per_device": counted["attention"],
+                  "expected_matmul_per_device": flops.expected_matmul(cfg, tokens),
+                  "six_n_tokens_per_device": round(6 * metrics.matmul_params(cfg.model) * tokens)},
+        "collectives": rows,
+        "exposed_bytes_per_axis": exposed_bytes(rows),
         "kernels": hlo.kernels(module),
         "compile_seconds": round(seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", "").split(),
     }
+
+
+def exposed_bytes(rows: list[dict]) -> dict[str, int]:
+    """Collective bytes per step per device with no matmul to hide behind, by mesh axes (joined
+    by "+"): an async collective's bytes less its overlapped ones, a synchronous one's whole."""
+    exposed: dict[str, int] = {}
+    for row in rows:
+        axes = _axes(row["axes"])
+        hidden = row["overlapped_bytes"] if row["async"] else 0
+        exposed[axes] = exposed.get(axes, 0) + row["bytes"] - hidden
+    return exposed
+
+
+def _axes(axes: list[str] | None) -> str:
+    """A collective's mesh axes as the report names them: "fsdp", "data+fsdp", none, ?."""
+    return "+".join(axes) if axes else ("none" if axes == [] else "?")
 
 
 def _hosts(cfg: Config, target: str, num_devices: int, gpus_per_host: int) -> list[int]:
@@ -220,7 +244,7 @@ def _bytes(n: float) -> str:
 
 def format_report(report: dict) -> list[str]:
     """The report as lines for a terminal."""
-    mem, flops = report["memory"], report["flops"]
+    mem = report["memory"]
     shape = ", ".join(f"{a}={s}" for a, s in report["mesh"].items())
     lines = [(f"compiled for {report['devices']} x {report['device_kind']} "
               f"({plural(report['hosts'], 'host')} x {report['gpus_per_host']}), mesh {shape}, in "
@@ -237,13 +261,11 @@ def format_report(report: dict) -> list[str]:
     lines.append(f"  dry-run estimate {_gib(report['plan_peak_bytes'])} "
                  f"({report['plan_peak_bytes'] / mem['peak_bytes'] - 1:+.1%} of the compiled peak); "
                  "largest terms: " + ", ".join(f"{k} {_gib(v)}" for k, v in largest))
-    overhead = flops["compiled_per_device"] / max(flops["model_per_device"], 1)
-    lines.append(f"flops per device per step: model {flops['model_per_device'] / 1e12:.2f} T, "
-                 f"compiled matmuls {flops['compiled_per_device'] / 1e12:.2f} T ({overhead:.2f}x)")
+    lines.append(_flops_line(report))
     lines.append("collectives per device per step (op over axes: executions, bytes; the part "
                  "with a matmul between its start and done):")
     for row in report["collectives"]:
-        axes = "+".join(row["axes"]) if row["axes"] else ("none" if row["axes"] == [] else "?")
+        axes = _axes(row["axes"])
         mode = "async" if row["async"] else "sync"
         hosts = ", across hosts" if row["crosses_hosts"] else ""
         lines.append(f"  {row['op']:<18} over {axes:<16} {mode:<5} {row['count']:>6} x, "
@@ -251,7 +273,38 @@ def format_report(report: dict) -> list[str]:
                      f"{_bytes(row['overlapped_bytes'])}{hosts}")
     if not report["collectives"]:
         lines.append("  none")
+    exposed = ", ".join(f"{axes} {_bytes(n)}" for axes, n in report["exposed_bytes_per_axis"].items())
+    lines.append(f"exposed collective bytes per device per step: {exposed or 'none'}")
     kernels = ", ".join(f"{name} {count}" for name, count in report["kernels"].items())
     lines.append(f"kernels per step: {kernels or 'none'}")
     return lines
+
+
+def _flops_line(report: dict) -> str:
+    """Compiled matmul FLOPs against the remat policy's and 6N's, and the attention kernels'."""
+    counts = report["flops"]
+    compiled, expected = counts["matmul_per_device"], counts["expected_matmul_per_device"]
+    six_n = counts["six_n_tokens_per_device"]
+    return (f"matmul flops per device per step: {compiled / 1e12:.1f} T compiled, "
+            f"{expected / 1e12:.1f} T the policy ({report['remat']}) implies "
+            f"({compiled / max(expected, 1):.2f}x), 6*N*tokens {six_n / 1e12:.1f} T "
+            f"({compiled / max(six_n, 1):.2f}x); attention kernels "
+            f"{counts['attention_per_device'] / 1e12:.1f} T")
+
+
+def usable_on(gpu: str | None, cfg: Config, devices: list) -> tuple[int | None, str]:
+    """autofit.usable_here, or for one GPU of a target (`--gpu`, `--compile-for`): its memory
+    times the share jax's allocator may take."""
+    if not gpu:
+        return autofit.usable_here(devices)
+    return int(capacity_bytes(gpu) * usable_fraction(cfg)), f"one {gpu.upper()}"
+
+
+def fitted(cfg: Config, target: str, num_devices: int) -> tuple[Config, str]:
+    """autofit.resolve() for `num_devices` GPUs of `target` (the program `--compile-for`
+    compiles: the attention kernel a GPU runs), after the layout's own checks."""
+    cfg = for_gpus(cfg)
+    if not autofit.is_auto(cfg):
+        make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
+    return autofit.resolve(cfg, num_devices, *usable_on(target, cfg, []))
 

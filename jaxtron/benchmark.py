@@ -52,18 +52,22 @@ class Suite:
 
 
 # Sized for one 80 GB H100 (xla.mem_fraction 0.9: 71.2 GiB usable) by compiling each row for it
-# (`launch.py --compile-for h100 --devices 1`, peaks in docs/performance.md); every other setting
-# is the preset's (remat, dtype, optimizer). Batches give each step 8-64 k tokens, a second or so.
+# (`launch.py --compile-for h100 --devices 1`, peaks in docs/performance.md); the remat policy
+# and one microbatch are the row's (what the presets leave to auto, jaxtron/autofit.py, is fixed
+# so that a row is the same program on every card), every other setting is the preset's (dtype,
+# optimizer). Batches give each step 8-64 k tokens, a second or so.
+FIXED = ("train.microbatches=1",)
 SUITES = {
     "gpu": Suite("one NVIDIA H100 80 GB (or H200)", steps=10, warmup=3, rows=(
         Row("gpt2_124m seq 1024", "gpt2_124m.yaml",
-            ("train.batch_size=64", "train.seq_len=1024"), 1.0),
+            ("train.batch_size=64", "train.seq_len=1024", *FIXED, "model.remat=none"), 1.0),
         Row("llama3_1b seq 4096", "llama3_1b.yaml",
-            ("train.batch_size=16", "train.seq_len=4096"), 1.5),
+            ("train.batch_size=16", "train.seq_len=4096", *FIXED, "model.remat=full"), 1.5),
         Row("llama3_1b seq 8192", "llama3_1b.yaml",
-            ("train.batch_size=8", "train.seq_len=8192"), 1.5),
+            ("train.batch_size=8", "train.seq_len=8192", *FIXED, "model.remat=full"), 1.5),
         Row("llama3_8b 16 layers seq 8192", "llama3_8b.yaml",  # half of it: 67.6 GiB of 71.2
-            ("model.num_layers=16", "train.batch_size=1", "train.seq_len=8192"), 1.5),
+            ("model.num_layers=16", "train.batch_size=1", "train.seq_len=8192", *FIXED,
+             "model.remat=full"), 1.5),
     ), one_gpu=True),
     # The same harness on this machine's CPU devices, in seconds: what CI runs.
     "smoke": Suite("the local CPU devices", steps=3, warmup=1, rows=(

@@ -50,12 +50,12 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights
     scan_layers: bool = True
-    remat: str = "none"  # a key of model.REMAT_POLICIES
+    remat: str = "none"  # a key of model.REMAT_POLICIES, or auto (jaxtron/autofit.py)
     attention: str = "auto"  # auto (cudnn on GPUs, xla elsewhere), cudnn, xla
     attention_check: bool = True  # on a GPU: test the kernel against xla before the first step
     # mesh.tensor > 1: overlap each tensor-parallel matmul with its all-gather / reduce-scatter
-    # over the sequence (jaxtron/collective_matmul.py)
-    collective_matmul: bool = False
+    # over the sequence (jaxtron/collective_matmul.py); nothing changes with mesh.tensor=1
+    collective_matmul: bool = True
 
     @property
     def head_size(self) -> int:
@@ -95,7 +95,7 @@ class TrainConfig:
     batch_size: int = 16  # global, in sequences
     seq_len: int = 256
     # batch_size is split into this many microbatches: run one after another (gradient
-    # accumulation), or with mesh.stage > 1 flowing through the pipeline stages
+    # accumulation), or with mesh.stage > 1 flowing through the pipeline stages; auto (read as 0)
     microbatches: int = 1
     seed: int = 0
     log_every: int = 10
@@ -228,6 +228,7 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
     layers = [(f"{f}: ", presets.read(Path(f))) for f in files]  # errors name the file
     layers += [("", presets.parse_override(item)[1]) for item in overrides]  # the last one wins
+    layers = [(where, presets.auto_microbatches(layer)) for where, layer in layers]
     merged = OmegaConf.structured(Config)
     for where, layer in layers:
         try:
@@ -243,8 +244,7 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
 
 
 def _home_expanded(cfg: Config) -> Config:
-    """`~` at the start of a path field is the home directory, as in a shell (which leaves the
-    `~` of `run.dir=~/x` alone: the run would write into a directory named `~`)."""
+    """`~` at the start of a path field is the home directory (a shell leaves run.dir=~/x's)."""
     home = os.path.expanduser
     d = cfg.data
     data = dataclasses.replace(d, tokenizer=home(d.tokenizer), cache_dir=home(d.cache_dir),
@@ -356,19 +356,21 @@ def check_values(cfg: Config) -> None:
         "model.d_model": m.d_model, "model.num_heads": m.num_heads,
         "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
         "train.steps": t.steps, "train.batch_size": t.batch_size, "train.seq_len": t.seq_len,
-        "train.microbatches": t.microbatches, "train.log_every": t.log_every,
+        "train.log_every": t.log_every,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
+    for key, value in (("train.loss_chunk", t.loss_chunk), ("train.microbatches", t.microbatches)):
+        if value < 0:  # 0: one chunk; auto
+            raise ConfigError(f"{key}={value} must be {'0 (one chunk)' if 'loss' in key else 'auto'} "
+                              "or positive")
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be 0 (none) or positive")
     if m.sliding_window and t.seq_len > m.sliding_window:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's attention window "
                           f"model.sliding_window={m.sliding_window}, which jaxtron's full causal "
                           "attention does not apply; lower train.seq_len to at most the window")
-    if t.loss_chunk < 0:
-        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 (one chunk) or positive")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
@@ -401,9 +403,6 @@ def check_warnings(cfg: Config) -> list[str]:
                      "train.steps")
     if o.lr == 0:
         found.append("optim.lr=0: the weights never change; set the peak learning rate")
-    if cfg.model.collective_matmul and cfg.mesh.tensor == 1:
-        found.append("model.collective_matmul=true does nothing with mesh.tensor=1 (it overlaps "
-                     "the tensor axis's collectives); set mesh.tensor > 1, or drop it")
     p, stages, per_pass = cfg.pipeline, cfg.mesh.stage, t.microbatches // cfg.pipeline.passes
     if p.schedule == "circular" and p.repeats > 1 and stages == 1:
         found.append(f"pipeline.repeats={p.repeats} does nothing with mesh.stage=1 (no pipeline); "

@@ -11,13 +11,12 @@ layers, the microbatch and pipeline loops) and async wrappers. Everything here c
   `overlapped` (`overlapped_bytes`): the async executions with a matmul or attention kernel
   scheduled between start and done (the text is in XLA's schedule order), hidden behind compute.
 - `kernels`: custom calls (cuBLAS, cuDNN) and Triton fusions, by name, in executions per step.
-- `dot_flops`: 2 * M * N * K of every matmul (plain dots, cuBLAS calls, Triton GEMM fusions)
-  and the two matmuls of each cuDNN attention call, per step per device.
+
+FLOPs of the matmuls and attention kernels are counted in `jaxtron.flops`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -361,60 +360,3 @@ def _fusion_kind(inst: Instruction) -> str | None:
     """The backend kind of a custom fusion (`__triton_gemm`, `__cudnn$fusion`, ...), else None."""
     match = re.search(r'"fusion_backend_config":\{"kind":"([^"]+)"', inst.rest)
     return match.group(1) if match and "kCustom" in inst.rest else None
-
-
-def dot_flops(module: Module) -> int:
-    """Matmul FLOPs per step per device: dots (inside fusions too), cuBLAS calls, cuDNN attention."""
-    total = 0
-    for comp, insts in module.computations.items():
-        runs = module.executions.get(comp, 0)
-        for inst in insts:
-            if runs and (flops := _flops(inst, module)):
-                total += runs * flops
-    return total
-
-
-def _flops(inst: Instruction, module: Module) -> int:
-    if inst.opcode == "dot":
-        dims = _dot_dims(inst.rest)
-        return _gemm_flops(inst, module, dims) if dims else 0
-    target = _target(inst)
-    if target.startswith("__cublas"):
-        config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', inst.rest)
-        return _gemm_flops(inst, module, json.loads(config.group(1))) if config else 0
-    if target.startswith("__cudnn$fmha"):
-        return _attention_flops(inst, module, backward="Backward" in target)
-    return 0
-
-
-def _dot_dims(rest: str) -> dict | None:
-    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-    if contracting is None:
-        return None
-    return {"lhs_contracting_dimensions": contracting.group(1).split(",")}
-
-
-def _operand_shapes(inst: Instruction, module: Module) -> list[tuple[str, tuple[int, ...]]]:
-    """Shapes of an instruction's operands, looked up by name in the module."""
-    return [a for n in _operands(inst) for a in arrays(module.shapes.get(n, ""))[:1]]
-
-
-def _gemm_flops(inst: Instruction, module: Module, dims: dict) -> int:
-    """2 * (output elements) * (contracted size), from the lhs operand's shape."""
-    operands = _operand_shapes(inst, module)
-    out = arrays(_top_level(inst.shape)[0])
-    if not operands or not out:
-        return 0
-    lhs = operands[0][1]
-    k = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []) if d)
-    return 2 * math.prod(out[0][1]) * k
-
-
-def _attention_flops(inst: Instruction, module: Module, backward: bool) -> int:
-    """cuDNN attention on q[B, T, N, H], k[B, S, K, H]: 2 matmuls forward (4*B*N*T*S*H FLOPs, as
-    cuDNN counts a causal mask: no halving), 5 in the backward (2.5x)."""
-    operands = _operand_shapes(inst, module)
-    if len(operands) < 2:
-        return 0
-    (b, t, n, h), s = operands[0][1], operands[1][1][1]
-    return 4 * b * n * t * s * h * (5 if backward else 2) // 2

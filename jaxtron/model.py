@@ -43,8 +43,9 @@ OFFLOADING = ("offload_dots",)  # policies that need a pinned_host memory space 
 
 def check(cfg: ModelConfig) -> None:
     """Names the config gives for code this module owns: the remat policy and attention kernel."""
-    if cfg.remat not in REMAT_POLICIES:
-        raise ConfigError(f"model.remat={cfg.remat} is not one of {', '.join(REMAT_POLICIES)}")
+    if cfg.remat not in REMAT_POLICIES and cfg.remat != "auto":
+        raise ConfigError(f"model.remat={cfg.remat} is not one of {', '.join(REMAT_POLICIES)}, "
+                          "auto")
     if cfg.attention not in attention_lib.CHOICES:
         raise ConfigError(
             f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")

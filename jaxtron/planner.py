@@ -7,8 +7,9 @@ estimates one step's time as
 
     step = compute / (1 - bubble) + exposed communication + per-message latency
 
-- compute: the model's training FLOPs per GPU (metrics.flops_per_token; remat=full adds the
-  recomputed forward, 8/6 of it) at ACHIEVABLE_TFLOPS.
+- compute: the model's training FLOPs per GPU (metrics.flops_per_token) with the matmuls the
+  remat policy recomputes (flops.expected_matmul: what the compiled programs do, within 0.1%)
+  at ACHIEVABLE_TFLOPS.
 - bubble: the pipeline's idle share, (S-1) / (M*R + S-1) for S stages, M microbatches per pass,
   R circular repeats (jaxtron.pipeline).
 - communication, per collective, bytes on the wire per GPU over the axis's link (NVLink inside a
@@ -38,7 +39,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from jaxtron import memory, metrics, parallel, pipeline
+from jaxtron import flops, memory, metrics, parallel, pipeline
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
 from jaxtron.optim import make_optimizer
 from jaxtron.state import make_plan
@@ -155,16 +156,16 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     gpus = math.prod(mesh.values())
     crossing = set(parallel.crossing_axes(mesh, per_node))
     tokens = t.batch_size * t.seq_len
-    recompute = 8 / 6 if m.remat != "none" else 1.0
-    compute = metrics.flops_per_token(m, t.seq_len) * tokens / gpus * recompute / (
-        ACHIEVABLE_TFLOPS[gpu] * 1e12)
+    attention = metrics.flops_per_token(m, t.seq_len) - 6 * metrics.matmul_params(m)
+    work = flops.expected_matmul(cfg, tokens / gpus) + attention * tokens / gpus
+    compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
     stages, tp = mesh["stage"], mesh["tensor"]
     repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
     iterations = t.microbatches * repeats + stages - 1 if stages > 1 else t.microbatches
     bubble = compute * (stages - 1) / (t.microbatches * repeats) if stages > 1 else 0.0
     layers = m.num_layers // stages  # layers each GPU runs per sequence
     seqs = t.batch_size // (mesh["data"] * mesh["fsdp"])  # sequences per GPU per step
-    passes = 3 if m.remat != "none" else 2
+    passes = 3 if flops.RECOMPUTED[m.remat] else 2  # the recomputed forward gathers again
     act = 2  # bf16 activations and gathered weights
     parts = {"compute": compute, "bubble": bubble}
     slab = t.seq_len * m.d_model * act  # one sequence's [T, D] activations

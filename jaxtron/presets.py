@@ -125,3 +125,11 @@ def parse_override(item: str) -> tuple[str, Any]:
     for part in reversed(key.strip().split(".")):
         node = {part: node}
     return key.strip(), node
+
+
+def auto_microbatches(layer: Any) -> Any:
+    """`train.microbatches: auto` as the schema's integer 0 (jaxtron/autofit.py chooses it)."""
+    train = layer.get("train") if isinstance(layer, dict) else None
+    if isinstance(train, dict) and str(train.get("microbatches")).lower() == "auto":
+        return {**layer, "train": {**train, "microbatches": 0}}
+    return layer

@@ -23,7 +23,8 @@ from jax.sharding import Mesh
 from jaxtron import attention as attention_lib
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron import cli, compile_cache, distributed, doctor, goodput, memory, parallel, pipeline
+from jaxtron import autofit, cli, compile_cache, distributed, doctor, goodput, memory, parallel
+from jaxtron import pipeline
 from jaxtron import prepared
 from jaxtron import metrics as metrics_lib
 from jaxtron import weights
@@ -52,6 +53,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
     cfg = attention_lib.configure(cfg, devices[0].platform)
+    cfg, chosen = autofit.resolve(cfg, len(devices), *autofit.usable_here(devices))
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     memory.check_host(plan, devices, cfg)  # before anything is allocated
@@ -98,6 +100,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
         if not line.startswith("warning"):  # the preflight checks (jaxtron/doctor.py) warn
             log.info(line)
     log.info(f"parameters: {plan.num_params:,}")
+    if chosen:
+        log.info(chosen)
     if kernel_checked:
         log.info(f"attention: {cfg.model.attention} agrees with the xla reference on a packed "
                  "batch (forward and gradient)")
@@ -126,7 +130,9 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             log.info("compiling the train step (Ctrl-C stops here without saving)")
             with run.watch.time("compile"), compile_cache.events() as events:
                 lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
-                run.step_fn = _compiled(lowered, run.preemption)
+                options = autofit.compiler_options(cfg, plan, autofit.usable_here(devices)[0],
+                                                   devices[0].platform)
+                run.step_fn = _compiled(lowered.compile, options, run.preemption)
             cache = ""  # whether run.compile_cache had it, if it is on
             if events:
                 cache = " (and stored in " if "misses" in events else " (loaded from "
@@ -204,14 +210,14 @@ def _evaluate(run: RunContext, step: int, state: dict) -> bool:
     return loss is None
 
 
-def _compiled(lowered, preemption: Preemption) -> Callable:
-    """lowered.compile() in a thread, so that a signal during a long compile (minutes for a large
+def _compiled(compile: Callable, options: dict, preemption: Preemption) -> Callable:
+    """compile(options) in a thread, so that a signal during a long compile (minutes for a large
     model) stops the start at once instead of after it; the main thread waits and watches."""
     done: dict = {}
 
     def work() -> None:
         try:
-            done["compiled"] = lowered.compile()
+            done["compiled"] = compile(options or None)
         except BaseException as e:  # noqa: BLE001 - raised again in the main thread
             done["error"] = e
 

@@ -226,9 +226,6 @@ def test_of_an_override_given_twice_the_last_one_wins():
      "optim.decay_steps=1000 is more than train.steps=200: the run ends before the cosine decay "
      "does (meant if a later run goes on); 0 decays over train.steps"),
     (["optim.lr=0"], "optim.lr=0: the weights never change; set the peak learning rate"),
-    (["model.collective_matmul=true", "mesh.tensor=1"],
-     "model.collective_matmul=true does nothing with mesh.tensor=1 (it overlaps the tensor "
-     "axis's collectives); set mesh.tensor > 1, or drop it"),
     (["pipeline.schedule=circular", "pipeline.repeats=2", "mesh.stage=1"],
      "pipeline.repeats=2 does nothing with mesh.stage=1 (no pipeline); set mesh.stage > 1, or "
      "drop it"),

@@ -1,7 +1,8 @@
 """Reading optimized HLO text: executions through loops, collectives' bytes and mesh axes, kernels
-and matmul FLOPs, on a small module written out by hand in XLA's GPU output format."""
+and matmul and attention FLOPs (jaxtron/flops.py), on a small module written out by hand in XLA's
+GPU output format."""
 
-from jaxtron import hlo
+from jaxtron import flops, hlo
 
 MESH = {"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}  # device id = data * 4 + fsdp
 
@@ -79,7 +80,29 @@ def test_kernels_and_matmul_flops():
     assert hlo.kernels(module) == {"__triton_gemm": 6, "__cublas$lt$matmul": 1}
     loop_dots = 6 * 2 * 64 * 16 * 32  # the Triton GEMM fusion's dot, six times
     cublas = 2 * 64 * 16 * 32  # out [64, 16], contracting a's dimension 1 (32)
-    assert hlo.dot_flops(module) == loop_dots + cublas
+    assert flops.compiled(module) == {"matmul": loop_dots + cublas, "attention": 0}
+
+
+def test_attention_kernels_are_counted_apart_from_matmuls():
+    """A cuDNN attention forward and backward in the loop of 6, beside its Triton GEMM: the
+    kernels' FLOPs (2 and 5 matmuls of q[2, 128, 4, 64] against k[2, 128, 2, 64], the causal
+    square counted whole) go to `attention`, the GEMMs alone to `matmul`."""
+    lines = MODULE.splitlines()
+    body = next(i for i, line in enumerate(lines) if line.startswith("%body"))
+    at = next(i for i in range(body, len(lines)) if "%i = s32[]" in lines[i])
+    lines[at:at] = [
+        "  %q = bf16[2,128,4,64]{3,2,1,0} constant({...})",
+        "  %k = bf16[2,128,2,64]{3,2,1,0} constant({...})",
+        '  %fmha = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), '
+        'custom_call_target="__cudnn$fmhaScaleBiasSoftmax"',
+        '  %fmha.bwd = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %k, %q), '
+        'custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"']
+    module = hlo.parse("\n".join(lines))
+    forward = 2 * (2 * 2 * 4 * 128 * 128 * 64)  # 2 matmuls of [T, H] x [H, S], per b and head
+    counted = flops.compiled(module)
+    assert counted["attention"] == 6 * (forward + forward * 5 // 2)
+    assert counted["matmul"] == 6 * 2 * 64 * 16 * 32 + 2 * 64 * 16 * 32
+    assert hlo.kernels(module)["__cudnn$fmhaScaleBiasSoftmaxBackward"] == 6
 
 
 def test_replica_group_formats_agree():

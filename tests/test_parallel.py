@@ -115,11 +115,13 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, one_device, one_d
     ({"tensor": 2, "fsdp": 4}, ()),
     ({"data": 2, "fsdp": 2, "tensor": 2}, ("model.remat=save_attn_out",)),
     # inside the pipeline's stages (vmap over `stage`), with accumulation around it
-    ({"stage": 2, "fsdp": 2, "tensor": 2}, ("train.microbatches=4",)),
-], ids=["tensor=2,fsdp=4", "data=2,fsdp=2,tensor=2,remat", "stage=2,fsdp=2,tensor=2"])
-def test_collective_matmul_matches_one_device(tmp_path, one_device_grads, mesh, extra):
-    """model.collective_matmul=true: the tensor-parallel matmuls decomposed into permute steps
-    give the one-device loss and gradients (measured <= 6e-8 of each gradient's norm)."""
-    loss, grads = _gradients(tmp_path, jax.devices(), mesh, "model.collective_matmul=true", *extra)
+    # collective matmuls again (the last override wins), inside the stages
+    ({"stage": 2, "fsdp": 2, "tensor": 2}, ("train.microbatches=4", "model.collective_matmul=true")),
+], ids=["tensor=2,fsdp=4", "data=2,fsdp=2,tensor=2,remat", "stage=2,fsdp=2,tensor=2,collective"])
+def test_plain_tensor_matmuls_match_one_device(tmp_path, one_device_grads, mesh, extra):
+    """model.collective_matmul=false: the tensor-parallel matmuls as XLA partitions them, with
+    their all-gathers and reduce-scatters, give the one-device loss and gradients (the default,
+    collective matmuls, runs in the mesh tests above: measured <= 6e-8 of each gradient's norm)."""
+    loss, grads = _gradients(tmp_path, jax.devices(), mesh, "model.collective_matmul=false", *extra)
     np.testing.assert_allclose(loss, one_device_grads[0], rtol=RTOL)
     _assert_grads_close(grads, one_device_grads[1])

@@ -25,14 +25,14 @@ I1127 12:01:03.571143 140491995077504 metric_logger.py:265] completed step: 5, s
 """
 
 
-def _args(preset: str, devices: int, platform: str) -> dict[str, str]:
-    cfg = config.load([ROOT / "configs" / preset])
+def _args(preset: str, devices: int, platform: str, *overrides: str) -> dict[str, str]:
+    cfg = config.load([ROOT / "configs" / preset], list(overrides))
     args = peers.maxtext_args(cfg, devices, 20, "/tmp/out", platform=platform)
     return dict(arg.split("=", 1) for arg in args)
 
 
 def test_llama3_8b_dimensions_batch_and_remat():
-    args = _args("llama3_8b.yaml", 8, "gpu")
+    args = _args("llama3_8b.yaml", 8, "gpu", "model.remat=full", "train.microbatches=1")
     assert {key: args[key] for key in (
         "base_num_decoder_layers", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads",
         "head_dim", "base_mlp_dim", "vocab_size", "logits_via_embedding", "rope_max_timescale",
@@ -53,7 +53,7 @@ def test_llama3_8b_dimensions_batch_and_remat():
 
 
 def test_gpt2_124m_tied_embeddings_and_no_remat_on_cpu():
-    args = _args("gpt2_124m.yaml", 8, "cpu")
+    args = _args("gpt2_124m.yaml", 8, "cpu", "model.remat=none", "train.microbatches=1")
     assert [args[key] for key in ("base_num_decoder_layers", "base_emb_dim",
                                   "base_num_query_heads", "base_num_kv_heads", "head_dim",
                                   "base_mlp_dim", "vocab_size", "logits_via_embedding")] == [

@@ -41,6 +41,7 @@ from jaxtron import aot, cli, planner
 from jaxtron import config as config_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
+from jaxtron.autofit import AUTO, POLICIES
 from jaxtron.model import REMAT_POLICIES
 
 
@@ -65,8 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _remats(args: argparse.Namespace, cfg) -> list[str]:
-    if args.remat is None:
-        return list(dict.fromkeys([cfg.model.remat, "full"]))
+    if args.remat is None:  # auto: every policy autofit chooses from
+        return list(POLICIES) if cfg.model.remat == AUTO else list(
+            dict.fromkeys([cfg.model.remat, "full"]))
     names = [r.strip() for r in args.remat.split(",")]
     if "" in names:
         what = "is empty" if len(names) == 1 else f"'{args.remat}' has an empty item"
