@@ -130,3 +130,25 @@ def compiler_options(cfg: Config, plan, usable: int | None, platform: str) -> di
     if platform != "gpu" or not usable or sum(memory.estimate(cfg, plan).values()) <= usable:
         return {}
     return dict(NO_LIMIT)
+
+
+def layout_need(cfg: Config, num_devices: int, usable: int | None):
+    """For parallel.describe_hosts: need(mesh) is None when cfg on that mesh fits `usable` with
+    some remat policy and microbatch count, else what it needs at the least, in words."""
+    from jaxtron.config import MeshConfig
+
+    def need(mesh: dict[str, int]) -> str | None:
+        free = {} if cfg.mesh.stage > 1 else {"microbatches": AUTO_MICROBATCHES}
+        other = dataclasses.replace(
+            cfg, mesh=MeshConfig(**mesh), model=dataclasses.replace(cfg.model, remat=AUTO),
+            train=dataclasses.replace(cfg.train, **free))
+        try:
+            least = min(peak for _, _, peak in candidates(other, num_devices))
+        except (ConfigError, ValueError):
+            return None  # not a layout this check can judge: the plain advice stands
+        if least <= usable:
+            return None
+        return (f"needs {least / 2**30:.1f} GiB per GPU at the least, over the "
+                f"{usable / 2**30:.1f} GiB usable")
+
+    return need if usable else None

@@ -258,8 +258,8 @@ def check_device_counts(mesh: MeshConfig, hosts: Hosts, devices: int = 0) -> lis
     return problems
 
 
-def check_crossing(sizes: dict[str, int], per_host: int) -> list[str]:
-    """fsdp or tensor groups spanning hosts: their collectives leave NVLink every layer."""
+def check_crossing(sizes: dict[str, int], per_host: int, need=None) -> list[str]:
+    """fsdp or tensor spanning hosts where a node could hold it (`need`: autofit.layout_need)."""
     from jaxtron import parallel
 
     crossing = [a for a in parallel.crossing_axes(sizes, per_host) if a in ("fsdp", "tensor")]
@@ -271,11 +271,24 @@ def check_crossing(sizes: dict[str, int], per_host: int) -> list[str]:
     hint = f"mesh.data={data} mesh.fsdp={fsdp}"
     if "tensor" in crossing:
         hint += f" mesh.tensor={tensor}"
+    elif need is not None and need({**sizes, "data": data, "fsdp": fsdp}):
+        return []  # fsdp must cross hosts at this size: the run's log says so
     axes = " and ".join(f"mesh.{a}={sizes[a]}" for a in crossing)
     return [(f"{axes} spans hosts of {plural(per_host, 'device')}, so its all-gathers and "
              "reduce-scatters leave NVLink for the network every layer; use HSDP, mesh.data across "
              f"nodes and mesh.fsdp within: {hint} (the state is then split "
              f"{fsdp * tensor * sizes['stage']} ways: check memory with launch.py --dry-run)")]
+
+
+def _layout_need(cfg: Config, sizes: dict[str, int], gpu: bool):
+    """autofit.layout_need on this machine's GPUs (None elsewhere: no memory limit is known)."""
+    import jax
+
+    from jaxtron import autofit
+
+    if not gpu or jax.devices()[0].platform != "gpu":
+        return None
+    return autofit.layout_need(cfg, math.prod(sizes.values()), autofit.usable_here(jax.devices())[0])
 
 
 # ---------------------------------------------------------------- the run directory
@@ -361,7 +374,7 @@ def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = Non
     with contextlib.suppress(ConfigError):  # check_device_counts reported it
         sizes = parallel.mesh_shape(cfg.mesh, devices or hosts.total)
     if sizes and devices in (0, hosts.total):  # planned for other hosts: their size is unknown
-        problems += check_crossing(sizes, hosts.per_host)
+        problems += check_crossing(sizes, hosts.per_host, _layout_need(cfg, sizes, gpu))
     if sizes and writable and disk:
         problems += check_disk(cfg.run.dir, checkpoint_bytes(cfg, math.prod(sizes.values())))
     if len(hosts.devices) == 1:

@@ -9,7 +9,7 @@ N over `tensor`, and H replicated.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -129,9 +129,12 @@ def crossing_axes(sizes: dict[str, int], per_host: int) -> list[str]:
     return [axis for axis in MESH_AXES if split[axis][1] > 1]
 
 
-def describe_hosts(sizes: dict[str, int], per_host: int) -> list[str]:
+def describe_hosts(sizes: dict[str, int], per_host: int,
+                   need: Callable[[dict[str, int]], str | None] | None = None) -> list[str]:
     """Log lines: which axes cross hosts, and a warning with the HSDP layout when fsdp or tensor
-    does (their all-gathers and reduce-scatters run every layer, at network speed)."""
+    does (their all-gathers and reduce-scatters run every layer, at network speed). `need(mesh)`:
+    None when that layout fits, else what it needs in words; a layout that does not fit is not
+    proposed (the line says that fsdp must cross hosts at this size)."""
     num_devices = math.prod(sizes.values())
     if num_devices <= per_host:
         return []
@@ -144,6 +147,12 @@ def describe_hosts(sizes: dict[str, int], per_host: int) -> list[str]:
         if across > 1:
             hint = (f"mesh.data={sizes['data'] * across} mesh.fsdp={within}" if axis == "fsdp"
                     else f"mesh.tensor<={per_host} (tensor parallelism within a node)")
+            hsdp = {**sizes, "data": sizes["data"] * across, "fsdp": within}
+            if axis == "fsdp" and need is not None and (needs := need(hsdp)):
+                lines.append(f"note: mesh.fsdp={sizes[axis]} spans {across} hosts (its "
+                             f"collectives leave NVLink every layer), and must: within a node "
+                             f"({hint}) it {needs} (tools/plan.py ranks the layouts that fit)")
+                continue
             lines.append(f"warning: mesh.{axis}={sizes[axis]} spans {across} hosts, so its "
                          f"collectives leave NVLink every layer; keep it within a node, e.g. "
                          f"{hint} (HSDP: shard within a node, replicate across nodes)")

@@ -96,7 +96,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
     log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
     per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
-    for line in parallel.describe_hosts(plan.mesh_sizes, per_host):
+    need = autofit.layout_need(cfg, len(devices), autofit.usable_here(devices)[0])
+    for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
         if not line.startswith("warning"):  # the preflight checks (jaxtron/doctor.py) warn
             log.info(line)
     log.info(f"parameters: {plan.num_params:,}")

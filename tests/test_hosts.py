@@ -3,12 +3,18 @@ cross hosts, and a layout whose fsdp or tensor groups span hosts is named with t
 that keeps them on NVLink. Checked on the layout arithmetic, on 8 CPU devices presented as
 2 hosts x 4, and on the program compiled for 2 H100 hosts x 8."""
 
+import re
+from pathlib import Path
+
 import jax
 import pytest
 from test_aot import TINY
 
 from jaxtron import aot, distributed, hlo, parallel
 from jaxtron import config as config_lib
+
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _sizes(**axes) -> dict[str, int]:
@@ -106,3 +112,28 @@ def test_h100_program_keeps_hsdp_gathers_on_one_host():
 ])
 def test_processes_per_host_from_the_cluster_manager(environ, expected):
     assert distributed.processes_per_host(environ) == expected
+
+
+def test_a_layout_within_a_node_is_proposed_only_where_it_fits():
+    """llama3_70b, TP8 x FSDP8 on 64 H100s: keeping fsdp within a node (data=8, fsdp=1) would
+    need 176 GiB per GPU, so the log says fsdp must cross hosts instead of proposing it (the
+    warning used to propose it), and the doctor finds no problem in it; an 8B model on 16 GPUs
+    fits within a node, and the warning stands."""
+    from jaxtron import autofit, doctor
+    from jaxtron.config import load
+
+    usable = int(aot.capacity_bytes("h100") * 0.9)
+    big = aot.for_gpus(load([ROOT / "configs/llama3_70b.yaml"], ["mesh.tensor=8"]))
+    sizes = _sizes(fsdp=8, tensor=8)
+    need = autofit.layout_need(big, 64, usable)
+    lines = parallel.describe_hosts(sizes, 8, need)
+    assert not any(line.startswith("warning") for line in lines), lines
+    assert re.search(r"^note: mesh.fsdp=8 spans 8 hosts .*and must: within a node \(mesh.data=8 "
+                     r"mesh.fsdp=1\) it needs 1\d\d\.\d GiB per GPU at the least, over the 71.2 "
+                     r"GiB usable", lines[1]), lines
+    assert doctor.check_crossing(sizes, 8, need) == []
+    assert doctor.check_crossing(sizes, 8) != []  # without the memory check: the old advice
+    small = aot.for_gpus(load([ROOT / "configs/llama3_8b.yaml"]))
+    lines = parallel.describe_hosts(_sizes(fsdp=16), 8, autofit.layout_need(small, 16, usable))
+    assert lines[1].startswith("warning: mesh.fsdp=16 spans 2 hosts")
+    assert "mesh.data=2 mesh.fsdp=8" in lines[1]
