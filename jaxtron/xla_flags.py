@@ -55,15 +55,13 @@ XLA_PRESETS: dict[str, tuple[str, ...]] = {
         "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
         # XLA's own rematerialization recomputes fusions, matmuls included, whenever its memory
         # measure passes slop% of the device's memory less the arguments. That measure runs
-        # above the compiled peak (79.7 GiB for llama3_8b as shipped, whose peak is 49.1), so at
-        # XLA's default (95) it fired on a program that fits and added a sixth to its matmuls
-        # (1.18x 6*N*tokens where the remat policy implies 1.02x). At 130 it leaves that one
-        # alone (peak 53.1 GiB, 1.02x) and still saves the programs that are tight in truth
-        # (llama2_7b as shipped: 85.4 GiB without it, 53.2 with it, for 7% more matmuls). Not
-        # higher: the latency-hiding scheduler spends the same budget on early gathers (at 200
-        # the 8B's peak rose to 66.6 GiB). The remat policy and microbatches are chosen to fit
-        # (model.remat=auto: jaxtron/autofit.py), which also compiles a program its estimate
-        # says does not fit with no limit at all (autofit.compiler_options).
+        # above the compiled peak (gpt2_124m as shipped: 71.8 GiB measured, 54.7 compiled), so at
+        # XLA's default (95) it fired on presets that fit: matmuls 1.03x (gpt2_124m) and 1.01x
+        # (llama3_1b) what their remat policy implies, and llama3_70b's schedule left 124.5 GiB
+        # of fsdp traffic per step exposed instead of 84.5. At 130 it recomputes no preset's
+        # matmuls, and 200 or more changes none of them further. The remat policy and
+        # microbatches are what keeps memory in bounds (model.remat=auto: jaxtron/autofit.py,
+        # which also compiles a program its estimate says does not fit with no limit at all).
         "--xla_gpu_memory_limit_slop_factor=130",
     ),
 }

@@ -192,6 +192,9 @@ ESTIMATED = [
     ("gpt2_124m.yaml", 1, ("train.batch_size=8", "train.seq_len=1024")),
     ("llama3_1b.yaml", 1, ("train.batch_size=1", "train.seq_len=2048")),
     ("llama3_1b.yaml", 8, ("train.batch_size=16", "train.seq_len=4096", "train.microbatches=2")),
+    # saved activations in a microbatch loop: with XLA's pipelined all-gather on there, -36%
+    ("llama3_1b.yaml", 8, ("train.batch_size=16", "train.seq_len=4096", "train.microbatches=2",
+                           "model.remat=none")),
     ("llama3_8b.yaml", 8, ("train.batch_size=8", "train.seq_len=4096", "mesh.tensor=8",
                            "mesh.fsdp=1")),
     ("llama3_8b.yaml", 8, ("train.batch_size=8", "train.seq_len=2048", "model.remat=save_dots")),
@@ -429,12 +432,14 @@ def test_bf16_pipeline_stages_compile_with_cudnn_attention(tmp_path):
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward") == 10
 
 
-@pytest.mark.parametrize("config,devices", [("llama3_8b.yaml", 8), ("llama3_1b.yaml", 1)])
+@pytest.mark.parametrize("config,devices", [("llama3_8b.yaml", 8), ("llama3_1b.yaml", 1),
+                                            ("gpt2_124m.yaml", 1)])
 def test_a_preset_as_shipped_fits_with_a_tenth_spare_and_computes_no_matmul_twice(
         tmp_path, config, devices):
     """remat and microbatches left to auto, on the smallest cluster the preset is for: the
     compiled peak leaves 10% of the usable memory, and the matmuls are the policy's (XLA's own
-    rematerialization used to add a sixth to the 8B's: 1.18x 6*N*tokens)."""
+    rematerialization used to add a sixth to the 8B's, 1.18x 6*N*tokens, with the pipelined
+    all-gather on around its microbatches; at XLA's default limit 3% to gpt2_124m's)."""
     report = _launch(tmp_path, config, devices, shipped=True)
     memory = report["memory"]
     assert memory["peak_bytes"] <= 0.9 * memory["usable_bytes"]
