@@ -142,7 +142,8 @@ def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: 
         lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
         try:
             usable = int(capacity_bytes(target) * usable_fraction(cfg))
-            compiled = lowered.compile(autofit.compiler_options(cfg, plan, usable, "gpu"))
+            options = autofit.compiler_options(cfg, plan, usable, "gpu")
+            compiled = autofit.compile_with(lowered.compile, options)
         except jax.errors.JaxRuntimeError as e:
             raise ConfigError(compile_failure(str(e), target)) from None
     return compiled, plan, time.perf_counter() - start

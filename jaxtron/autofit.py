@@ -18,6 +18,8 @@ devices (a GPU's allocator limit; CPU devices share this machine's available mem
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Callable
 
 from jaxtron.config import Config, ConfigError
 
@@ -128,7 +130,23 @@ NO_LIMIT = {"xla_gpu_memory_limit_slop_factor": 10000}
 # GiB (53.2 after XLA's rematerialization, 7% more matmuls) and 309 GiB of exposed fsdp traffic
 # with it, 54.8 GiB and 165 GiB without. Without accumulation it pays (llama3_8b, full, one
 # sequence per GPU: 6.2 GiB exposed with it, 8.8 without), so it is switched off only there.
+# jax 0.11's XLA has no such compile option (its pipelining is an enum, and the same 1B program
+# compiles to 16.2 GiB there with the preset's flags): compile_with leaves it out.
 NO_PIPELINED_GATHER = {"xla_gpu_enable_pipelined_all_gather": False}
+_UNKNOWN = re.compile(r"No such compile option: '(\w+)'")
+
+
+def compile_with(compile: Callable, options: dict):
+    """compile(options), without the options this jaxlib does not know (XLA renames them)."""
+    options = dict(options)
+    while True:
+        try:
+            return compile(options or None)
+        except Exception as e:  # noqa: BLE001 - jax's runtime error; any other is raised again
+            unknown = _UNKNOWN.search(str(e))
+            if not unknown or unknown.group(1) not in options:
+                raise
+            del options[unknown.group(1)]
 
 
 def compiler_options(cfg: Config, plan, usable: int | None, platform: str) -> dict:

@@ -218,7 +218,7 @@ def _compiled(compile: Callable, options: dict, preemption: Preemption) -> Calla
 
     def work() -> None:
         try:
-            done["compiled"] = compile(options or None)
+            done["compiled"] = autofit.compile_with(compile, options)
         except BaseException as e:  # noqa: BLE001 - raised again in the main thread
             done["error"] = e
 

@@ -115,3 +115,28 @@ def test_the_dry_run_and_a_cpu_run_say_what_auto_chose(tmp_path, capsys):
                      r".*no memory limit is known for CPU devices", out, re.M), out[-2000:]
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert "remat: full" in saved and "microbatches: 0" not in saved
+
+
+def test_options_this_jaxlib_does_not_know_are_left_out():
+    """jax 0.11's XLA has no xla_gpu_enable_pipelined_all_gather compile option (it refused the
+    whole compile with it); compile_with drops it and compiles, and raises anything else."""
+    calls = []
+
+    def compile(options):
+        calls.append(options)
+        if options and "xla_gpu_enable_pipelined_all_gather" in options:
+            raise RuntimeError("INVALID_ARGUMENT: No such compile option: "
+                               "'xla_gpu_enable_pipelined_all_gather'")
+        return "compiled"
+
+    both = {**autofit.NO_PIPELINED_GATHER, **autofit.NO_LIMIT}
+    assert autofit.compile_with(compile, both) == "compiled"
+    assert calls[-1] == autofit.NO_LIMIT
+    assert autofit.compile_with(compile, autofit.NO_PIPELINED_GATHER) == "compiled"
+    assert calls[-1] is None
+
+    def broken(options):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        autofit.compile_with(broken, both)
