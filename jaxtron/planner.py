@@ -27,9 +27,12 @@ estimates one step's time as
 - latency: LATENCY_S per collective message and per pipeline iteration, which penalises many
   small steps (tiny microbatches, deep pipelines, many layers per step).
 
-The constants are below, each with its source; they are estimates for ranking layouts against
-each other, not predictions of absolute speed. `--verify` compiles the best layouts for the real
-GPU topology and prints the estimate beside the compiled peak.
+A layout fits where its estimate leaves autofit.SPARE (10%) of the usable memory free, as
+model.remat=auto asks of its choice. The constants are below, each with its source; they are
+estimates for ranking layouts against each other, not predictions of absolute speed.
+`tools/plan.py --verify` compiles the best layouts for the real GPU topology and times them
+again from their programs (`compiled_step`): the compiled matmul and attention FLOPs, and the
+collective bytes per axis that no matmul hides.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 from jaxtron import flops, memory, metrics, parallel, pipeline
+from jaxtron.autofit import SPARE
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
 from jaxtron.optim import make_optimizer
 from jaxtron.state import make_plan
@@ -76,9 +80,10 @@ class Layout:
     remat: str
     grad_sum: str  # pipeline.grad_sum
     peak_bytes: int
-    fits: bool
+    fits: bool  # leaves SPARE of the usable memory free, as model.remat=auto's choice does
     step_seconds: float
     parts: dict[str, float]  # seconds: compute, bubble, tensor, fsdp, data, stage, latency
+    crossing: tuple[str, ...] = ()  # the mesh axes whose groups span nodes
 
     def name(self) -> str:
         m = self.mesh
@@ -88,12 +93,22 @@ class Layout:
         return (f"TP{m['tensor']}{pipe} FSDP{m['fsdp']} DP{m['data']} M{self.microbatches} "
                 f"remat={self.remat}{whole}")
 
+    def overrides(self) -> str:
+        """The config overrides that run this layout."""
+        m = self.mesh
+        out = [f"mesh.{axis}={m[axis]}" for axis in ("data", "stage", "fsdp", "tensor")]
+        if m["stage"] > 1:
+            out += [f"pipeline.schedule={self.schedule}", f"pipeline.repeats={self.repeats}",
+                    f"pipeline.grad_sum={self.grad_sum}"]
+        return " ".join(out + [f"model.remat={self.remat}", f"train.microbatches={self.microbatches}"])
+
     def as_json(self) -> dict:
         return {"mesh": self.mesh, "schedule": self.schedule if self.mesh["stage"] > 1 else "none",
                 "repeats": self.repeats, "microbatches": self.microbatches, "remat": self.remat,
                 "grad_sum": self.grad_sum,
                 "step_seconds": round(self.step_seconds, 4), "peak_bytes": self.peak_bytes,
-                "fits": self.fits, "parts": {k: round(v, 4) for k, v in self.parts.items()}}
+                "fits": self.fits, "parts": {k: round(v, 4) for k, v in self.parts.items()},
+                "crossing": list(self.crossing)}
 
 
 def _divisors(n: int) -> list[int]:
@@ -198,10 +213,14 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
 
 def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, usable: int,
              remats: list[str]) -> list[Layout]:
-    """Every layout the config's checks accept, with its memory and time estimates."""
+    """Every layout the config's checks accept, with its memory and time estimates. One fits
+    where its estimated peak leaves SPARE of `usable` free: what model.remat=auto and
+    train.microbatches=auto ask of their choice, so that the planner's best is one they keep."""
     tx = make_optimizer(cfg.optim, cfg.train.steps)
+    budget = usable * (1 - SPARE)
     out = []
     for mesh in meshes(cfg, gpus, per_node):
+        crossing = tuple(parallel.crossing_axes(mesh, per_node))
         for schedule, repeats, micro, remat, grad_sum in variants(cfg, mesh, remats):
             candidate = configure(cfg, mesh, schedule, repeats, micro, remat, grad_sum)
             try:
@@ -212,7 +231,7 @@ def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, usable: int,
             peak = sum(memory.estimate(candidate, plan).values())
             parts = step_time(candidate, mesh, per_node, gpu)
             out.append(Layout(mesh, schedule, repeats, micro, remat, grad_sum, peak,
-                              peak <= usable, sum(parts.values()), parts))
+                              peak <= budget, sum(parts.values()), parts, crossing))
     return rank(out)
 
 
@@ -225,8 +244,8 @@ def why_slower(worse: Layout, better: Layout, usable: int) -> str:
     """One clause: the estimate's terms that cost `worse` the most against `better` (each term
     that adds at least a fifth of the largest, largest first)."""
     if not worse.fits:
-        return (f"does not fit: {worse.peak_bytes / 2**30:.1f} GiB per GPU, over the "
-                f"{usable / 2**30:.1f} GiB jax may use")
+        return (f"does not fit: {worse.peak_bytes / 2**30:.1f} GiB per GPU, over "
+                f"{1 - SPARE:.0%} of the {usable / 2**30:.1f} GiB jax may use")
     deltas = {k: worse.parts[k] - better.parts.get(k, 0.0) for k in worse.parts}
     costs = sorted(((d, k) for k, d in deltas.items() if d > 0), reverse=True)
     top = costs[0][0] if costs else 0.0
@@ -234,6 +253,24 @@ def why_slower(worse: Layout, better: Layout, usable: int) -> str:
                       for d, k in costs[:3] if d >= top / 5)
     return (f"+{duration(worse.step_seconds - better.step_seconds)} per step, mostly "
             f"{terms or 'rounding'}")
+
+
+def compiled_step(layout: Layout, report: dict, gpu: str) -> dict[str, float]:
+    """The parts of the layout's step time again, from what its compiled program does (an
+    `aot.report`): compute from the program's matmul and attention FLOPs; for each set of mesh
+    axes, the collective bytes no matmul hides (the report's exposed bytes) over NVLink, or over
+    the network where one of the axes spans nodes; the bubble scaled with the compute, and the
+    latency as estimated."""
+    counted = report["flops"]
+    work = counted["matmul_per_device"] + counted["attention_per_device"]
+    compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
+    estimated = layout.parts["compute"]
+    parts = {"compute": compute,
+             "bubble": layout.parts["bubble"] * compute / estimated if estimated else 0.0}
+    for axes, nbytes in report["exposed_bytes_per_axis"].items():
+        parts[axes] = _seconds(nbytes, bool(set(axes.split("+")) & set(layout.crossing)))
+    parts["latency"] = layout.parts["latency"]
+    return parts
 
 
 def duration(seconds: float) -> str:

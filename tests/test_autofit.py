@@ -29,12 +29,16 @@ def _peak(cfg, devices: int) -> int:
 
 @pytest.mark.parametrize("name", CLUSTERS)
 def test_every_gpu_preset_chooses_a_layout_with_a_tenth_spare_on_its_cluster(name):
+    """The 70B presets pin what the planner's --verify recommends (llama3_70b: remat=full in one
+    pass; auto's save_dots with 8 microbatches compiles to 67.9 GiB there): kept as they are."""
     cfg = aot.for_gpus(_preset(name))
-    assert cfg.model.remat == "auto"
+    pinned = name.startswith("llama3_70b")
+    assert cfg.model.remat == ("full" if pinned else "auto")
     chosen, line = autofit.resolve(cfg, CLUSTERS[name], H100, "one H100")
     assert chosen.model.remat in autofit.POLICIES and chosen.train.microbatches >= 1
     assert _peak(chosen, CLUSTERS[name]) <= 0.9 * H100, line
-    assert line.startswith("auto: model.remat=") and "free (at least 10% kept)" in line
+    if not pinned:
+        assert line.startswith("auto: model.remat=") and "free (at least 10% kept)" in line
 
 
 def test_the_choice_is_the_least_recompute_then_the_fewest_microbatches():

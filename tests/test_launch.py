@@ -390,8 +390,9 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
 
 
 @pytest.mark.parametrize("overrides,verdict", [
-    (["mesh.data=64", "mesh.fsdp=1"], "verdict: DOES NOT FIT: {total:.1f} GiB per device, "
-                                      "{usable:.1f} GiB usable on one H100"),
+    (["mesh.data=64", "mesh.fsdp=1", "mesh.tensor=1"],
+     "verdict: DOES NOT FIT: {total:.1f} GiB per device, "
+     "{usable:.1f} GiB usable on one H100"),
     (["mesh.tensor=8", "model.num_layers=40"], "verdict: fits: {total:.1f} of {usable:.1f} GiB "
                                                "usable on one H100"),
 ])
@@ -413,7 +414,7 @@ def test_dry_run_gives_a_verdict_against_the_gpu(capsys, overrides, verdict):
 @pytest.mark.parametrize("config,overrides,advice", [
     ("llama3_8b", ["mesh.fsdp=8", "model.remat=full", "train.microbatches=1"], "mostly activations (lm_head_and_loss 41.1 GiB and "
      "saved_activations 32.0 GiB): raise train.microbatches (now 1), or shard more"),
-    ("llama3_70b", ["mesh.data=64", "mesh.fsdp=1"], "mostly state (opt_state 525.7 GiB and params "
+    ("llama3_70b", ["mesh.data=64", "mesh.fsdp=1", "mesh.tensor=1"], "mostly state (opt_state 525.7 GiB and params "
      "262.8 GiB): shard more (mesh.fsdp, mesh.tensor, mesh.stage)"),
 ])
 def test_a_layout_that_does_not_fit_is_told_what_shrinks_its_largest_terms(capsys, config,

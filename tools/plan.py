@@ -13,8 +13,9 @@ pipeline bubble and the communication each axis implies over NVLink or the netwo
 are printed with the terms that cost each most against the one above; `--find PARTS` shows where
 the best layout named by those parts ranks, and why; `--json FILE` writes the whole ranked list.
 `--verify N` compiles the best N for the real GPU topology (as `launch.py --compile-for` does,
-with the GPU flag preset; a few minutes for a large model) and prints each estimate beside the
-compiled peak. Bad input: one line, exit 2.
+with the GPU flag preset; a few minutes for a large model), prints each estimate beside the
+compiled peak and the step time from what the program does, and recommends the fastest whose
+compiled peak leaves 10% free, with its overrides. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from jaxtron import aot, cli, planner
 from jaxtron import config as config_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.autofit import AUTO, POLICIES
+from jaxtron.autofit import AUTO, POLICIES, SPARE
 from jaxtron.model import REMAT_POLICIES
 
 
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="h100", choices=sorted(planner.ACHIEVABLE_TFLOPS))
     parser.add_argument("--remat",
-                        help="comma-separated remat policies to try (default: the config's, full)")
+                        help="comma-separated remat policies to try (default: those "
+                             "model.remat=auto chooses from, and the config's own)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print")
     parser.add_argument("--json", type=Path, help="write the ranked list here")
     parser.add_argument("--verify", type=int, default=0, metavar="N",
@@ -66,9 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _remats(args: argparse.Namespace, cfg) -> list[str]:
-    if args.remat is None:  # auto: every policy autofit chooses from
-        return list(POLICIES) if cfg.model.remat == AUTO else list(
-            dict.fromkeys([cfg.model.remat, "full"]))
+    if args.remat is None:  # every policy auto chooses from, as meshes: a preset's pin included
+        return list(dict.fromkeys([*POLICIES, *([] if cfg.model.remat == AUTO
+                                                  else [cfg.model.remat])]))
     names = [r.strip() for r in args.remat.split(",")]
     if "" in names:
         what = "is empty" if len(names) == 1 else f"'{args.remat}' has an empty item"
@@ -96,8 +98,9 @@ def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
     print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))} "
           "(TP tensor, PP stages, R circular repeats, FSDP, DP data, M microbatches per pass):")
     if not fits:
-        print(f"none fits in the {usable / 2**30:.1f} GiB jax may use per GPU; the smallest needs "
-              f"{min(x.peak_bytes for x in ranked) / 2**30:.1f} GiB: use more GPUs (--gpus)")
+        print(f"none fits in {1 - SPARE:.0%} of the {usable / 2**30:.1f} GiB jax may use per GPU; "
+              f"the smallest needs {min(x.peak_bytes for x in ranked) / 2**30:.1f} GiB: use more "
+              "GPUs (--gpus)")
     for i, layout in enumerate(ranked[:top]):
         print(f"{i + 1}. {_line(layout)}")
         if i:
@@ -107,8 +110,11 @@ def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
 def _line(layout: planner.Layout) -> str:
     parts = ", ".join(f"{k} {planner.duration(v)}" for k, v in layout.parts.items()
                       if v >= 0.001 * layout.step_seconds)
+    crossing = (f"; {' and '.join(layout.crossing)} "
+                f"{'cross' if len(layout.crossing) > 1 else 'crosses'} nodes" if layout.crossing
+                else "")
     return (f"{layout.name()}: {planner.duration(layout.step_seconds)} per step, "
-            f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts})")
+            f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts}){crossing}")
 
 
 FIND_PART = r"(TP|PP|R|FSDP|DP|M)\d+|gpipe|circular|remat=\w+|grad_sum=\w+"  # Layout.name's
@@ -143,19 +149,38 @@ def print_found(ranked: list[planner.Layout], queries: list[str], usable: int) -
         above = (index, f"'{query}'")
 
 
-def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespace) -> None:
-    """Compile the best `count` that fit and print estimate against compiled peak."""
+def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespace,
+           usable: int) -> None:
+    """Compile the best `count` that fit: each compiled peak beside its estimate, and the step
+    time again from what the compiled program does (planner.compiled_step). Then the one to run:
+    the fastest by that time among those whose compiled peak leaves SPARE free."""
+    kept = []
     for layout in [x for x in ranked if x.fits][:count]:
         candidate = planner.configure(cfg, layout.mesh, layout.schedule, layout.repeats,
                                       layout.microbatches, layout.remat, layout.grad_sum)
-        compiled, _, seconds = aot.compile_step_for(candidate, args.gpu, args.gpus,
-                                                    args.gpus_per_node)
-        stats = compiled.memory_analysis()
-        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+        report = aot.compile_for(candidate, args.gpu, args.gpus, args.gpus_per_node)
+        peak = report["memory"]["peak_bytes"]
+        parts = planner.compiled_step(layout, report, args.gpu)
+        seconds = sum(parts.values())
+        keeps = peak <= usable * (1 - SPARE)
+        exposed = ", ".join(f"{axes} {planner.duration(parts[axes])}"
+                            for axes in report["exposed_bytes_per_axis"]
+                            if parts[axes] >= 0.001 * seconds)
         print(f"verify {layout.name()}: estimate {layout.peak_bytes / 2**30:.1f} GiB, compiled "
-              f"{peak / 2**30:.1f} GiB ({layout.peak_bytes / peak - 1:+.1%}), compiled in "
-              f"{seconds:.0f} s", flush=True)
+              f"{peak / 2**30:.1f} GiB ({layout.peak_bytes / peak - 1:+.1%})"
+              f"{'' if keeps else f', less than {SPARE:.0%} of the usable memory free'}; "
+              f"{planner.duration(seconds)} per step from the compiled program (compute "
+              f"{planner.duration(parts['compute'])}, exposed {exposed or 'nothing'}), estimate "
+              f"{planner.duration(layout.step_seconds)}; compiled in "
+              f"{report['compile_seconds']:.0f} s", flush=True)
+        if keeps:
+            kept.append((seconds, layout))
+    if kept:
+        best = min(kept, key=lambda x: x[0])[1]
+        print(f"recommended: {best.name()}: {best.overrides()}")
+    else:
+        print(f"none of the {count} verified leaves {SPARE:.0%} free compiled: verify more "
+              "(--verify N) or use more GPUs")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -181,7 +206,7 @@ def run(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps([x.as_json() for x in ranked], indent=1))
         print(f"wrote {len(ranked)} layouts to {args.json}")
     if args.verify:
-        verify(cfg, ranked, args.verify, args)
+        verify(cfg, ranked, args.verify, args, usable)
 
 
 def main(argv: list[str] | None = None) -> int:
