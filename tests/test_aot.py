@@ -216,6 +216,11 @@ ESTIMATED = [
     ("llama3_8b.yaml", 64, ("mesh.tensor=2", "mesh.fsdp=32", "train.batch_size=64",
                             "train.seq_len=2048", "model.num_layers=4")),
 ]
+# CI runs one of each kind (one device, fsdp with accumulation, tensor with collective matmul, a
+# pipeline, tensor x fsdp over hosts); `pytest -m slow` the rest (CI's time).
+IN_CI = {0, 2, 4, 8, 11, 12}
+ESTIMATED = [case if i in IN_CI else pytest.param(*case, marks=pytest.mark.slow)
+             for i, case in enumerate(ESTIMATED)]
 
 
 @pytest.mark.parametrize("config,devices,overrides", ESTIMATED, ids=lambda x: str(x))
@@ -242,6 +247,7 @@ def test_llama3_8b_on_one_node_fits(tmp_path):
     assert {tuple(r["axes"]) for r in rows["all-gather"]} == {("fsdp",)}
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 @pytest.mark.parametrize("schedule", [(), ("pipeline.schedule=circular", "pipeline.repeats=5")],
                          ids=["gpipe", "circular"])
 def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
@@ -279,6 +285,7 @@ def test_llama3_70b_pp8_fits_on_128_gpus_with_room_to_spare(tmp_path, schedule):
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) >= 2 * iterations * per_group
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 @pytest.mark.parametrize("grad_sum", ["sharded", "whole"])
 def test_pipeline_gathers_fsdp_sharded_stage_weights_once_per_pass(tmp_path, grad_sum):
     """Llama-3-70B as TP8 / PP2 / FSDP8 on 128 H100s, 16 microbatches: the stage's weights are
@@ -347,6 +354,7 @@ def _tensor_rows(report: dict) -> dict[str, dict]:
     "jax 0.11's XLA schedules 83% of the collective-matmul permutes' bytes under a matmul "
     "(17.4 of 20.9 GB; jax 0.10: 95% or more) and leaves some tensor all-gathers and "
     "reduce-scatters synchronous: docs/parallelism.md, open"))
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_collective_matmul_overlaps_the_tensor_collectives(tmp_path):
     """llama3_8b cut to 8 layers, tensor=8, seq 4096, on 8 H100s. Without collective matmul the
     sequence-parallel all-gathers and reduce-scatters over `tensor` carry the activations, about
@@ -466,6 +474,7 @@ def test_the_lighter_policies_compute_no_matmul_twice_even_where_they_do_not_fit
     assert report["fits"] is (remat == "save_dots")
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_each_weight_is_gathered_over_fsdp_once_forward_and_once_backward(tmp_path, remat):
     """llama3_8b cut to 4 layers, TP8 x FSDP2 on 16 H100s (2 hosts: fsdp crosses them), one

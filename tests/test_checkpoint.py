@@ -223,6 +223,7 @@ def test_restore_from_another_runs_checkpoint(tmp_path):
     assert [int(x) for x in jax_leaves(src["opt_state"]) if x.dtype == np.int32] == [2, 2]
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_damaged_latest_is_moved_aside_and_saved_again(tmp_path, capsys):
     """Damage the newest checkpoint, rerun to the same step, rerun further: the third run resumes
     from the checkpoint the second one saved, and every loss equals a straight run's. (Left in

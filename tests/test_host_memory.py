@@ -40,6 +40,7 @@ def soak(tmp_path_factory) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_resident_memory_stays_flat_over_120_saves(soak):
     """The median over saves 101-120 within 10% of the median over saves 11-30 (medians: a row is
     written while the previous save's host copies may still be held)."""

@@ -82,6 +82,7 @@ def reference(tmp_path_factory):
     return train_lib.train(cfg)
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_path, reference,
                                                                           sig):

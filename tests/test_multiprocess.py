@@ -178,6 +178,7 @@ SPANNING = ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=
             "train.steps=3", "checkpoint.every=0"]
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_batch_shards_spanning_processes(tmp_path):
     """Pipeline stages on different processes: a batch shard spans both, and each device must
     take its rows of the global batch (not its process's slice); losses and grad norms equal

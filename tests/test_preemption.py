@@ -96,6 +96,7 @@ atomicity.async_path.rename = _rename_or_die
 """
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_sigkill_during_a_saves_commit_keeps_the_previous_checkpoint(tmp_path, straight):
     """A checkpoint whose commit was cut short is never read: the rerun resumes from the one
     before, bit for bit, and saves the cut step again (Orbax writes into a temporary directory and

@@ -101,6 +101,7 @@ def no_cache_after():
     compilation_cache.reset_cache()
 
 
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_compile_cache_reuses_a_run_never_another_mesh_or_flags(tmp_path, caplog, monkeypatch,
                                                                  capsys, no_cache_after):
     caplog.set_level(logging.DEBUG, logger="jax._src.compiler")
