@@ -446,6 +446,7 @@ def test_bf16_pipeline_stages_compile_with_cudnn_attention(tmp_path):
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward") == 10
 
 
+@pytest.mark.slow  # CI runs it in its second leg, on jax 0.11 (the GPU images' stack)
 @pytest.mark.parametrize("config,devices", [("llama3_8b.yaml", 8), ("llama3_1b.yaml", 1),
                                             ("gpt2_124m.yaml", 1)])
 def test_a_preset_as_shipped_fits_with_a_tenth_spare_and_computes_no_matmul_twice(
@@ -474,7 +475,7 @@ def test_the_lighter_policies_compute_no_matmul_twice_even_where_they_do_not_fit
     assert report["fits"] is (remat == "save_dots")
 
 
-@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
+@pytest.mark.slow  # CI runs it in its second leg, on jax 0.11 (the GPU images' stack)
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_each_weight_is_gathered_over_fsdp_once_forward_and_once_backward(tmp_path, remat):
     """llama3_8b cut to 4 layers, TP8 x FSDP2 on 16 H100s (2 hosts: fsdp crosses them), one
