@@ -436,10 +436,14 @@ def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch)
     """The CPU devices share the host's memory: a 1B model said 'no limit known' and would have
     been killed by the out-of-memory killer without a word. The need is the estimate as a CPU
     program uses it (x1.4, measured) plus the process; near the limit there is no verdict."""
-    from jaxtron import memory
+    from jaxtron import doctor, memory
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 20 * 2**30)
     monkeypatch.setattr(memory, "process_bytes", lambda: 2**29)
+    # room for the 1B's 13.8 GiB checkpoint whatever this machine's disk has: else the dry run
+    # refuses the run.dir first, as a run here would (test_doctor covers that refusal)
+    plenty = shutil.disk_usage(".")._replace(free=2**50)
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda path: plenty)
     assert launch.main(["--config", "configs/llama3_1b.yaml", "--dry-run", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     total = int(out.split("memory per device, estimated: ")[1].split(" bytes")[0].replace(",", ""))
