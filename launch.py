@@ -9,17 +9,19 @@
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
     python launch.py --strict ...                    # a set-up problem stops the run (exit 2)
 
-Before training, the set-up checks of tools/doctor.py run (jaxtron/doctor.py): each problem is one
-`warning: ...` line naming the fix; with --strict, one `launch.py: error: ...` line each and exit
-status 2.
+Before training, the set-up checks of tools/doctor.py run (jaxtron/train/doctor.py): each problem is
+one `warning: ...` line naming the fix; with --strict, one `launch.py: error: ...` line each and
+exit status 2.
 
 Exit status: 0 done; 2 bad input (one line says what to change), or with --strict a set-up
 problem; 3 stopped on a non-finite loss
 (train.on_nonfinite=stop); 4 a due checkpoint could not be saved (the line says why; the previous
-checkpoint is intact); 75 preempted by SIGTERM/SIGINT/SIGHUP after saving a checkpoint (rerun resumes).
+checkpoint is intact); 75 preempted by SIGTERM/SIGINT/SIGHUP after saving a
+checkpoint (rerun resumes).
 Several processes: when one is lost (killed, frozen, its node down), the others stop within
 run.peer_timeout_s (60 s) with one line naming it and status 75: the newest checkpoint is intact
-and the same command resumes (jaxtron/supervisor.py; each process trains in a supervised child).
+and the same command resumes (jaxtron/train/supervisor.py; each process trains in a
+supervised child).
 """
 
 from __future__ import annotations
@@ -38,14 +40,16 @@ EXIT_PREEMPTED = 75  # SIGTERM/SIGINT/SIGHUP: the current step was checkpointed;
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxtron import cli, distributed
+    from jaxtron import cli
+    from jaxtron.train import distributed
 
     parser = cli.Parser(
         command="launch.py",
         description="Train a Llama-family model with JAX SPMD. Without --config: the tiny preset "
                     "(configs/tiny.yaml) on the Python standard library's sources.",
         epilog="overrides: section.key=value, anywhere on the line; sections: model, mesh, "
-               "pipeline, xla, data, train, optim, checkpoint, run (jaxtron/config.py lists every "
+               "pipeline, xla, data, train, optim, checkpoint, run "
+               "(jaxtron/config/__init__.py lists every "
                "key). `base:` in a preset names another preset, relative to the preset's file. "
                "Exit status: 0 done, 2 bad input (one line says what to change), 3 stopped on a "
                "non-finite loss, 4 a due checkpoint could not be saved, 75 preempted after a "
@@ -66,7 +70,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(default: the local device's, if it reports one)")
     parser.add_argument("--gpus-per-host", type=int, default=None,
                         help="with --compile-for: GPUs per host (default 8)")
-    parser.add_argument("--report", metavar="FILE.json", help="with --compile-for: the report as JSON")
+    parser.add_argument("--report", metavar="FILE.json",
+                        help="with --compile-for: the report as JSON")
     parser.add_argument("--hlo", metavar="FILE", help="with --compile-for: the optimized HLO text")
     distributed.add_flags(parser)
     parser.add_argument("--strict", action="store_true",
@@ -87,12 +92,15 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     resolved config; allocate and write nothing."""
     import jax
 
-    from jaxtron import aot, autofit, checkpoint, cli, doctor, memory, pipeline
+    from jaxtron import checkpoint, cli
     from jaxtron import config as config_lib
-    from jaxtron import weights
-    from jaxtron.optim import make_optimizer
-    from jaxtron.state import RESTORE_UNUSED, make_plan, resumed_schedule_jump
-    from jaxtron.train import check_paths
+    from jaxtron.checkpoint import weights
+    from jaxtron.parallel import pipeline
+    from jaxtron.plan import aot, autofit, memory
+    from jaxtron.step.optim import make_optimizer
+    from jaxtron.step.state import RESTORE_UNUSED, make_plan, resumed_schedule_jump
+    from jaxtron.train import doctor
+    from jaxtron.train.loop import check_paths
 
     if not (finished := _finished(cfg)):  # a finished run writes nothing: any storage will do
         check_paths(cfg)  # in the order a run checks: paths, layout, data
@@ -153,7 +161,8 @@ def _check_unlocked(run_dir: Path) -> None:
 
 def _resume_warning(step_dir: Path, cfg) -> str | None:
     """The warning a run gives when the checkpoint's input position cannot be resumed exactly
-    with this config's data layout (jaxtron/data.py); None when it can, or was not saved."""
+    with this config's data layout (jaxtron/data/__init__.py); None when it can, or was not
+    saved."""
     from jaxtron import data
 
     try:
@@ -167,9 +176,9 @@ def _check_data(cfg) -> str:
     """The data checks a run makes before compiling (sources, mixture, tokenizer against the
     vocabulary; the default corpus's tokenizer is trained and cached if it is not yet); what was
     checked, and a warning for a vocabulary far larger than the tokenizer's."""
-    from jaxtron import prepared
     from jaxtron.cli import plural
-    from jaxtron.tokenizer import CORPUS_PIECES
+    from jaxtron.data import prepared
+    from jaxtron.data.tokenizer import CORPUS_PIECES
 
     prepared.check_dataset(cfg.data, cfg.model.vocab_size)
     prepared.check_eval(cfg.data, cfg.train.eval_every)
@@ -204,15 +213,17 @@ def _verdict(terms: dict[str, int], gpu: str | None, cfg, num_devices: int) -> s
     CLOSE_CALL of the limit is no verdict: the compiled program says."""
     import jax
 
-    from jaxtron import aot, memory
+    from jaxtron.plan import aot
 
     total, local = sum(terms.values()), jax.devices()[0]
     if gpu:
-        usable, where = int(aot.capacity_bytes(gpu) * aot.usable_fraction(cfg)), f"one {gpu.upper()}"
+        usable, where = (int(aot.capacity_bytes(gpu) * aot.usable_fraction(cfg)),
+                         f"one {gpu.upper()}")
     elif local.platform == "cpu" and num_devices == jax.local_device_count():
         return _host_verdict(terms, cfg, num_devices)
     else:
-        usable, where = (local.memory_stats() or {}).get("bytes_limit", 0), f"this {local.device_kind}"
+        usable, where = ((local.memory_stats() or {}).get("bytes_limit", 0),
+                         f"this {local.device_kind}")
     if not usable:
         return (f"verdict: no device memory limit known here ({local.platform}); "
                 "add --gpu h100 (or h200) to compare")
@@ -247,7 +258,7 @@ def _host_verdict(terms: dict[str, int], cfg, num_devices: int) -> str:
     """CPU devices share this machine's memory: all of them, as a CPU program uses it, plus the
     process, against what is available (counting this process's memory, which a run would
     have instead)."""
-    from jaxtron import memory
+    from jaxtron.plan import memory
 
     if not (available := memory.available_host_bytes()):
         return "verdict: no memory limit known here (cpu); add --gpu h100 (or h200) to compare"
@@ -307,15 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     signals = _StartupSignals()
     signals.install()
     if os.environ.get("JAXTRON_SUPERVISOR"):  # distributed.SUPERVISED, before the imports
-        from jaxtron.supervisor import follow_parent
+        from jaxtron.train.supervisor import follow_parent
 
         follow_parent()
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)  # imports jax: a second or two
         from jaxtron.checkpoint import CheckpointSaveError
         from jaxtron.cli import one_line_errors
-        from jaxtron.distributed import end_if_lost
-        from jaxtron.train import NonFiniteError, Preempted
+        from jaxtron.train.distributed import end_if_lost
+        from jaxtron.train.loop import NonFiniteError, Preempted
 
         signals.check()
     except KeyboardInterrupt:
@@ -336,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _supervised(args: argparse.Namespace) -> int | None:
-    """Several processes train in a supervised child (jaxtron/supervisor.py): its status."""
-    from jaxtron.supervisor import supervise_launch
+    """Several processes train in a supervised child (jaxtron/train/supervisor.py): its status."""
+    from jaxtron.train.supervisor import supervise_launch
 
     return supervise_launch(args, args.config or [DEFAULT_CONFIG])
 
@@ -349,7 +360,7 @@ def _leave_peers(status: int) -> int:
     They stop on its missing heartbeat instead (within run.peer_timeout_s)."""
     import jax
 
-    from jaxtron import distributed
+    from jaxtron.train import distributed
 
     if status and jax.distributed.is_initialized():
         distributed.announce_exit(status)  # the others' failing collectives: not a lost peer
@@ -374,9 +385,11 @@ def run(args: argparse.Namespace) -> int | None:
     paths, join the processes, check the set-up and train."""
     import jax  # importing starts no backend: XLA_FLAGS may still be set below
 
-    from jaxtron import cli, distributed, parallel, xla_flags
+    from jaxtron import cli, parallel
     from jaxtron.config import load, to_yaml
-    from jaxtron.train import check_paths, train
+    from jaxtron.plan import xla_flags
+    from jaxtron.train import distributed
+    from jaxtron.train.loop import check_paths, train
 
     _check_options(args)
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)
@@ -411,8 +424,7 @@ def run(args: argparse.Namespace) -> int | None:
 def _finished(cfg) -> str | None:
     """'nothing to do' when run.dir's newest checkpoint is at train.steps or past it (and holds
     this model: check_start), before anything is written; else None."""
-    from jaxtron import weights
-    from jaxtron.checkpoint import check_start
+    from jaxtron.checkpoint import check_start, weights
 
     run_dir = Path(cfg.run.dir)
     steps = weights.run_checkpoints(run_dir)
@@ -446,7 +458,7 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.gpus_per_host is None:
         args.gpus_per_host = 8
     if (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
-        from jaxtron import distributed  # a dry run checks them as the run would
+        from jaxtron.train import distributed  # a dry run checks them as the run would
 
         distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
 
@@ -456,7 +468,7 @@ def preflight(cfg, args: argparse.Namespace) -> int:
     problems. The exit status: 2 under --strict when there is any, else 0."""
     import jax
 
-    from jaxtron import doctor
+    from jaxtron.train import doctor
 
     problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator, disk=False,
                                 gpu=jax.devices()[0].platform == "gpu")  # GPU settings: GPUs only
@@ -473,7 +485,8 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
         raise ConfigError("--compile-for and --dry-run are two different reports; give one")
     if args.devices is None:
         raise ConfigError("--compile-for needs --devices N, the GPUs of the cluster to compile for")
-    from jaxtron import aot, cli
+    from jaxtron import cli
+    from jaxtron.plan import aot
 
     aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
     outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}

@@ -3,7 +3,7 @@
 import time
 
 # When this process first imported jaxtron, before anything else here (importlib.metadata alone
-# takes ~50 ms): where an attempt's start-up begins (jaxtron/goodput.py). launch.py imports
+# takes ~50 ms): where an attempt's start-up begins (jaxtron/train/goodput.py). launch.py imports
 # jaxtron as it starts, so this is Python's start give or take some milliseconds; /proc's start
 # of the pid is not, where a shell exec'ed python into it after other work (`pip install -e . &&
 # python launch.py`).
@@ -61,6 +61,6 @@ def _check_installed() -> None:
 
 _check_installed()
 
-from jaxtron.xla_flags import load_plugins_quietly  # after the check above
+from jaxtron.plan.xla_flags import load_plugins_quietly  # after the check above
 
 load_plugins_quietly()  # before any command's first output (see its docstring)

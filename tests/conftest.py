@@ -25,8 +25,10 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +119,24 @@ def _signal_handlers_as_at_start():
     for sig, handler in _STARTING.items():
         signal.signal(sig, handler)
     yield
+
+
+# ------------------------------------------------------------- helpers the test files share
+# (imported as `from conftest import ...`: pytest puts tests/ on the path)
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+QUIET = ("run.tensorboard=false", "run.progress=lines")  # no event files, a line per log step
+
+
+def tiny_config(*overrides: str, run_dir: str | Path | None = None):
+    """configs/tiny.yaml with `overrides`, quiet (QUIET) and, given one, its own run.dir."""
+    from jaxtron import config
+
+    where = (f"run.dir={run_dir}",) if run_dir is not None else ()
+    return config.load([TINY], [*QUIET, *where, *overrides])
+
+
+def run_launch(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """`python launch.py ARGS` in the repository root, its output captured as text."""
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False, **kwargs)

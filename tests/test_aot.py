@@ -15,9 +15,9 @@ import jax
 import pytest
 
 import launch
-from jaxtron import aot, flops, hlo
 from jaxtron import config as config_lib
 from jaxtron.model import REMAT_POLICIES
+from jaxtron.plan import aot, flops, hlo
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -110,7 +110,7 @@ def test_flops_model_and_compiled():
     cfg = _cfg("mesh.fsdp=8", "model.remat=none")
     report, _ = _report(cfg)
     flops = report["flops"]
-    from jaxtron.metrics import flops_per_token
+    from jaxtron.plan.metrics import flops_per_token
 
     tokens = cfg.train.batch_size * cfg.train.seq_len
     assert flops["model_per_device"] == round(flops_per_token(cfg.model, cfg.train.seq_len) * tokens / 8)
@@ -205,7 +205,7 @@ ESTIMATED = [
     ("llama3_8b.yaml", 8, ("train.batch_size=8", "train.seq_len=4096", "mesh.tensor=8",
                            "mesh.fsdp=1", "model.remat=none", "model.num_layers=8")),
     # 4 of the 16 / 32 layers (the full models' estimates are within 7%): before the LM head
-    # was split into its forward and backward (jaxtron/memory.py) these were +33%, -34%, +20%
+    # was split into its forward and backward (jaxtron/plan/memory.py) these were +33%, -34%, +20%
     # and +25% off: the loss's forward peak (no gradients yet), every chunk's logit gradients at
     # tensor=1, a pipeline's head before its stage gradients, the embedding's backward at the end.
     ("llama3_1b.yaml", 16, ("mesh.tensor=2", "mesh.fsdp=8", "train.batch_size=32",
@@ -369,7 +369,7 @@ def test_collective_matmul_overlaps_the_tensor_collectives(tmp_path):
     on_report = _launch(tmp_path / "on", "llama3_8b.yaml", 8, *args, "model.collective_matmul=true")
     on = _tensor_rows(on_report)
     moved = off["all-gather"]["bytes"] + off["reduce-scatter"]["bytes"]
-    # Off, the only permutes over tensor are the embedding gradient's ring (jaxtron/vocab.py).
+    # Off, the only permutes over tensor are the embedding gradient's ring (jaxtron/model/vocab.py).
     ring = off["collective-permute"]["bytes"] if "collective-permute" in off else 0
     assert ring <= 0.02 * moved
     exposed = lambda rows: sum(r["bytes"] - r["overlapped_bytes"] for r in rows.values())
@@ -397,7 +397,7 @@ def test_bad_compile_requests_get_one_line(capsys, args, expected):
 
 
 def test_missing_plugin_names_the_extra(capsys, monkeypatch):
-    from jaxtron import xla_flags
+    from jaxtron.plan import xla_flags
 
     monkeypatch.setattr(xla_flags, "_installed", lambda module: False)
     assert launch.main(["--compile-for", "h100", "--devices", "8"]) == 2
@@ -410,7 +410,7 @@ def test_layout_that_does_not_divide_is_one_line(tmp_path):
            "mesh.fsdp=3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, check=False, timeout=300)
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("launch.py: error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("launch.py: error:")]
     assert len(lines) == 1 and "mesh" in lines[0] and "Traceback" not in proc.stderr
 
 

@@ -1,4 +1,4 @@
-"""model.remat=auto and train.microbatches=auto (jaxtron/autofit.py): the least recompute, then
+"""model.remat=auto and train.microbatches=auto (jaxtron/plan/autofit.py): the least recompute, then
 the fewest microbatches, whose estimated peak leaves 10% of the target's usable memory free."""
 
 import re
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 import launch
-from jaxtron import aot, autofit, memory
 from jaxtron.config import ConfigError, load
-from jaxtron.optim import make_optimizer
-from jaxtron.state import make_plan
+from jaxtron.plan import aot, autofit, memory
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = int(aot.capacity_bytes("h100") * 0.9)  # xla.mem_fraction's default

@@ -13,7 +13,7 @@ import bench
 import bench_data
 import pytest
 
-from jaxtron import benchmark
+from jaxtron.plan import benchmark
 
 SMALL = ["--steps", "1", "--warmup", "0", "train.seq_len=64", "train.batch_size=8",
          "model.num_layers=2", "mesh.fsdp=8"]
@@ -117,7 +117,7 @@ def test_bench_data_says_one_batch_and_that_it_is_too_few(capsys):
 
 
 def test_a_state_larger_than_this_machine_is_refused_before_allocating(capsys, monkeypatch):
-    from jaxtron import memory
+    from jaxtron.plan import memory
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)
     assert bench.main(SMALL) == 2
@@ -244,8 +244,8 @@ def test_every_gpu_row_fits_one_h100_as_compiled():
     """Each row of the GPU suite, compiled for one H100 80GB here, fits in what jax may allocate
     (xla.mem_fraction 0.9 of 79.14 GiB: 71.23 GiB). Measured peaks (GiB): gpt2_124m 54.2,
     llama3_1b seq 4096 36.2, seq 8192 30.3, llama3_8b 16 layers 67.6."""
-    from jaxtron import aot, presets
-    from jaxtron.config import load
+    from jaxtron.config import load, presets
+    from jaxtron.plan import aot
 
     usable = aot.capacity_bytes("h100") * 0.9
     for row in benchmark.SUITES["gpu"].rows:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from jaxtron import config
-from jaxtron.train import train
+from jaxtron.train.loop import train
 
 MODEL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
          "model.mlp_dim=128"]

@@ -10,21 +10,19 @@ from pathlib import Path
 import grain
 import numpy as np
 import pytest
+from conftest import tiny_config
 
-from jaxtron import config
-from jaxtron.checkpoint import CheckpointSaveError, Checkpoints
-from jaxtron.optim import lr_schedule
-from jaxtron.train import train
+from jaxtron.checkpoint import Checkpoints, CheckpointSaveError
+from jaxtron.step.optim import lr_schedule
+from jaxtron.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cfg(run_dir, *extra):
-    return config.load(["configs/tiny.yaml"], [
-        "train.steps=6", "train.log_every=1", "train.seq_len=64", "checkpoint.every=2",
-        "checkpoint.keep=2", "optim.warmup_steps=2", "run.tensorboard=false",
-        "run.progress=lines", f"run.dir={run_dir}", *extra,
-    ])
+    return tiny_config("train.steps=6", "train.log_every=1", "train.seq_len=64",
+                       "checkpoint.every=2", "checkpoint.keep=2", "optim.warmup_steps=2", *extra,
+                       run_dir=run_dir)
 
 
 def test_resume_from_latest_checkpoint_is_exact(tmp_path):
@@ -81,6 +79,7 @@ def _poison(monkeypatch, at, where="loss"):
     the gradient NaN (where="grad")."""
     import jax
     import jax.numpy as jnp
+
     from jaxtron import data as data_lib
     from jaxtron import step as step_lib
 
@@ -138,7 +137,8 @@ def test_nonfinite_step_is_skipped(tmp_path, monkeypatch, where):
 
 def test_nonfinite_step_stops_without_saving(tmp_path, monkeypatch):
     import pytest
-    from jaxtron.train import NonFiniteError
+
+    from jaxtron.train.loop import NonFiniteError
 
     _poison(monkeypatch, at={3})
     run_dir = tmp_path / "run"
@@ -150,7 +150,8 @@ def test_nonfinite_step_stops_without_saving(tmp_path, monkeypatch):
 
 def test_too_many_consecutive_skips_stop(tmp_path, monkeypatch):
     import pytest
-    from jaxtron.train import NonFiniteError
+
+    from jaxtron.train.loop import NonFiniteError
 
     _poison(monkeypatch, at={2, 3, 4})
     with pytest.raises(NonFiniteError, match="3 non-finite steps in a row"):
@@ -189,6 +190,7 @@ def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
 
     # Every checkpoint damaged: stop with one line rather than start over on top of them.
     import pytest
+
     from jaxtron.config import ConfigError
 
     for step_dir in (run_dir / "checkpoints").iterdir():
@@ -269,8 +271,9 @@ def test_a_save_that_cannot_happen_is_an_error(tmp_path):
 
 def test_launch_stops_with_status_4_when_orbax_declines_a_save(tmp_path, monkeypatch, capsys):
     """Orbax's save() returning False (no write) ends the run with one line and status 4."""
-    import launch
     import orbax.checkpoint as ocp
+
+    import launch
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", lambda *a, **k: False)
     rc = launch.main(["train.steps=2", "train.seq_len=64", "checkpoint.every=1",

@@ -1,4 +1,4 @@
-"""Collective matmuls (jaxtron/collective_matmul.py) against the plain matmuls they replace:
+"""Collective matmuls (jaxtron/parallel/collective_matmul.py) against the plain matmuls they replace:
 values and gradients on a mesh whose `tensor` axis splits the sequence, and the model's gradients
 with `model.collective_matmul=true` on tensor-parallel and pipelined meshes.
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtron import collective_matmul, parallel
+from jaxtron import parallel
 from jaxtron.config import MeshConfig
+from jaxtron.parallel import collective_matmul
 
 TOL = 1e-5
 

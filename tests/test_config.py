@@ -4,10 +4,10 @@ import re
 from pathlib import Path
 
 import pytest
+from flax import nnx
 
 from jaxtron import config
 from jaxtron.model import abstract_model, count_params
-from flax import nnx
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

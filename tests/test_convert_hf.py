@@ -25,11 +25,15 @@ from tool_module import import_tool
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import launch
-from jaxtron import checkpoint, generate, hf, parallel, prepared, tensorfile, weights
-from jaxtron import state as state_lib
-from jaxtron import tokenizer as tokenizer_lib
+from jaxtron import checkpoint, hf, parallel
+from jaxtron.checkpoint import weights
 from jaxtron.config import ConfigError, MeshConfig, PipelineConfig
-from jaxtron.optim import make_optimizer
+from jaxtron.data import prepared
+from jaxtron.data import tokenizer as tokenizer_lib
+from jaxtron.hf import tensorfile
+from jaxtron.model import generate
+from jaxtron.step import state as state_lib
+from jaxtron.step.optim import make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -140,9 +144,9 @@ def test_read_params_puts_layers_in_the_order_the_trainer_restores_them(pipeline
 
 def test_generate_reads_a_pipeline_run_in_model_order(pipeline_run):
     """tools/generate.py on a training run (stacked layers in pipeline order): the ids equal
-    jaxtron.generate on the params read back in model order (reading the layers in storage
+    jaxtron.model.generate on the params read back in model order (reading the layers in storage
     order would change them)."""
-    from jaxtron import generate
+    from jaxtron.model import generate
 
     cfg, params = weights.read_params(pipeline_run)
     want = generate.generate(cfg.model, params, [1, 40, 41, 42], 6)
@@ -553,7 +557,7 @@ def test_an_export_into_a_checkpoints_directory_is_refused(tmp_path, capsys, sou
 # Each of an import's per-layer saves takes 0.1 s more: a window of seconds to signal in.
 SLOW_LAYER_SAVES = """
 import time
-from jaxtron import xla_flags
+from jaxtron.plan import xla_flags
 xla_flags.load_plugins_quietly()  # as the tool does before it imports jax
 from orbax.checkpoint import v1
 

@@ -15,8 +15,9 @@ import pytest
 from tool_module import import_tool
 
 import launch
-from jaxtron import config, damage, weights
-from jaxtron.train import train
+from jaxtron import config
+from jaxtron.checkpoint import damage, weights
+from jaxtron.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["model.num_layers=1", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",

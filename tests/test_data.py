@@ -16,11 +16,11 @@ import pytest
 import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxtron import corpus as corpus_lib
 from jaxtron import data as data_lib
-from jaxtron import prepared
-from jaxtron import tokenizer as tokenizer_lib
 from jaxtron.config import ConfigError, DataConfig, DatasetEntry, ModelConfig, TrainConfig
+from jaxtron.data import corpus as corpus_lib
+from jaxtron.data import prepared
+from jaxtron.data import tokenizer as tokenizer_lib
 
 VOCAB = 8192
 

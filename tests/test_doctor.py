@@ -14,8 +14,8 @@ from test_multiprocess import _env, _free_port
 
 import launch
 from jaxtron import config as config_lib
-from jaxtron import doctor
-from jaxtron.doctor import Hosts
+from jaxtron.train import doctor
+from jaxtron.train.doctor import Hosts
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_HOST = Hosts((8,), ("node0",))  # conftest's 8 CPU devices, as one host

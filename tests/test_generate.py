@@ -1,4 +1,4 @@
-"""Generation with the KV cache (jaxtron/generate.py, Transformer.decode, tools/generate.py).
+"""Generation with the KV cache (jaxtron/model/generate.py, Transformer.decode, tools/generate.py).
 
 On tiny random transformers models saved as Hugging Face directories: greedy continuation equals
 transformers' `generate(do_sample=False)` token for token; the cached decode's logits equal the full
@@ -25,9 +25,9 @@ from flax import nnx
 from tool_module import import_tool
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from jaxtron import generate as gen
 from jaxtron import hf
 from jaxtron.model import abstract_model, init_cache
+from jaxtron.model import generate as gen
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "generate.py"
 VOCAB = 256

@@ -22,8 +22,9 @@ import pytest
 from tensorboardX.proto import event_pb2
 from test_preemption import _run_until, _saved_steps
 
-from jaxtron import config, goodput
-from jaxtron.train import train
+from jaxtron import config
+from jaxtron.train import goodput
+from jaxtron.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",

@@ -29,10 +29,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxtron import attention, config, parallel, xla_flags
-from jaxtron.optim import make_optimizer
-from jaxtron.state import init_state, make_plan
+from jaxtron import config, parallel
+from jaxtron.model import attention
+from jaxtron.plan import xla_flags
 from jaxtron.step import compile_step, global_batch, loss_and_grads
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import init_state, make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.gpu
@@ -342,7 +344,7 @@ def test_train_steps_on_gpu_match_cpu(step_setup):
 BACKEND_SCRIPT = textwrap.dedent("""
     import ctypes, json, os, sys
     import numpy as np
-    from jaxtron import xla_flags
+    from jaxtron.plan import xla_flags
     from jaxtron.config import XlaConfig
 
     flags = xla_flags.apply(XlaConfig(preset="gpu", mem_fraction=float(sys.argv[1])))

@@ -1,4 +1,4 @@
-"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via jaxtron/hf.py.
+"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via jaxtron/hf/__init__.py.
 
 Each case builds the real HF model (torch, float32, eval) with every weight randomised (norm scales
 and biases too, so a swapped or dropped tensor shows), converts its state dict with the one
@@ -26,8 +26,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from jaxtron import config, hf, hf_mapping
+from jaxtron import config, hf
 from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.hf import mapping as hf_mapping
 from jaxtron.model import abstract_model
 
 # Max |logit difference| allowed. Both sides compute in float32 with logits of size ~5-10; the

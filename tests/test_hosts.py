@@ -10,9 +10,10 @@ import jax
 import pytest
 from test_aot import TINY
 
-from jaxtron import aot, distributed, hlo, parallel
 from jaxtron import config as config_lib
-
+from jaxtron import parallel
+from jaxtron.plan import aot, hlo
+from jaxtron.train import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,8 +120,9 @@ def test_a_layout_within_a_node_is_proposed_only_where_it_fits():
     need 176 GiB per GPU, so the log says fsdp must cross hosts instead of proposing it (the
     warning used to propose it), and the doctor finds no problem in it; an 8B model on 16 GPUs
     fits within a node, and the warning stands."""
-    from jaxtron import autofit, doctor
     from jaxtron.config import load
+    from jaxtron.plan import autofit
+    from jaxtron.train import doctor
 
     usable = int(aot.capacity_bytes("h100") * 0.9)
     big = aot.for_gpus(load([ROOT / "configs/llama3_70b.yaml"], ["mesh.tensor=8"]))

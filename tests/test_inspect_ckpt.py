@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxtron import config
-from jaxtron.train import train
+from jaxtron.train.loop import train
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "inspect_ckpt.py"
 ARRAY_LINE = re.compile(r"^  (\S+)\s+(\(.*?\))\s+(\w+)\s+([\d,]+) B$")
@@ -116,11 +116,11 @@ def test_a_closed_pipe_ends_quietly(run_dir):
 
 
 def test_a_damaged_checkpoint_read_by_the_tools_is_one_line(run_dir, tmp_path):
-    """generate.py and convert_hf.py export read weights through jaxtron/weights.py: a truncated
+    """generate.py and convert_hf.py export read weights through jaxtron/checkpoint/weights.py: a truncated
     array file was a 30-line ValueError traceback from TensorStore."""
     import shutil
 
-    from jaxtron import weights
+    from jaxtron.checkpoint import weights
     from jaxtron.config import ConfigError
 
     copy = tmp_path / "run"
@@ -146,7 +146,7 @@ def test_an_import_used_as_run_dir_is_refused_before_anything_is_written(tmp_pat
     """tools/convert_hf.py import writes weights only; as run.dir it read as an unreadable
     checkpoint, and the advice (move it aside) would have thrown the weights away."""
     import launch
-    from jaxtron import weights
+    from jaxtron.checkpoint import weights
 
     imported = tmp_path / "imp"
     step = imported / "checkpoints" / "0"

@@ -12,22 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import ROOT, run_launch
 
 import launch
-from jaxtron import config, metrics, prepared
+from jaxtron import config
 from jaxtron.config import DataConfig, DatasetEntry, TrainConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+from jaxtron.data import prepared
+from jaxtron.plan import metrics
 
 
 def test_three_step_run_writes_metrics_config_and_events(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _launch("train.steps=3", "train.log_every=1", "train.seq_len=128", f"run.dir={run_dir}")
+    proc = run_launch("train.steps=3", "train.log_every=1", "train.seq_len=128", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -57,7 +53,7 @@ def test_dry_run_plans_llama3_70b_without_allocating(capsys):
     assert f"parameter bytes per device: {expected:,} bytes" in out
     # AdamW mu and nu, plus two int32 step counters (Adam's and the schedule's)
     assert f"optimizer bytes per device: {2 * expected + 8:,} bytes" in out
-    # The estimated peak, every term printed, summing to the total (jaxtron/memory.py).
+    # The estimated peak, every term printed, summing to the total (jaxtron/plan/memory.py).
     total = int(out.split("memory per device, estimated: ")[1].split(" bytes")[0].replace(",", ""))
     terms = out.split("memory per device, estimated: ")[1].split("verdict:")[0].splitlines()[1:]
     sizes = [int(line.split(": ")[1].split(" bytes")[0].replace(",", ""))
@@ -213,13 +209,13 @@ def test_a_hugging_face_model_as_a_checkpoint_says_to_import_it(tmp_path, capsys
 def test_restore_from_a_non_checkpoint_in_a_real_process_is_one_line(tmp_path):
     """The real stderr too: C++ or absl (orbax) logs would land there, unseen by capsys."""
     path = _not_a_checkpoint(tmp_path, "empty_step_dir")
-    proc = _launch(*SMALL_RUN, f"checkpoint.restore={path}", f"run.dir={tmp_path / 'run'}")
+    proc = run_launch(*SMALL_RUN, f"checkpoint.restore={path}", f"run.dir={tmp_path / 'run'}")
     message = f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
     _assert_one_line_status_2(proc.returncode, proc.stderr, message)
 
 
 def test_bad_input_in_a_real_process_exits_2_without_traceback():
-    proc = _launch("mesh.tensor=3")
+    proc = run_launch("mesh.tensor=3")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("launch.py: error: mesh")
@@ -228,10 +224,11 @@ def test_bad_input_in_a_real_process_exits_2_without_traceback():
 @pytest.mark.slow
 def test_default_run_learns_well_below_unigram_entropy(tmp_path):
     """`python launch.py` as the README gives it (~7 min on 2 cores): 200 steps on the stdlib."""
-    from jaxtron import config, corpus, tokenizer
+    from jaxtron import config
+    from jaxtron.data import corpus, tokenizer
 
     run_dir = tmp_path / "run"
-    proc = _launch(f"run.dir={run_dir}")
+    proc = run_launch(f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = config.load([ROOT / "configs" / "tiny.yaml"])
@@ -333,8 +330,8 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
     one line naming the fields that differ, status 2; the checkpoints stay where they are. The
     dry run says the same."""
     run_dir = tmp_path / "run"
-    assert _launch(*SMALL_RUN, f"run.dir={run_dir}").returncode == 0
-    proc = _launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
+    assert run_launch(*SMALL_RUN, f"run.dir={run_dir}").returncode == 0
+    proc = run_launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               f"{run_dir} holds checkpoints of another model "
                               "(model.num_layers=4 -> 2); set run.dir to a new directory, or set "
@@ -343,7 +340,7 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
     assert not (run_dir / "damaged_checkpoints").exists()
     assert "num_layers: 4" in (run_dir / "config.yaml").read_text()  # the refused run wrote nothing
     assert len(json.loads((run_dir / "goodput.json").read_text())) == 1
-    proc = _launch(*SMALL_RUN, f"checkpoint.restore={run_dir}", "checkpoint.weights_only=true",
+    proc = run_launch(*SMALL_RUN, f"checkpoint.restore={run_dir}", "checkpoint.weights_only=true",
                    "model.vocab_size=9000", f"run.dir={tmp_path / 'other'}")
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               f"checkpoint.restore={run_dir} holds another model "
@@ -368,20 +365,20 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
     exceptions (hundreds of asyncio lines at exit) are not printed. The dry run says where a
     run would start."""
     run_dir = tmp_path / "run"
-    assert _launch(*SMALL_RUN, "checkpoint.every=1", f"run.dir={run_dir}").returncode == 0
+    assert run_launch(*SMALL_RUN, "checkpoint.every=1", f"run.dir={run_dir}").returncode == 0
     assert _main(["--dry-run", *SMALL_RUN, "train.steps=3", f"run.dir={run_dir}"]) == 0
     assert (f"start: resumes from {run_dir}/checkpoints/1 (step 1 of 3: 2 steps to go)"
             in capsys.readouterr().out)
     for f in (run_dir / "checkpoints" / "1" / "state").rglob("d/*"):
         f.write_bytes(f.read_bytes()[:10])
-    proc = _launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
+    proc = run_launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
     _assert_one_line_status_2(proc.returncode, proc.stderr, "the one checkpoint in "
                               f"{run_dir}/checkpoints is unreadable; move it aside")
     warning = next(line for line in proc.stdout.splitlines() if "is unreadable" in line)
     assert "Error reading" in warning and "pybind" not in warning and len(warning) < 400, warning
     assert len(proc.stdout.splitlines()) < 15, proc.stdout
     for weights_only in ("false", "true"):  # the same checkpoint named by checkpoint.restore
-        proc = _launch(*SMALL_RUN, "train.steps=3", f"checkpoint.restore={run_dir}",
+        proc = run_launch(*SMALL_RUN, "train.steps=3", f"checkpoint.restore={run_dir}",
                        f"run.dir={tmp_path / 'new'}", f"checkpoint.weights_only={weights_only}")
         _assert_one_line_status_2(proc.returncode, proc.stderr, f"launch.py: error: checkpoint."
                                   f"restore={run_dir}: {run_dir}/checkpoints/1 is unreadable (")
@@ -398,7 +395,8 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
 ])
 def test_dry_run_gives_a_verdict_against_the_gpu(capsys, overrides, verdict):
     """The estimate printed above it against an H100's 80 GB times the share jax may use."""
-    from jaxtron import aot, config
+    from jaxtron import config
+    from jaxtron.plan import aot
 
     args = ["--config", "configs/llama3_70b.yaml", "--dry-run", "--devices", "64", "--gpu",
             "h100", *overrides]
@@ -436,7 +434,8 @@ def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch)
     """The CPU devices share the host's memory: a 1B model said 'no limit known' and would have
     been killed by the out-of-memory killer without a word. The need is the estimate as a CPU
     program uses it (x1.4, measured) plus the process; near the limit there is no verdict."""
-    from jaxtron import doctor, memory
+    from jaxtron.plan import memory
+    from jaxtron.train import doctor
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 20 * 2**30)
     monkeypatch.setattr(memory, "process_bytes", lambda: 2**29)
@@ -485,7 +484,7 @@ def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
     """A resumed run's bar starts at its first step (rate and time left are this attempt's),
     moves every step, and shows loss, lr, grad norm, step time and throughput; lines carry the
     time."""
-    from jaxtron.metrics import KEYS, MetricsWriter
+    from jaxtron.plan.metrics import KEYS, MetricsWriter
 
     log = MetricsWriter(tmp_path, 1000, "bar", tensorboard=False)
     log.begin(600)
@@ -588,7 +587,7 @@ def test_help_gives_the_defaults(capsys):
 
 def test_compile_for_prints_nothing_before_a_layout_error():
     """--compile-for checks the layout before its flags line and the long compile."""
-    proc = _launch("--compile-for", "h100", "--devices", "8", "train.batch_size=12")
+    proc = run_launch("--compile-for", "h100", "--devices", "8", "train.batch_size=12")
     _assert_one_line_status_2(proc.returncode, proc.stderr,
                               "train.batch_size=12 / train.microbatches=1 = 12 sequences per "
                               "microbatch is not divisible by data*fsdp=8")
@@ -656,11 +655,12 @@ def test_raising_train_steps_on_resume_warns_of_the_learning_rate_jump(tmp_path,
     """A finished run continued with a larger train.steps: a new cosine over the longer run puts
     the rate back near its peak (3.17e-4 -> 2.98e-3 in one report); the dry run and the run say
     so, with the setting that keeps the checkpoint's decay."""
-    from jaxtron import config, optim
+    from jaxtron import config
+    from jaxtron.step import optim
 
     run_dir = tmp_path / "run"
     short = [*SMALL_RUN, "train.steps=4", "optim.warmup_steps=1", f"run.dir={run_dir}"]
-    assert _launch(*short).returncode == 0
+    assert run_launch(*short).returncode == 0
     assert _main(["--dry-run", *short, "train.steps=40"]) == 0
     warning = ("warning: the learning rate at step 4 jumps from 0.0003 (the checkpoint's "
                "schedule) to 0.00296 (train.steps=4 -> 40); to keep the checkpoint's schedule, "
@@ -686,9 +686,9 @@ def test_what_a_failed_save_left_is_removed_without_a_word(tmp_path):
     """A save that failed leaves `<step>.orbax-checkpoint-tmp`; Orbax removes it at the next
     save of that step and logged an absl WARNING about it on stderr, even in a run that ends 0."""
     run_dir = tmp_path / "run"
-    assert _launch(*SMALL_RUN, "checkpoint.every=1", f"run.dir={run_dir}").returncode == 0
+    assert run_launch(*SMALL_RUN, "checkpoint.every=1", f"run.dir={run_dir}").returncode == 0
     (run_dir / "checkpoints" / "2.orbax-checkpoint-tmp").mkdir()
-    proc = _launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
+    proc = run_launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
 
@@ -802,7 +802,7 @@ def test_a_whole_state_restore_at_or_past_train_steps_is_refused(tmp_path, capsy
 def test_an_import_restored_as_a_whole_state_is_refused_by_the_dry_run_too(tmp_path, capsys):
     """checkpoint.restore=<an import> without checkpoint.weights_only=true: the dry run said
     'start: from ..., its whole state', exit 0; the run refused it after loading the data."""
-    from jaxtron import weights
+    from jaxtron.checkpoint import weights
 
     step = tmp_path / "imp" / "checkpoints" / "0"
     (step / "state").mkdir(parents=True)

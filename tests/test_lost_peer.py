@@ -1,4 +1,4 @@
-"""A lost process ends a two-process run cleanly and restartably (jaxtron/supervisor.py).
+"""A lost process ends a two-process run cleanly and restartably (jaxtron/train/supervisor.py).
 
 Two launch.py processes x 4 CPU devices (gloo) train a one-layer model; after four logged steps
 process 1 is killed (SIGKILL of its launch.py, whose training process dies with it) or frozen
@@ -24,10 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_multiprocess import OVERRIDES as MULTIPROCESS
+from test_multiprocess import PROCESSES, RTOL, _env, _free_port, _rows
 
-from jaxtron import config, weights
-from jaxtron import train as train_lib
-from test_multiprocess import OVERRIDES as MULTIPROCESS, PROCESSES, RTOL, _env, _free_port, _rows
+from jaxtron import config
+from jaxtron.checkpoint import weights
+from jaxtron.train import loop as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_TIMEOUT_S = 20
@@ -135,7 +137,7 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
 # Process 1 is alive but stuck in Python at step 4 (its heartbeats go on, so JAX never ends it).
 STUCK_AT_STEP_4 = """
 import time
-from jaxtron import metrics
+from jaxtron.plan import metrics
 _tick = metrics.MetricsWriter.tick
 def _stuck(self, step):
     if step == 4:
@@ -198,7 +200,7 @@ def test_the_supervisor_passes_on_the_watchdog_line_and_keeps_the_runtime_noise(
     warning and error lines and the fatal line's tail are kept for the log; the watchdog's line,
     which comes after the fatal one, still reaches the terminal (it is the only line: the
     supervisor adds none)."""
-    from jaxtron import supervisor
+    from jaxtron.train import supervisor
 
     stuck = ("launch.py: error: no progress in 15 s while training step 4 "
              "(run.stuck_timeout_s): a process of the run is stuck\n")

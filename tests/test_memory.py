@@ -9,11 +9,12 @@ from __future__ import annotations
 import jax
 import pytest
 
-from jaxtron import config, memory, parallel
+from jaxtron import config, parallel
 from jaxtron.model import check_remat
-from jaxtron.optim import make_optimizer
-from jaxtron.state import make_plan
+from jaxtron.plan import memory
 from jaxtron.step import abstract_batch, compile_step
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import make_plan
 
 MID = ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.num_kv_heads=4",
        "model.mlp_dim=1536", "model.vocab_size=1024", "train.seq_len=512"]
@@ -109,7 +110,7 @@ def test_a_state_larger_than_this_machine_is_one_line_before_anything_is_allocat
         tmp_path, monkeypatch):
     """On CPU devices the state shares the host's memory: more than is available is refused
     with the numbers (not left to the out-of-memory killer), and run.dir is not created."""
-    from jaxtron import train as train_lib
+    from jaxtron.train import loop as train_lib
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**20)
     monkeypatch.setattr(memory, "process_bytes", lambda: 0)
@@ -126,7 +127,7 @@ def test_a_step_larger_than_this_machine_is_refused_as_the_dry_run_says(tmp_path
     anything is written. Before, only the state alone was checked (here a few MiB), so the run
     compiled and the out-of-memory killer ended it without a word (exit 137, a run.dir left)."""
     import launch
-    from jaxtron import train as train_lib
+    from jaxtron.train import loop as train_lib
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 3 * 2**30)
     monkeypatch.setattr(memory, "process_bytes", lambda: 2**29)

@@ -25,8 +25,8 @@ from test_goodput import SMALL, _tensorboard
 from test_preemption import _run_until, _saved_steps
 
 from jaxtron import config
-from jaxtron import train as train_lib
-from jaxtron.metrics import KEYS, MetricsWriter, StepWindow, Stopwatch
+from jaxtron.plan.metrics import KEYS, MetricsWriter, StepWindow, Stopwatch
+from jaxtron.train import loop as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtron.attention import segment_causal_mask, xla_attention
 from jaxtron.config import ModelConfig
 from jaxtron.model import REMAT_POLICIES, Transformer, rope_frequencies
+from jaxtron.model.attention import segment_causal_mask, xla_attention
 from jaxtron.step import loss_sums
 
 CFG = ModelConfig(vocab_size=128, num_layers=3, d_model=64, num_heads=4, num_kv_heads=2,
@@ -137,8 +137,8 @@ def test_tied_embeddings_and_qkv_bias_shapes():
 def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monkeypatch):
     """A kernel that is causal but ignores packed-document boundaries (a real failure of fused
     kernels) fails the start-up check with one line naming it; the reference passes."""
-    from jaxtron import attention
     from jaxtron.config import ConfigError
+    from jaxtron.model import attention
 
     def leaky(q, k, v, segment_ids):  # every row one document: attends across boundaries
         return attention.xla_attention(q, k, v, jnp.ones_like(segment_ids))
@@ -150,7 +150,7 @@ def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monke
 
 
 def test_attention_auto_is_cudnn_on_gpus_only():
-    from jaxtron import attention
+    from jaxtron.model import attention
 
     assert attention.resolve("auto", "gpu") == "cudnn"
     assert attention.resolve("auto", "cpu") == "xla"

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 import launch
-from jaxtron import config, distributed
-from jaxtron import train as train_lib
+from jaxtron import config
+from jaxtron.train import distributed
+from jaxtron.train import loop as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES = 2

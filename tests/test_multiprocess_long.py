@@ -16,10 +16,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_multiprocess import OVERRIDES, ROOT, _rows, _start, _wait
 
 from jaxtron import config
-from jaxtron import train as train_lib
-from test_multiprocess import OVERRIDES, ROOT, _rows, _start, _wait
+from jaxtron.train import loop as train_lib
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxtron import config
 from jaxtron import step as step_lib
-from jaxtron.train import train
+from jaxtron.train.loop import train
 
 
 def test_nan_steps_log_no_tensorboard_warnings(tmp_path, monkeypatch, capfd, caplog):

@@ -14,12 +14,13 @@ import functools
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from jaxtron import config, data, parallel
-from jaxtron.optim import make_optimizer
-from jaxtron.state import init_state, make_plan
 from jaxtron.step import global_batch, loss_and_grads
-from jaxtron.train import train
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import init_state, make_plan
+from jaxtron.train.loop import train
 
 RTOL = 1e-5  # losses
 NORM_RTOL = 1e-5  # grad norms
@@ -35,12 +36,10 @@ MESH_IDS = [",".join(f"{k}={v}" for k, v in m.items()) for m in MESHES]
 
 
 def _cfg(tmp_path, mesh: dict, *extra: str) -> config.Config:
-    overrides = [f"mesh.{axis}={size}" for axis, size in mesh.items()] + [
-        f"train.steps={STEPS}", "train.log_every=1", "train.batch_size=16", "train.seq_len=128",
-        "optim.warmup_steps=0", "run.tensorboard=false", "run.progress=lines",
-        f"run.dir={tmp_path / 'run'}", *extra,
-    ]
-    return config.load(["configs/tiny.yaml"], overrides)
+    return tiny_config(*(f"mesh.{axis}={size}" for axis, size in mesh.items()),
+                       f"train.steps={STEPS}", "train.log_every=1", "train.batch_size=16",
+                       "train.seq_len=128", "optim.warmup_steps=0", *extra,
+                       run_dir=tmp_path / "run")
 
 
 def _curves(tmp_path, devices, mesh: dict, *extra: str) -> dict[str, np.ndarray]:

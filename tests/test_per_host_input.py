@@ -1,4 +1,4 @@
-"""Each process builds only the rows of the global batch its devices hold (jaxtron/rows.py), and
+"""Each process builds only the rows of the global batch its devices hold (jaxtron/data/rows.py), and
 those rows equal the global batch's, element for element, on every mesh and process count.
 
 "Process p of P" is simulated here by taking the mesh's devices of that process as local (the
@@ -15,16 +15,16 @@ import grain
 import jax
 import numpy as np
 import pytest
-
-from jaxtron import config, parallel
-from jaxtron import corpus as corpus_lib
-from jaxtron import data as data_lib
-from jaxtron import tokenizer as tokenizer_lib
-from jaxtron import train as train_lib
-from jaxtron.config import DataConfig, DatasetEntry, MeshConfig, TrainConfig
-from jaxtron.rows import local_rows
 from test_data import _docs, write_dataset
 from test_multiprocess import OVERRIDES, ROOT, RTOL, _rows, _start, _wait
+
+from jaxtron import config, parallel
+from jaxtron import data as data_lib
+from jaxtron.config import DataConfig, DatasetEntry, MeshConfig, TrainConfig
+from jaxtron.data import corpus as corpus_lib
+from jaxtron.data import tokenizer as tokenizer_lib
+from jaxtron.data.rows import local_rows
+from jaxtron.train import loop as train_lib
 
 VOCAB = 1024
 KEYS = ("tokens", "targets", "segment_ids", "positions")

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtron import attention, config, parallel, pipeline
-from jaxtron.optim import make_optimizer
-from jaxtron.state import init_state, make_plan
+from jaxtron import config, parallel
+from jaxtron.model import attention
+from jaxtron.parallel import pipeline
 from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import init_state, make_plan
 
 MODEL = ["model.num_layers=8", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
          "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32"]

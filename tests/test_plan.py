@@ -1,4 +1,4 @@
-"""tools/plan.py and jaxtron/planner.py: the layouts it enumerates, the arithmetic of its step-time
+"""tools/plan.py and jaxtron/plan/planner.py: the layouts it enumerates, the arithmetic of its step-time
 terms, its ranking, the estimate beside the compiled peak (--verify), and one-line refusals."""
 
 import json
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxtron import aot, memory, metrics, planner
 from jaxtron import config as config_lib
-from jaxtron.optim import make_optimizer
-from jaxtron.state import make_plan
+from jaxtron.plan import aot, memory, metrics, planner
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -49,7 +49,7 @@ def test_bubble_and_data_terms():
     grads = metrics.matmul_params(cfg.model) * 4 / (2 * 4)
     assert parts["data"] == pytest.approx(2 * grads / 2 / (planner.NETWORK_GBPS * 1e9))
     # remat=full recomputes every projection's forward but W_down's (2 FLOPs per weight and
-    # token), and the loss in more than one chunk the LM head's (jaxtron/flops.py)
+    # token), and the loss in more than one chunk the LM head's (jaxtron/plan/flops.py)
     m, tokens = cfg.model, 32 * 256 / 16
     down = m.num_layers * m.d_model * m.mlp_dim
     head = m.d_model * m.vocab_size if cfg.train.seq_len > cfg.train.loss_chunk > 0 else 0

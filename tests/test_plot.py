@@ -13,7 +13,7 @@ import pytest
 from tool_module import import_tool
 
 import launch
-from jaxtron import metrics
+from jaxtron.plan import metrics
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "plot.py"
 STEMS = ("loss", "lr", "throughput", "mfu", "grad_norm")

@@ -22,7 +22,7 @@ import pytest
 import sentencepiece as spm
 
 from jaxtron.config import ConfigError
-from jaxtron.tokenizer import train_tokenizer
+from jaxtron.data.tokenizer import train_tokenizer
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_data.py"
 sys.path.insert(0, str(TOOL.parent))  # tools/ is no package: import its modules as the tool does
@@ -126,7 +126,7 @@ def test_tokens_equal_direct_tokenization(tmp_path, tokenizer, corpus):
     assert manifest["splits"]["train"]["unigram_entropy"] == pytest.approx(
         -(p * np.log(p)).sum(), abs=1e-6)
     from jaxtron.config import DataConfig, DatasetEntry
-    from jaxtron.prepared import mixture_summary
+    from jaxtron.data.prepared import mixture_summary
 
     summary = mixture_summary(DataConfig(source="arrayrecord", mixture=[DatasetEntry(str(out))]))
     assert f"unigram entropy {manifest['splits']['train']['unigram_entropy']:.3f} nats" in summary
@@ -455,7 +455,7 @@ def test_an_empty_val_split_is_one_warning_naming_the_fix(tmp_path, tokenizer):
 @pytest.mark.slow
 def test_scale_stdlib_copies(tmp_path):
     """~110 MB: the standard library's sources copied 9 times, tokenized on every core."""
-    from jaxtron.corpus import stdlib_files
+    from jaxtron.data.corpus import stdlib_files
 
     files = stdlib_files()
     texts = [path.read_bytes().decode("utf-8") for path in files]
@@ -775,7 +775,7 @@ def test_a_damaged_shard_is_fixed_the_way_its_error_says(tmp_path, tokenizer, co
     same --out goes on from its finished units and leaves the damage (it said "prepare the
     dataset again", which did nothing); a new --out is whole."""
     from jaxtron.config import DataConfig, DatasetEntry
-    from jaxtron.prepared import AGAIN, check_dataset
+    from jaxtron.data.prepared import AGAIN, check_dataset
 
     def check(out: Path) -> None:
         check_dataset(DataConfig(source="arrayrecord", mixture=[DatasetEntry(str(out))]), 10**6)

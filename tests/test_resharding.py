@@ -12,13 +12,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from conftest import tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxtron import config, parallel, pipeline
+from jaxtron import config, parallel
 from jaxtron.checkpoint import Checkpoints
-from jaxtron.optim import make_optimizer
-from jaxtron.state import fresh_state_around, in_layer_order, init_state, make_plan
-from jaxtron.train import train
+from jaxtron.parallel import pipeline
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import fresh_state_around, in_layer_order, init_state, make_plan
+from jaxtron.train.loop import train
 
 RTOL = 1e-5
 SAVED_STEP = 2
@@ -30,11 +33,9 @@ TARGETS = {
 
 
 def _cfg(run_dir, mesh: dict, steps: int, *extra: str) -> config.Config:
-    return config.load(["configs/tiny.yaml"], [f"mesh.{a}={n}" for a, n in mesh.items()] + [
-        f"train.steps={steps}", "train.seq_len=64", "train.log_every=1", "train.eval_every=0",
-        "optim.warmup_steps=1", "checkpoint.every=2", "run.tensorboard=false",
-        "run.progress=lines", f"run.dir={run_dir}", *extra,
-    ])
+    return tiny_config(*(f"mesh.{a}={n}" for a, n in mesh.items()), f"train.steps={steps}",
+                       "train.seq_len=64", "train.log_every=1", "train.eval_every=0",
+                       "optim.warmup_steps=1", "checkpoint.every=2", *extra, run_dir=run_dir)
 
 
 def _restore(cfg: config.Config, devices: list, step: int) -> tuple[dict, dict]:

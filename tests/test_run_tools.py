@@ -20,7 +20,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from jaxtron import config
-from jaxtron.train import train
+from jaxtron.train.loop import train
 
 SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
          "model.mlp_dim=128", "train.seq_len=32", "train.batch_size=8", "train.eval_every=0",

@@ -1,4 +1,4 @@
-"""Tokenizers of both kinds behind jaxtron.tokenizer.Tokenizer: Hugging Face tokenizer.json files
+"""Tokenizers of both kinds behind jaxtron.data.tokenizer.Tokenizer: Hugging Face tokenizer.json files
 built here with the `tokenizers` library in the Llama 3, Llama 2 and Qwen2 styles (byte-level BPE,
 special tokens added after the learned vocabulary, as in those families), checked against
 transformers' encoding; BOS/EOS per family; refusals; prepared datasets and trainer batches made
@@ -20,11 +20,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxtron import corpus as corpus_lib
 from jaxtron import data as data_lib
-from jaxtron import prepared
 from jaxtron.config import ConfigError, DataConfig, DatasetEntry, TrainConfig
-from jaxtron.tokenizer import from_path, load_tokenizer, train_tokenizer
+from jaxtron.data import corpus as corpus_lib
+from jaxtron.data import prepared
+from jaxtron.data.tokenizer import from_path, load_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

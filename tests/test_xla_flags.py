@@ -1,25 +1,19 @@
-"""XLA flag presets (jaxtron/xla_flags.py): what each preset sets, which flag wins, and that a
+"""XLA flag presets (jaxtron/plan/xla_flags.py): what each preset sets, which flag wins, and that a
 flag this jaxlib does not know stops launch.py in one line instead of killing it inside XLA."""
 
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT, run_launch
 
 import launch
-from jaxtron import xla_flags
 from jaxtron.config import ConfigError, XlaConfig, load
+from jaxtron.plan import xla_flags
 
-ROOT = Path(__file__).resolve().parent.parent
 TYPO = "--xla_gpu_enable_latency_hidding_scheduler=true"  # "hidding": not a flag of any jaxlib
-
-
-def _launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_presets_resolve_per_table(monkeypatch):
@@ -84,7 +78,7 @@ def test_gpu_flags_are_known_to_this_jaxlib_and_the_check_is_real():
 
 
 def test_misspelled_flag_exits_2_with_one_line_naming_it():
-    proc = _launch("--dry-run", f"xla.flags=[{TYPO}]")
+    proc = run_launch("--dry-run", f"xla.flags=[{TYPO}]")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -110,7 +104,7 @@ def test_malformed_environment_flag_names_xla_flags():
 def test_flags_take_effect_in_the_launch_process():
     # conftest's XLA_FLAGS asks for 8 CPU devices; xla.flags overrides it, and the dry run's
     # device count shows which value the backend started with.
-    proc = _launch("--dry-run", "xla.flags=[--xla_force_host_platform_device_count=2]")
+    proc = run_launch("--dry-run", "xla.flags=[--xla_force_host_platform_device_count=2]")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "xla flags: --xla_force_host_platform_device_count=2\n" in proc.stdout
     assert "(2 devices)" in proc.stdout

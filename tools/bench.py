@@ -7,7 +7,7 @@ of a fixed suite of rows, with a peer framework measured on the same shapes in t
     python tools/bench.py --suite smoke --json        # the same harness on CPU, in seconds
 
 The step is the real one (`train.compile_step`, the config's mesh and flags) on random tokens
-(full-length documents), so the data pipeline is out of the measurement (jaxtron/benchmark.py
+(full-length documents), so the data pipeline is out of the measurement (jaxtron/plan/benchmark.py
 says what each number is). One config prints a table (or, with --json, one JSON line); a suite
 prints a markdown table (or one JSON line per row), each row measured in a process of its own, so
 one row's peak memory or failure (out of memory, a kernel that will not run) is its own: a row
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve()
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxtron.benchmark import SUITES
+    from jaxtron.plan.benchmark import SUITES
 
     parser = cli.Parser(command="tools/bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset(s)")
@@ -127,8 +127,8 @@ def table(result: dict) -> str:
 
 def report(args: argparse.Namespace) -> None:
     """Measure one config, print it as a table (or one JSON line), and append it to --out."""
-    from jaxtron import benchmark, presets, xla_flags
-    from jaxtron.config import load
+    from jaxtron.config import load, presets
+    from jaxtron.plan import benchmark, xla_flags
 
     if args.out:
         cli.writable_file(args.out, "--out")  # before the compile, not after the measurement
@@ -148,7 +148,7 @@ def report(args: argparse.Namespace) -> None:
 def run_suite(args: argparse.Namespace) -> int:
     """Each row of the suite in a process of its own (this one starts no jax backend: it would
     hold the GPU's memory), then its peer; rows print as they finish. Status 1 if a row failed."""
-    from jaxtron import benchmark
+    from jaxtron.plan import benchmark
 
     suite = benchmark.SUITES[args.suite]
     if args.rows:
@@ -196,7 +196,8 @@ def row_timeout(row) -> float:
 
 def measure_row(row, steps: int, warmup: int, checks: bool) -> dict:
     """One row measured by this tool in a fresh process; its JSON, or the row's failure."""
-    from jaxtron import benchmark, presets
+    from jaxtron.config import presets
+    from jaxtron.plan import benchmark
 
     command = [sys.executable, str(HERE), "--json", "--steps", str(steps), "--warmup",
                str(warmup), "--config", str(presets.PRESETS / row.config), *row.overrides,
@@ -219,8 +220,8 @@ def measure_row(row, steps: int, warmup: int, checks: bool) -> dict:
 def peer_row(row, result: dict, steps: int, warmup: int) -> dict:
     """The peer's measurement of `row` (same model, batch, sequence and devices) and the ratio of
     jaxtron's tokens/s to the peer's; a peer that cannot run says why."""
-    from jaxtron import peers, presets
-    from jaxtron.config import load
+    from jaxtron.config import load, presets
+    from jaxtron.plan import peers
 
     cfg = load([presets.PRESETS / row.config], list(row.overrides))
     timeout_s = row_timeout(row)

@@ -33,7 +33,7 @@ from jaxtron import config as config_lib
 from jaxtron import data as data_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.rows import Rows
+from jaxtron.data.rows import Rows
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fewer timed batches give a rate that is mostly noise and, with workers, mostly the batches

@@ -315,8 +315,9 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     """Build the mesh, measure, print the table; write --json and --plot."""
     check_args(args)
-    from jaxtron import distributed, xla_flags
     from jaxtron.config import load
+    from jaxtron.plan import xla_flags
+    from jaxtron.train import distributed
 
     cfg = load(args.config, args.overrides)
     xla_flags.apply(cfg.xla)  # before anything starts a backend

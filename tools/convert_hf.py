@@ -42,10 +42,13 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 import sentencepiece as spm
 import yaml
 
-from jaxtron import cli, hf, hf_mapping, prepared, weights
-from jaxtron import tokenizer as tokenizer_lib
+from jaxtron import cli, hf
+from jaxtron.checkpoint import weights
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.data import prepared
+from jaxtron.data import tokenizer as tokenizer_lib
+from jaxtron.hf import mapping as hf_mapping
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT = 2048  # the preset's train.seq_len, or the model's own context when shorter

@@ -17,9 +17,9 @@ if __name__ == "__main__":  # run by mistake: it is no command
     sys.exit(2)
 
 from jaxtron.config import ConfigError
-from jaxtron.corpus import write_atomic
-from jaxtron.prepared import SHARD_NAME
-from jaxtron.tokenizer import FILE_NAMES
+from jaxtron.data.corpus import write_atomic
+from jaxtron.data.prepared import SHARD_NAME
+from jaxtron.data.tokenizer import FILE_NAMES
 
 PARTS = ".parts"  # completion records and run.json of an unfinished (or finished) preparation
 MANIFEST = "manifest.json"  # written last: a directory with PARTS and without it is unfinished

@@ -1,4 +1,4 @@
-"""Check a machine or cluster's set-up for a run before renting hours on it (jaxtron/doctor.py).
+"""Check a machine or cluster's set-up for a run before renting hours on it (jaxtron/train/doctor.py).
 
     python tools/doctor.py                                          # the tiny default config
     python tools/doctor.py --config configs/llama3_8b.yaml mesh.fsdp=8 run.dir=/shared/runs/8b
@@ -27,9 +27,11 @@ from pathlib import Path
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
 
-from jaxtron import cli, distributed, doctor, xla_flags
+from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, load
+from jaxtron.plan import xla_flags
+from jaxtron.train import distributed, doctor
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 

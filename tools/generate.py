@@ -27,10 +27,13 @@ from pathlib import Path
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
 
-from jaxtron import cli, hf, prepared, tokenizer, weights, xla_flags
+from jaxtron import cli, hf
+from jaxtron.checkpoint import weights
 from jaxtron.cli import one_line_errors, plural
 from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.generate import check, generate, prompt_array
+from jaxtron.data import prepared, tokenizer
+from jaxtron.model.generate import check, generate, prompt_array
+from jaxtron.plan import xla_flags
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ Prints the step, the saved metadata (loss, tokens seen, save time, the model sec
 every array of the `state` item with its shape, dtype and bytes (from Orbax's metadata: nothing is
 read but the small metadata files) and totals. Each listed checkpoint's files are checked against
 the sizes its OCDBT tree records: a truncated or missing one marks it damaged, as do metadata
-files missing or garbled and a step directory left empty (jaxtron/damage.py); a damaged
+files missing or garbled and a step directory left empty (jaxtron/checkpoint/damage.py); a damaged
 checkpoint shown (a listing shows the newest) ends in one line on stderr, exit status 1. A path
 that is not a checkpoint: one line on stderr, exit status 2. Only files and Orbax are used, not
 jaxtron's config schema, so checkpoints written under older or newer schemas still read.
@@ -29,10 +29,10 @@ import numpy as np
 import yaml
 
 from jaxtron import cli
+from jaxtron.checkpoint.damage import damage, meta_damage, step_dirs, survey
+from jaxtron.checkpoint.weights import locate, read_meta
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.damage import damage, meta_damage, step_dirs, survey
-from jaxtron.weights import locate, read_meta
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")

@@ -6,7 +6,7 @@
         train.seq_len=4096 --remat full,save_attn_out --find "TP8 PP2" --find "TP8 PP8 DP2"
 
 Every mesh (data x fsdp x tensor x stage), pipeline schedule, microbatch count, remat policy and
-pipeline gradient sum the config's checks accept is estimated (jaxtron/planner.py says how, with
+pipeline gradient sum the config's checks accept is estimated (jaxtron/plan/planner.py says how, with
 its constants and their sources): the dry run's per-GPU memory against what jax may use
 (XLA_PYTHON_CLIENT_MEM_FRACTION if set, else xla.mem_fraction), and a step time from compute, the
 pipeline bubble and the communication each axis implies over NVLink or the network. The best few
@@ -38,12 +38,13 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 
 import jax
 
-from jaxtron import aot, cli, planner
+from jaxtron import cli
 from jaxtron import config as config_lib
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.autofit import AUTO, POLICIES, SPARE
 from jaxtron.model import REMAT_POLICIES
+from jaxtron.plan import aot, planner
+from jaxtron.plan.autofit import AUTO, POLICIES, SPARE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

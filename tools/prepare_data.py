@@ -59,19 +59,44 @@ elif __name__ == "__main__":  # first: a Python without jaxtron gets one line na
     import _environment  # noqa: F401
 
 import numpy as np
-from dataset_dir import (PARTS, check_ours, check_run, load_records, read_json, record_run,
-                         remove_unlisted, uses_text_field, writable_dir, write_if_changed)
-from text_inputs import (Source, absolute, bad_entry, describe, file_size, find_sources,
-                         missing_field, read_documents, sample_lines)
+from dataset_dir import (
+    PARTS,
+    check_ours,
+    check_run,
+    load_records,
+    read_json,
+    record_run,
+    remove_unlisted,
+    uses_text_field,
+    writable_dir,
+    write_if_changed,
+)
+from text_inputs import (
+    Source,
+    absolute,
+    bad_entry,
+    describe,
+    file_size,
+    find_sources,
+    missing_field,
+    read_documents,
+    sample_lines,
+)
 from tqdm import tqdm
 
 from jaxtron import cli
 from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
-from jaxtron.corpus import write_atomic
-from jaxtron.prepared import (MANIFEST_FORMAT, SPLITS, VAL_RULE, SplitShards,
-                              build_manifest, is_val)
-from jaxtron.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
+from jaxtron.data.corpus import write_atomic
+from jaxtron.data.prepared import (
+    MANIFEST_FORMAT,
+    SPLITS,
+    VAL_RULE,
+    SplitShards,
+    build_manifest,
+    is_val,
+)
+from jaxtron.data.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
 
 BYTES_PER_TOKEN = 4  # sizes units before tokenizing; BPE on English or code gives ~3-5
 MAX_REPORTED = 20  # bad-input lines kept as examples in the manifest, per input file

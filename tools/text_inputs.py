@@ -31,7 +31,7 @@ if __name__ == "__main__":  # run by mistake: it is no command
 
 from jaxtron.cli import script_name
 from jaxtron.config import ConfigError
-from jaxtron.prepared import MANIFEST_FORMAT
+from jaxtron.data.prepared import MANIFEST_FORMAT
 
 # (index of the document in its file, where to report it, text, why it is bad, bytes read)
 Item = tuple[int, dict, str | None, str | None, int]

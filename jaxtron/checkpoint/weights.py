@@ -1,0 +1,316 @@
+"""Model weights in checkpoints, outside the training loop: found from any path a user gives, read
+one layer at a time, and written one layer at a time for imported models.
+
+A training checkpoint stores each weight stacked over layers, in the pipeline's storage order
+(meta "layer_order"). A stacked weight of a large model does not fit a host (one 70B MLP matrix
+in float32 is 75 GB), so weights are read here straight from the checkpoint's arrays with
+TensorStore, one layer's slice at a time. An imported checkpoint (`tools/convert_hf.py import`)
+is written with Orbax's partial saves one layer at a time, so it stores each layer separately
+(meta "layout": "layers"); restoring it stacks the layers on the devices, one weight at a time
+(`restore_layers`).
+
+jax, Orbax and TensorStore are imported inside the functions that read arrays, so that finding a
+checkpoint answers at once, without their start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import tempfile
+import typing
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from jaxtron import config as config_lib
+from jaxtron.checkpoint import damage
+from jaxtron.config import ConfigError
+
+LAYERED = "layers"  # meta["layout"] of a checkpoint that stores each layer separately
+Getter = Callable[[tuple[str, ...], "int | None"], np.ndarray]  # (param path, layer) -> array
+
+
+def is_complete(step_dir: Path) -> bool:
+    """A finalized checkpoint: a step-named directory whose state and meta items were written.
+    Orbax writes to `<step>.orbax-checkpoint-tmp-*` and renames, so unfinished ones never match."""
+    return (step_dir.name.isdigit() and (step_dir / "state" / "_METADATA").is_file()
+            and (step_dir / "meta" / "metadata").is_file())
+
+
+def complete_steps(checkpoints_dir: Path) -> list[Path]:
+    """The complete checkpoints under `checkpoints_dir`, oldest first."""
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name))
+
+
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """A run directory's checkpoints a resume could start from, oldest first: a damaged one
+    (jaxtron/checkpoint/damage.py) is left out, every one by its metadata, and the newest left by
+    the files its OCDBT tree points into too (a resume reads no other). Metadata with no array files
+    beside it is taken as it reads: the start-up checks need no arrays."""
+    sound, _ = damage.survey(run_dir / "checkpoints", damage.meta_damage)
+    while sound and damage.files_damage(sound[-1]):
+        sound.pop()
+    return sound
+
+
+def checkpoints_holding(path: Path) -> Path | None:
+    """The checkpoints directory of a run or import that `path` is, or is inside (a checkpoint of
+    it included), else None: that run's rotation deletes old checkpoints with what is in them,
+    and its start moves an unreadable step directory aside."""
+    target = path.expanduser().resolve()
+    for place in (target, *target.parents):
+        if is_complete(place):
+            return place.parent
+        if place.name == "checkpoints" and ((place.parent / "config.yaml").is_file()
+                                            or run_checkpoints(place.parent)):
+            return place
+    return None
+
+
+def imported_only(restore: str) -> str:
+    """checkpoint.restore naming an import (tools/convert_hf.py) as a whole state to resume."""
+    return (f"checkpoint.restore={restore} holds imported weights only (no optimizer state or "
+            "data position); add checkpoint.weights_only=true")
+
+
+def locate(path: str | Path) -> tuple[Path | None, Path]:
+    """(the checkpoints directory `path` names, None for a single checkpoint; the checkpoint it
+    means: itself, or the newest complete one of a checkpoints or run directory)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory")
+    if path.name.isdigit() and (path / "state").is_dir():
+        if not is_complete(path):
+            raise ConfigError(f"{path}: an incomplete checkpoint (state/_METADATA or "
+                              "meta/metadata is missing)")
+        return None, path.absolute()
+    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = complete_steps(checkpoints_dir) if checkpoints_dir.is_dir() else []
+    if not steps and (path / "config.yaml").is_file():
+        raise ConfigError(f"{path} is a run with no complete checkpoint yet "
+                          f"({_saves(path / 'config.yaml')}); inspect it after the first save")
+    if not steps and (hint := import_hint(path)):
+        raise ConfigError(f"{path} is a Hugging Face model, not a jaxtron checkpoint; {hint}")
+    if not steps:
+        raise ConfigError(f"{path}: not a checkpoint (.../checkpoints/<step>), nor a run, import "
+                          "or checkpoints directory holding a complete one")
+    return checkpoints_dir.absolute(), steps[-1].absolute()
+
+
+def import_hint(path: str | Path) -> str | None:
+    """How to use `path` if it is a Hugging Face model directory (config.json and weights)."""
+    path = Path(path).expanduser()
+    weights = [*path.glob("*.safetensors"), *path.glob("*.bin"), *path.glob("*.pt")]
+    if not ((path / "config.json").is_file() and weights):
+        return None
+    return (f"import it first (python tools/convert_hf.py import {shlex.quote(str(path))} OUT), "
+            "then restore OUT with checkpoint.weights_only=true")
+
+
+def restore_error(path: str) -> str:
+    """Why checkpoint.restore=`path` names no checkpoint, and what to do."""
+    if hint := import_hint(path):
+        return (f"checkpoint.restore={path} is a Hugging Face model, not a jaxtron checkpoint; "
+                f"{hint}")
+    return (f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>), nor a run or "
+            "import directory holding a complete one")
+
+
+def _saves(config_yaml: Path) -> str:
+    """When the run of `config_yaml` saves: 'checkpoint.every=500', or why that is not known."""
+    try:
+        every = config_lib.load([str(config_yaml)]).checkpoint.every
+    except (ConfigError, OSError):
+        return f"its {config_yaml.name} does not load"
+    return f"checkpoint.every={every}" + (": it saves only at the end" if every == 0 else "")
+
+
+def read_meta(step_dir: Path) -> dict:
+    """The `meta` item: step, tokens_seen, config (YAML text), layer_order, and more."""
+    try:
+        return json.loads((step_dir / "meta" / "metadata").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{step_dir}: unreadable meta item ({e})") from None
+
+
+SHAPED = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
+          "mlp_dim", "tie_embeddings", "qkv_bias", "param_dtype")  # what the saved arrays fix
+
+
+def model_changes(meta: dict, model: config_lib.ModelConfig) -> list[str]:
+    """The model fields that give this config other arrays than the checkpoint's, as
+    `model.key=saved -> now` (empty when its weights fit; compute settings may change)."""
+    try:
+        saved = config_lib.ModelConfig(**{k: v for k, v in
+                                          yaml.safe_load(meta["config"])["model"].items()
+                                          if k in config_lib.ModelConfig.__dataclass_fields__})
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []  # an older or foreign meta: the restore itself decides
+    name = lambda key: "head_dim" if key == "head_size" else key
+    return [f"model.{name(k)}={getattr(saved, k)} -> {getattr(model, k)}" for k in SHAPED
+            if getattr(saved, k) != getattr(model, k)]
+
+
+def config_of(meta: dict) -> config_lib.Config:
+    """The run config a checkpoint was saved with (its meta's YAML, read through the schema);
+    keys the schema no longer has (a checkpoint of an older version) are left out."""
+    tree = _known(yaml.safe_load(meta["config"]) or {}, config_lib.Config)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(yaml.safe_dump(tree))
+        f.flush()
+        try:
+            return config_lib.load([f.name])
+        except ConfigError as e:
+            raise ConfigError(str(e).replace(f.name, "the checkpoint's config")) from None
+
+
+def _known(tree: Any, schema: type) -> Any:
+    """`tree` without the keys `schema` (a config dataclass) has not."""
+    if not isinstance(tree, dict):
+        return tree
+    hints = typing.get_type_hints(schema)
+    return {k: _known(v, hints[k]) if dataclasses.is_dataclass(hints[k]) else v
+            for k, v in tree.items() if k in hints}
+
+
+def _open_leaf(step_dir: Path) -> Callable[[tuple[str, ...]], Any]:
+    """A function opening one array of the `state` item (by its key path) with TensorStore."""
+    import tensorstore as ts
+
+    state = step_dir / "state"
+    flags = json.loads((state / "_METADATA").read_text())
+    driver = "zarr3" if flags.get("use_zarr3") else "zarr"
+
+    def open_leaf(keys: tuple[str, ...]) -> Any:
+        name = ".".join(keys)
+        store = ({"driver": "ocdbt", "base": f"file://{state}", "path": name}
+                 if flags.get("use_ocdbt", True) else {"driver": "file", "path": str(state / name)})
+        try:
+            return ts.open({"driver": driver, "kvstore": store}, open=True).result()
+        except ValueError:
+            raise ConfigError(f"{step_dir} has no array {name}") from None
+
+    return open_leaf
+
+
+def reader(path: str | Path) -> tuple[config_lib.Config, dict, Getter]:
+    """(run config, meta, get) for the checkpoint `path` names; get(param path, model layer)
+    reads one weight, or one layer of a stacked one (None for the unstacked weights)."""
+    _, step_dir = locate(path)
+    meta = read_meta(step_dir)
+    cfg, open_leaf = config_of(meta), _open_leaf(step_dir)
+    order = list(meta.get("layer_order", range(cfg.model.num_layers)))
+
+    def get(param_path: tuple[str, ...], layer: int | None) -> np.ndarray:
+        if layer is None:
+            return _read(open_leaf(("params", *param_path)), step_dir)
+        if meta.get("layout") == LAYERED:
+            return _read(open_leaf(("params", "layer", str(layer), *param_path[1:])), step_dir)
+        return _read(open_leaf(("params", *param_path))[order.index(layer)], step_dir)
+
+    return cfg, meta, get
+
+
+def _read(array: Any, step_dir: Path) -> np.ndarray:
+    """One TensorStore array into memory; a damaged file (truncated, missing) is one line."""
+    try:
+        return np.asarray(array.read().result())
+    except ValueError as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"checkpoint {step_dir} is damaged ({why}); name an older one "
+                          f"(.../checkpoints/<step>)") from None
+
+
+def read_params(path: str | Path) -> tuple[config_lib.Config, dict]:
+    """(run config, params as our pure nested dict of numpy arrays, layers in model order) of
+    the checkpoint `path` names: the whole model in host memory, for small models and tools."""
+    import jax
+    from flax import nnx
+
+    from jaxtron.model import abstract_model
+
+    cfg, _, get = reader(path)
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model)))
+
+    def read(keys, leaf) -> np.ndarray:
+        path = tuple(k.key for k in keys)
+        if path[0] != "layers":
+            return get(path, None)
+        return np.stack([get(path, i) for i in range(leaf.shape[0])])
+
+    return cfg, jax.tree_util.tree_map_with_path(read, abstract)
+
+
+def write_layers(step_dir: Path, top: dict, layers: Iterable[dict], meta: dict) -> None:
+    """Write a checkpoint holding `top` (params outside the layers, nested) and each of
+    `layers` (one nested dict per layer, in model order) with one Orbax partial save per layer,
+    so that only one layer is in memory; the meta item last, which completes it."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import v1
+
+    if step_dir.exists():
+        raise ConfigError(f"{step_dir} already exists; choose a new output directory")
+    step_dir.parent.mkdir(parents=True, exist_ok=True)
+    v1.partial.save(step_dir, {"params": top})
+    for i, layer in enumerate(layers):
+        v1.partial.save(step_dir, {"params": {"layer": {str(i): layer}}})
+    v1.partial.finalize(step_dir)
+    ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(step_dir / "meta",
+                                                       {**meta, "layout": LAYERED})
+
+
+def restore_layers(step_dir: Path, abstract_params: dict, shardings: dict) -> dict:
+    """The params of a checkpoint written by write_layers, stacked in model order straight into
+    `shardings`: one weight at a time (its layers read sharded like one slice of the stack,
+    then stacked on the devices), so at most one weight is held twice."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    handler = ocp.PyTreeCheckpointHandler()
+    flat_abs = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    flat_sh = jax.tree.leaves(shardings)
+
+    def restore(target: dict) -> dict:
+        args = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)
+        return ocp.Checkpointer(handler).restore(step_dir / "state", args=args)
+
+    out = []
+    for (keys, leaf), sharding in zip(flat_abs, flat_sh):
+        path = tuple(k.key for k in keys)
+        if path[0] != "layers":
+            sds = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            out.append(_at(restore({"params": _nest_one(path, sds)})["params"], path))
+            continue
+        one = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+        sds = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=one)
+        target = {"params": {"layer": {str(i): _nest_one(path[1:], sds)
+                                       for i in range(leaf.shape[0])}}}
+        layers = restore(target)["params"]["layer"]
+        parts = [_at(layers[str(i)], path[1:]) for i in range(leaf.shape[0])]
+        out.append(jax.jit(jnp.stack, out_shardings=sharding)(parts))
+        for part in parts:
+            part.delete()
+    return jax.tree.unflatten(jax.tree.structure(abstract_params), out)
+
+
+def _nest_one(path: tuple[str, ...], value: Any) -> dict:
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree

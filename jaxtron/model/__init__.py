@@ -1,0 +1,380 @@
+"""Llama-family decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers.
+
+Covers Llama 2/3 (Llama-3 RoPE scaling), Mistral and Qwen2 (QKV bias, tied embeddings) shapes.
+Weights carry logical axis names only; `parallel.RULES` decides how they are sharded.
+`Transformer.decode` runs the same modules over a KV cache, for generation
+(jaxtron/model/generate.py).
+
+Shape key: B batch, T sequence, D d_model, N query heads, K kv heads, H head size, F mlp width,
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.model import attention as attention_lib
+from jaxtron.model import vocab
+from jaxtron.model.attention import attention, cached_attention
+from jaxtron.parallel import collective_matmul, constrain
+
+_policies = jax.checkpoint_policies
+_names = _policies.save_only_these_names
+# What a remat policy keeps for the backward pass; everything else is recomputed. Ordered from
+# most memory to least; docs/parallelism.md says when to use which.
+REMAT_POLICIES = {
+    "none": None,  # no remat: keep every activation (fastest, most memory)
+    "save_dots": _policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "save_qkv_out": _names("query_proj", "key_proj", "value_proj", "attn_out"),
+    "save_attn_out": _names("attn_out"),  # keep the attention output only
+    "full": _policies.nothing_saveable,  # keep only each layer's input
+    # keep matmul outputs in pinned host memory, copied back for the backward pass
+    "offload_dots": _policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+OFFLOADING = ("offload_dots",)  # policies that need a pinned_host memory space on the device
+
+
+def check(cfg: ModelConfig) -> None:
+    """Names the config gives for code this module owns: the remat policy and attention kernel."""
+    if cfg.remat not in REMAT_POLICIES and cfg.remat != "auto":
+        raise ConfigError(f"model.remat={cfg.remat} is not one of {', '.join(REMAT_POLICIES)}, "
+                          "auto")
+    if cfg.attention not in attention_lib.CHOICES:
+        raise ConfigError(
+            f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
+    attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
+
+
+def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
+    """An offloading policy needs host memory the device can copy to; say so before compiling."""
+    kinds = [memory.kind for memory in device.addressable_memories()]
+    if cfg.remat in OFFLOADING and "pinned_host" not in kinds:
+        raise ConfigError(
+            f"model.remat={cfg.remat} needs pinned host memory, which {device.platform} devices "
+            f"here do not have (memories: {', '.join(kinds)}); use model.remat=save_dots or full")
+
+
+BATCH_SEQ = ("act_batch", "act_seq")  # between blocks: sequence split over tensor (RULES)
+BATCH_WHOLE_SEQ = ("act_batch", None)  # inside attention/MLP: heads or mlp split, sequence whole
+IO_SEQ = ("act_batch_io", "act_seq")  # embedding and LM head: the pipeline stages split the batch
+
+
+def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...],
+           std: float | None = None, value: float | None = None) -> nnx.Param:
+    """A parameter tagged with logical axes (the one place that touches NNX sharding metadata)."""
+    dtype = jnp.dtype(cfg.param_dtype)
+    if value is not None:
+        init = jnp.full(shape, value, dtype)
+    else:
+        init = jax.random.normal(rngs.params(), shape, dtype) * (std or cfg.init_std)
+    return nnx.Param(init, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.scale = _param(rngs, cfg, (cfg.d_model,), ("norm",), value=1.0)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [H/2], with Llama-3 scaling when `rope_scaling_factor` > 0."""
+    h = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if cfg.rope_scaling_factor <= 0:
+        return inv_freq
+    factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = jnp.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate halves (x1, x2) of each head by position-dependent angles (HF Llama layout)."""
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles_BTh)[:, :, None], jnp.sin(angles_BTh)[:, :, None]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        self.cfg = cfg
+        self.wq = _param(rngs, cfg, (d, n, h), ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
+            self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+            self.bv = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+
+    def _weight(self, name: str) -> jax.Array:
+        return _gathered(getattr(self, name), self.cfg)
+
+    def _projections(self, x_BTD) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q[B, T, N, H], k and v [B, T, K, H], heads split over tensor, sequence whole."""
+        names = ("wq", "wk", "wv")
+        if _overlapped(self.cfg):
+            q, k, v = collective_matmul.gather_matmuls(x_BTD, *map(self._weight, names))
+        else:
+            q, k, v = (jnp.einsum("btd,dnh->btnh", x_BTD, self._weight(n)) for n in names)
+        if self.cfg.qkv_bias:
+            q, k, v = (y + self._weight(b) for y, b in zip((q, k, v), ("bq", "bk", "bv")))
+        return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
+                constrain(k, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)),
+                constrain(v, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)))
+
+    def _rotated(self, x_BTD, positions_BT, inv_freq) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v with RoPE at `positions` on q and k, tagged for the remat policies."""
+        q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD)
+        v_BTKH = checkpoint_name(v_BTKH, "value_proj")
+        q_BTNH = checkpoint_name(apply_rope(q_BTNH, positions_BT, inv_freq), "query_proj")
+        k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq)
+        out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
+        return self._output(out_BTNH)
+
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
+        """(output, k and v caches) for T tokens at positions and cache slots start..start+T-1:
+        their keys and values are written there, then the queries read the cache."""
+        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+        q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq)
+        at = (0, start, 0, 0)
+        k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), at)
+        v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
+        out_BTNH = cached_attention(q_BTNH, k_BSKH, v_BSKH, start)
+        return self._output(out_BTNH), k_BSKH, v_BSKH
+
+    def _output(self, out_BTNH) -> jax.Array:
+        """The heads' outputs projected back to the model width [B, T, D]."""
+        out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)),
+                                   "attn_out")
+        if _overlapped(self.cfg):
+            return collective_matmul.matmul_scatter(out_BTNH, self._weight("wo"))
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, self._weight("wo"))
+
+
+def _gathered(param: nnx.Param, cfg: ModelConfig) -> jax.Array:
+    """A layer's weight in the compute dtype with its `embed` dimension whole: gathered over
+    fsdp here, at its use inside the layer's remat, so the backward's recomputed forward and its
+    gradient matmuls share one gather. Left to each matmul (the collective matmuls' shard_maps
+    above all), the backward gathered it twice: llama3_70b, TP8 x FSDP8, remat=full moved 50.5
+    GiB of fsdp all-gathers per GPU per step, 32.4 with this (one gather forward, one backward).
+    Not under remat=none: there the gathered copy would be kept for the backward, every layer's
+    (llama2_7b as shipped: 74.1 GiB against 54.8)."""
+    w = param[...].astype(cfg.dtype)
+    if cfg.remat == "none":
+        return w
+    axes = tuple(param.get_metadata().get("out_sharding") or ())
+    if len(axes) == w.ndim + 1 and axes[0] == "layers":
+        axes = axes[1:]  # one layer of the stack, inside the scan over layers
+    if len(axes) != w.ndim:
+        return w
+    return constrain(w, tuple(None if axis == "embed" else axis for axis in axes))
+
+
+def _overlapped(cfg: ModelConfig) -> bool:
+    """Whether the tensor-parallel matmuls run as collective matmuls here."""
+    return cfg.collective_matmul and collective_matmul.applies()
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.cfg = cfg
+        self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        weights = (self.w_gate, self.w_up, self.w_down)
+        gate, up, down = (_gathered(w, self.cfg) for w in weights)
+        if _overlapped(self.cfg):
+            gate_BTF, up_BTF = collective_matmul.gather_matmuls(x_BTD, gate, up)
+        else:
+            gate_BTF, up_BTF = x_BTD @ gate, x_BTD @ up
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
+        if _overlapped(self.cfg):
+            return collective_matmul.matmul_scatter(h_BTF, down)
+        return h_BTF @ down
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+        h_BTD = self._whole_seq(self.attn_norm(x_BTD))
+        x_BTD = x_BTD + self.attn(h_BTD, positions_BT, segment_ids_BT, inv_freq)
+        x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+        x_BTD = x_BTD + self.mlp(self._whole_seq(self.mlp_norm(x_BTD)))
+        return constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
+        """The same layer over a KV cache (Attention.decode): (x, k and v caches)."""
+        out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), start, inv_freq,
+                                                   k_BSKH, v_BSKH)
+        x_BTD = x_BTD + out_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKH, v_BSKH
+
+    def _whole_seq(self, h_BTD: jax.Array) -> jax.Array:
+        """Inside the pipeline's shard_map: the normed input gathered over the sequence once for
+        all the projections that read it. There the compiler otherwise gathered it per
+        projection and again in the backward (the 70B preset: 3127 against 1319 GiB of
+        all-gathers over tensor per GPU per step); outside, it shares one gather by itself and
+        the pin added 16% (llama3_8b, tensor=8). Collective matmul gathers in steps itself."""
+        mesh = jax.sharding.get_abstract_mesh()
+        inside = not mesh.empty and jax.sharding.AxisType.Manual in mesh.axis_types
+        if _overlapped(self.attn.cfg) or not inside:
+            return h_BTD
+        return constrain(h_BTD, (*BATCH_WHOLE_SEQ, "act_embed"))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(key):
+            return Block(cfg, nnx.Rngs(params=key))
+
+        self.layers = stacked_blocks(jax.random.split(rngs.params(), cfg.num_layers))
+        self.final_norm = RMSNorm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens_BT, positions_BT, segment_ids_BT,
+                 run_layers: LayerRunner | None = None) -> jax.Array:
+        """Token ids -> float32 logits[B, T, V] (whole: for inspection and parity checks; the
+        train step's loss takes `hidden` and `head` and never holds them all at once)."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
+        return self._logits(x_BTD)
+
+    def decode(self, tokens_BT, cache: dict, start) -> tuple[jax.Array, dict]:
+        """(float32 logits [B, T, V], the updated cache) of tokens [B, T] at positions and cache
+        slots start..start+T-1 of each row's one sequence, attending to the cache's earlier
+        slots (`init_cache`): the prompt in one call, then one token per call. The same modules
+        and weights as the training forward; no segments, no remat, never under a mesh, and
+        attention in the XLA reference math whatever model.attention says."""
+        x_BTD = self._embed(tokens_BT)
+        graphdef, stacked = nnx.split(self.layers)
+        inv_freq = rope_frequencies(self.cfg)
+
+        def body(x_BTD, layer):
+            state, k_BSKH, v_BSKH = layer
+            x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, state).decode(
+                x_BTD, start, inv_freq, k_BSKH, v_BSKH)
+            return x_BTD, (k_BSKH, v_BSKH)
+
+        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (stacked, cache["k"], cache["v"]))
+        return self._logits(self.final_norm(x_BTD)), {"k": k, "v": v}
+
+    def hidden(self, tokens_BT, positions_BT, segment_ids_BT,
+               run_layers: LayerRunner | None = None) -> jax.Array:
+        """Token ids -> the final-normed hidden states [B, T, D] that the LM head reads.
+        `run_layers` applies the layer stack; the default runs every layer in order, a parallel
+        strategy (the pipeline) hands in its own."""
+        x_BTD = self._embed(tokens_BT)
+        graphdef, stacked = nnx.split(self.layers)
+        run_group = functools.partial(_run_stack, self.cfg, graphdef)
+        x_BTD = (run_layers or in_order)(run_group, stacked, x_BTD, positions_BT, segment_ids_BT)
+        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
+
+    def _embed(self, tokens_BT) -> jax.Array:
+        """Token ids -> embeddings [B, T, D] in the compute dtype."""
+        if jax.sharding.get_abstract_mesh().empty:
+            x_BTD = self.embed[...].astype(self.cfg.dtype)[tokens_BT]
+        else:  # the table gathered in the compute dtype, its gradient reduce-scattered
+            x_BTD = vocab.sharded_embed(self.embed[...], tokens_BT, self.cfg.dtype)
+        return constrain(x_BTD, (*IO_SEQ, "act_embed"))
+
+    def _logits(self, x_BTD) -> jax.Array:
+        """float32 logits [B, T, V] of final-normed hidden states."""
+        return constrain(vocab.logits(x_BTD, self.head()), ("act_batch_io", None, "act_vocab"))
+
+    def head(self) -> jax.Array:
+        """The LM head [D, V] in the compute dtype, gathered like the table (vocab split over
+        tensor); tied models read the embedding's table."""
+        head_DV = self.head_weight().T if self.cfg.tie_embeddings else self.head_weight()
+        return constrain(head_DV.astype(self.cfg.dtype), (None, "act_vocab"))
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as stored: lm_head [D, V], or with tied embeddings the table [V, D]."""
+        return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+# run_layers(run_group, stacked, x, positions, segment_ids) -> x: applies the stacked layers, where
+# run_group(stacked_group, x, positions, segment_ids) runs any contiguous group of them.
+LayerRunner = Callable[..., jax.Array]
+
+
+def in_order(run_group: Callable[..., jax.Array], stacked, x_BTD, positions_BT,
+             segment_ids_BT) -> jax.Array:
+    """Every layer, one after another, on all devices (no pipeline)."""
+    return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
+
+
+def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT,
+               select: Callable[[Any], Any] | None = None):
+    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy. `select`,
+    if given, maps each layer's stored weights to the ones it runs with, inside the layer body
+    (the pipeline picks a repeat's weights there, so the pick is never a saved residual)."""
+    inv_freq = rope_frequencies(cfg)
+
+    def body(x, layer_state):
+        block = nnx.merge(graphdef, select(layer_state) if select else layer_state)
+        return block(x, positions_BT, segment_ids_BT, inv_freq), None
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
+                              prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+        return jax.lax.scan(body, x_BTD, stacked)[0]
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BTD = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))[0]
+    return x_BTD
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model's structure with ShapeDtypeStructs for weights: nothing allocated."""
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """An empty KV cache for `Transformer.decode`: k and v [L, B, S, K, H] of `length` slots, in
+    the compute dtype (keys stored rotated)."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_size)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+def count_params(state: nnx.State) -> int:
+    """Total number of parameters in a (possibly abstract) state."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))

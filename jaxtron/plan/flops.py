@@ -1,0 +1,114 @@
+"""Matmul and attention FLOPs: counted in a compiled step's HLO, and expected from the config.
+
+`compiled` reads the optimized HLO (`jaxtron.plan.hlo`): 2 * M * N * K of every matmul (dots, inside
+fusions too, cuBLAS calls, Triton GEMM fusions) apart from the cuDNN attention kernels
+(`__cudnn$fmha...`), per device per step, times the trip counts of the loops around them.
+
+`expected_matmul` is what the remat policy implies for the matmuls: 6N per token (forward and
+backward of every matmul weight, `metrics.matmul_params`), plus the forward that the policy
+recomputes in the backward, plus the LM head's forward, which a loss in more than one chunk
+recomputes under every policy (jaxtron/model/vocab.py: the backward recomputes each chunk's logits
+from the saved logsumexp; in one chunk XLA merges that with the forward's). Their ratio says whether
+the compiler recomputes what the policy asks, and no more.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from jaxtron.config import Config, ModelConfig
+from jaxtron.model import vocab
+from jaxtron.plan import hlo, metrics
+from jaxtron.plan.hlo import Instruction, Module
+
+# The projections each remat policy (model.REMAT_POLICIES) recomputes in the backward. The down
+# projection never is: its output only joins the residual stream, which nothing in the backward
+# reads, so XLA drops it from the recompute. The output projection is recomputed whenever the
+# residual after attention is not saved (the MLP's norm reads it).
+RECOMPUTED = {
+    "none": (),
+    "save_dots": (),  # every projection's output saved
+    "offload_dots": (),  # ... in host memory
+    "save_qkv_out": ("o", "gate", "up"),  # q, k, v and the attention output saved
+    "save_attn_out": ("q", "k", "v", "o", "gate", "up"),
+    "full": ("q", "k", "v", "o", "gate", "up"),
+}
+
+
+def compiled(module: Module) -> dict[str, int]:
+    """FLOPs per device per step of the matmuls and of the cuDNN attention kernels, apart."""
+    totals = {"matmul": 0, "attention": 0}
+    for comp, insts in module.computations.items():
+        runs = module.executions.get(comp, 0)
+        for inst in insts:
+            if runs and (flops := _flops(inst, module)):
+                kind = "attention" if hlo._target(inst).startswith("__cudnn$fmha") else "matmul"
+                totals[kind] += runs * flops
+    return totals
+
+
+def expected_matmul(cfg: Config, tokens_per_device: float) -> int:
+    """Matmul FLOPs per device per step that cfg.model.remat implies: 6N per token, the policy's
+    recomputed projections (2 FLOPs per weight per token) and the chunked LM head's. Measured
+    exact over data, fsdp and tensor; with a pipeline only approximate, a lower bound: the stages
+    also run in the bubble iterations (tiny, 2 stages, 4 microbatches: compiled 1.15x this)."""
+    m = cfg.model
+    recomputed = m.num_layers * sum(_weights(m)[name] for name in RECOMPUTED[m.remat])
+    chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
+    head = m.d_model * m.vocab_size if chunked else 0
+    return round((6 * metrics.matmul_params(m) + 2 * recomputed + 2 * head) * tokens_per_device)
+
+
+def _weights(m: ModelConfig) -> dict[str, int]:
+    """The weights of one layer's projections, by name."""
+    d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
+    return {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
+            "gate": d * f, "up": d * f, "down": f * d}
+
+
+def _flops(inst: Instruction, module: Module) -> int:
+    if inst.opcode == "dot":
+        dims = _dot_dims(inst.rest)
+        return _gemm_flops(inst, module, dims) if dims else 0
+    target = hlo._target(inst)
+    if target.startswith("__cublas"):
+        config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', inst.rest)
+        return _gemm_flops(inst, module, json.loads(config.group(1))) if config else 0
+    if target.startswith("__cudnn$fmha"):
+        return _attention_flops(inst, module, backward="Backward" in target)
+    return 0
+
+
+def _dot_dims(rest: str) -> dict | None:
+    contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    if contracting is None:
+        return None
+    return {"lhs_contracting_dimensions": contracting.group(1).split(",")}
+
+
+def _operand_shapes(inst: Instruction, module: Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Shapes of an instruction's operands, looked up by name in the module."""
+    return [a for n in hlo._operands(inst) for a in hlo.arrays(module.shapes.get(n, ""))[:1]]
+
+
+def _gemm_flops(inst: Instruction, module: Module, dims: dict) -> int:
+    """2 * (output elements) * (contracted size), from the lhs operand's shape."""
+    operands = _operand_shapes(inst, module)
+    out = hlo.arrays(hlo._top_level(inst.shape)[0])
+    if not operands or not out:
+        return 0
+    lhs = operands[0][1]
+    k = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []) if d)
+    return 2 * math.prod(out[0][1]) * k
+
+
+def _attention_flops(inst: Instruction, module: Module, backward: bool) -> int:
+    """cuDNN attention on q[B, T, N, H], k[B, S, K, H]: 2 matmuls forward (4*B*N*T*S*H FLOPs, as
+    cuDNN counts a causal mask: no halving), 5 in the backward (2.5x)."""
+    operands = _operand_shapes(inst, module)
+    if len(operands) < 2:
+        return 0
+    (b, t, n, h), s = operands[0][1], operands[1][1][1]
+    return 4 * b * n * t * s * h * (5 if backward else 2) // 2

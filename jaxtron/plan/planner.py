@@ -1,0 +1,285 @@
+"""Layouts for a model on a GPU cluster, ranked by estimated step time among those that fit.
+
+For every mesh (data x fsdp x tensor x stage over the GPUs), pipeline schedule, microbatch count
+and remat policy that the config's checks accept, the planner takes the dry run's memory
+estimate (jaxtron.plan.memory: what `--dry-run` prints, held within 15% of compiled peaks) and
+estimates one step's time as
+
+    step = compute / (1 - bubble) + exposed communication + per-message latency
+
+- compute: the model's training FLOPs per GPU (metrics.flops_per_token) with the matmuls the
+  remat policy recomputes (flops.expected_matmul: what the compiled programs do, within 0.1%)
+  at ACHIEVABLE_TFLOPS.
+- bubble: the pipeline's idle share, (S-1) / (M*R + S-1) for S stages, M microbatches per pass,
+  R circular repeats (jaxtron.parallel.pipeline).
+- communication, per collective, bytes on the wire per GPU over the axis's link (NVLink inside a
+  node, the inter-node network across; parallel.crossing_axes says which), by nccl-tests' bus
+  bandwidth definitions:
+  - tensor: sequence parallelism's all-gather and reduce-scatter of each layer's activations,
+    4 per layer per pass (forward, backward, and the recomputed forward with remat); exposed,
+    unless model.collective_matmul hides all but 1/tensor of it behind the matmuls.
+  - fsdp: without a pipeline, each layer's weights all-gathered for the forward and backward and
+    their gradients reduce-scattered, every microbatch; with one, the stage's weights gathered
+    once per pass and their gradients reduce-scattered every iteration. XLA's scheduler overlaps
+    them with compute, so only what exceeds the compute is exposed.
+  - data: the gradients' all-reduce, once per step, exposed.
+  - stage: each microbatch's activations between neighbouring stages, forward and backward.
+- latency: LATENCY_S per collective message and per pipeline iteration, which penalises many
+  small steps (tiny microbatches, deep pipelines, many layers per step).
+
+A layout fits where its estimate leaves autofit.SPARE (10%) of the usable memory free, as
+model.remat=auto asks of its choice. The constants are below, each with its source; they are
+estimates for ranking layouts against each other, not predictions of absolute speed.
+`tools/plan.py --verify` compiles the best layouts for the real GPU topology and times them
+again from their programs (`compiled_step`): the compiled matmul and attention FLOPs, and the
+collective bytes per axis that no matmul hides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+from jaxtron import parallel
+from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
+from jaxtron.parallel import pipeline
+from jaxtron.plan import flops, memory, metrics
+from jaxtron.plan.autofit import SPARE
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import make_plan
+
+# Dense bf16 TFLOP/s a large LLM training step achieves per GPU: ~45% of the H100 SXM's 989
+# (NVIDIA H100 datasheet), the MFU Megatron-LM and MaxText report for 70B-class Llama training on
+# H100 clusters. H200: the same compute.
+ACHIEVABLE_TFLOPS = {"h100": 450.0, "h200": 450.0}
+# Bus bandwidth per GPU (GB/s, nccl-tests' definition) that large NCCL collectives reach.
+# NVLink 4 gives 450 GB/s per direction per GPU; nccl-tests all-reduce on a DGX H100 reaches about
+# 360-480 GB/s bus bandwidth (with NVLink SHARP). Across nodes, 8 x 400 Gb/s InfiniBand NICs per
+# node give 50 GB/s per GPU per direction; multi-node nccl-tests reach about 40-45 GB/s per GPU.
+NVLINK_GBPS = 360.0
+NETWORK_GBPS = 40.0
+# Fixed cost per collective message or pipeline iteration (s): NCCL's small-message latency is
+# 10-30 us in nccl-tests; kernel launches and the stage hand-off add to it.
+LATENCY_S = 25e-6
+# The share of each axis's collective bytes that XLA schedules with a matmul between start and
+# done, as the `--compile-for h100` report counts it ("overlapped"): llama3_8b, fsdp=8, seq 8192
+# (`--devices 8 train.batch_size=8 mesh.fsdp=8`): 36.7 of 42.9 GiB over fsdp; the llama3_70b_pp8
+# preset (`--devices 128`): 955 of 2309 GiB over tensor. The rest is taken as exposed.
+FSDP_OVERLAP = 0.85
+TENSOR_OVERLAP = 0.4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: its settings, its estimates, and what the estimates are made of."""
+
+    mesh: dict[str, int]
+    schedule: str
+    repeats: int
+    microbatches: int
+    remat: str
+    grad_sum: str  # pipeline.grad_sum
+    peak_bytes: int
+    fits: bool  # leaves SPARE of the usable memory free, as model.remat=auto's choice does
+    step_seconds: float
+    parts: dict[str, float]  # seconds: compute, bubble, tensor, fsdp, data, stage, latency
+    crossing: tuple[str, ...] = ()  # the mesh axes whose groups span nodes
+
+    def name(self) -> str:
+        m = self.mesh
+        pipe = (f" PP{m['stage']} {self.schedule}" + (f" R{self.repeats}" if self.repeats > 1
+                                                      else "")) if m["stage"] > 1 else ""
+        whole = " grad_sum=whole" if self.grad_sum == "whole" else ""
+        return (f"TP{m['tensor']}{pipe} FSDP{m['fsdp']} DP{m['data']} M{self.microbatches} "
+                f"remat={self.remat}{whole}")
+
+    def overrides(self) -> str:
+        """The config overrides that run this layout."""
+        m = self.mesh
+        out = [f"mesh.{axis}={m[axis]}" for axis in ("data", "stage", "fsdp", "tensor")]
+        if m["stage"] > 1:
+            out += [f"pipeline.schedule={self.schedule}", f"pipeline.repeats={self.repeats}",
+                    f"pipeline.grad_sum={self.grad_sum}"]
+        return " ".join(out + [f"model.remat={self.remat}",
+                               f"train.microbatches={self.microbatches}"])
+
+    def as_json(self) -> dict:
+        return {"mesh": self.mesh, "schedule": self.schedule if self.mesh["stage"] > 1 else "none",
+                "repeats": self.repeats, "microbatches": self.microbatches, "remat": self.remat,
+                "grad_sum": self.grad_sum,
+                "step_seconds": round(self.step_seconds, 4), "peak_bytes": self.peak_bytes,
+                "fits": self.fits, "parts": {k: round(v, 4) for k, v in self.parts.items()},
+                "crossing": list(self.crossing)}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
+    """Meshes over `gpus`: tensor within a node and dividing the heads, stages dividing the
+    layers, fsdp and data the rest."""
+    m = cfg.model
+    out = []
+    for tensor in _divisors(min(per_node, gpus)):
+        if m.num_kv_heads % tensor or m.num_heads % tensor:
+            continue
+        for stage in _divisors(gpus // tensor):
+            if m.num_layers % stage or stage > m.num_layers:
+                continue
+            for fsdp in _divisors(gpus // tensor // stage):
+                data = gpus // tensor // stage // fsdp
+                out.append({"data": data, "stage": stage, "fsdp": fsdp, "tensor": tensor})
+    return out
+
+
+def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
+    """(schedule, repeats, microbatches, remat, grad_sum) to try for one mesh."""
+    replicas = mesh["data"] * mesh["fsdp"]
+    if cfg.train.batch_size % replicas:
+        return
+    rows = cfg.train.batch_size // replicas  # sequences per data replica per step
+    counts = [c for c in _divisors(rows) if c & (c - 1) == 0 or c == rows]
+    schedules = [("gpipe", 1)]
+    if mesh["stage"] > 1:
+        per_stage = cfg.model.num_layers // mesh["stage"]
+        schedules += [("circular", r) for r in (2, 4, 5, 8, 10) if per_stage % r == 0]
+    sums = ["sharded", "whole"] if mesh["stage"] > 1 and mesh["fsdp"] > 1 else ["sharded"]
+    for (schedule, repeats), micro, remat, grad_sum in itertools.product(schedules, counts, remats,
+                                                                         sums):
+        if mesh["stage"] == 1 and (schedule != "gpipe" or micro > 8):
+            continue  # without a pipeline, microbatches only trade speed for memory
+        yield schedule, repeats, micro, remat, grad_sum
+
+
+def configure(cfg: Config, mesh: dict[str, int], schedule: str, repeats: int, micro: int,
+              remat: str, grad_sum: str = "sharded") -> Config:
+    """cfg with one layout's settings."""
+    return dataclasses.replace(
+        cfg, mesh=MeshConfig(**mesh),
+        model=dataclasses.replace(cfg.model, remat=remat),
+        pipeline=PipelineConfig(schedule=schedule, repeats=repeats, passes=1, grad_sum=grad_sum),
+        train=dataclasses.replace(cfg.train, microbatches=micro))
+
+
+def _seconds(nbytes: float, crosses: bool) -> float:
+    return nbytes / (1e9 * (NETWORK_GBPS if crosses else NVLINK_GBPS))
+
+
+def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dict[str, float]:
+    """The parts of one step's estimated time (module docstring), in seconds."""
+    m, t = cfg.model, cfg.train
+    gpus = math.prod(mesh.values())
+    crossing = set(parallel.crossing_axes(mesh, per_node))
+    tokens = t.batch_size * t.seq_len
+    attention = metrics.flops_per_token(m, t.seq_len) - 6 * metrics.matmul_params(m)
+    work = flops.expected_matmul(cfg, tokens / gpus) + attention * tokens / gpus
+    compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
+    stages, tp = mesh["stage"], mesh["tensor"]
+    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    iterations = t.microbatches * repeats + stages - 1 if stages > 1 else t.microbatches
+    bubble = compute * (stages - 1) / (t.microbatches * repeats) if stages > 1 else 0.0
+    layers = m.num_layers // stages  # layers each GPU runs per sequence
+    seqs = t.batch_size // (mesh["data"] * mesh["fsdp"])  # sequences per GPU per step
+    passes = 3 if flops.RECOMPUTED[m.remat] else 2  # the recomputed forward gathers again
+    act = 2  # bf16 activations and gathered weights
+    parts = {"compute": compute, "bubble": bubble}
+    slab = t.seq_len * m.d_model * act  # one sequence's [T, D] activations
+    tensor_bytes = 4 * passes * layers * seqs * slab * (tp - 1) / tp
+    tensor_time = _seconds(tensor_bytes, "tensor" in crossing)
+    parts["tensor"] = tensor_time / tp if m.collective_matmul else tensor_time * (
+        1 - TENSOR_OVERLAP)
+    layer_params = metrics.matmul_params(dataclasses.replace(m, vocab_size=0)) / m.num_layers
+    f = mesh["fsdp"]
+    # Without a pipeline each microbatch gathers a layer's weights twice (forward, recompute or
+    # backward) and reduce-scatters its gradient; a pipeline gathers a stage's weights once per
+    # pass and reduce-scatters their gradient every iteration, or (grad_sum=whole) once, in
+    # float32: twice the bytes of a compute-dtype gather.
+    runs = iterations if stages > 1 else t.microbatches  # layer runs per sequence group
+    whole = cfg.pipeline.grad_sum == "whole"
+    fsdp_uses = (3 if whole else 1 + iterations) if stages > 1 else 3 * t.microbatches
+    fsdp_bytes = fsdp_uses * layers * layer_params / tp * act * (f - 1) / f
+    fsdp_time = _seconds(fsdp_bytes, "fsdp" in crossing)
+    parts["fsdp"] = fsdp_time * (1 - FSDP_OVERLAP) + max(0.0, fsdp_time * FSDP_OVERLAP - compute)
+    d = mesh["data"]
+    grads = metrics.matmul_params(m) * 4 / (tp * stages * f)  # float32 gradients per GPU
+    parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
+    stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
+    parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
+    messages = (4 * passes * layers * runs * (tp > 1) + layers * fsdp_uses * (f > 1)
+                + iterations * (stages > 1) * 2 + (d > 1))
+    parts["latency"] = LATENCY_S * messages
+    return parts
+
+
+def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, usable: int,
+             remats: list[str]) -> list[Layout]:
+    """Every layout the config's checks accept, with its memory and time estimates. One fits
+    where its estimated peak leaves SPARE of `usable` free: what model.remat=auto and
+    train.microbatches=auto ask of their choice, so that the planner's best is one they keep."""
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    budget = usable * (1 - SPARE)
+    out = []
+    for mesh in meshes(cfg, gpus, per_node):
+        crossing = tuple(parallel.crossing_axes(mesh, per_node))
+        for schedule, repeats, micro, remat, grad_sum in variants(cfg, mesh, remats):
+            candidate = configure(cfg, mesh, schedule, repeats, micro, remat, grad_sum)
+            try:
+                pipeline.check(candidate, mesh["stage"])
+                plan = make_plan(candidate, tx, gpus)
+            except ConfigError:
+                continue
+            peak = sum(memory.estimate(candidate, plan).values())
+            parts = step_time(candidate, mesh, per_node, gpu)
+            out.append(Layout(mesh, schedule, repeats, micro, remat, grad_sum, peak,
+                              peak <= budget, sum(parts.values()), parts, crossing))
+    return rank(out)
+
+
+def rank(layouts: list[Layout]) -> list[Layout]:
+    """Those that fit first, fastest first; then those that do not, smallest peak first."""
+    return sorted(layouts, key=lambda x: (not x.fits, x.step_seconds if x.fits else x.peak_bytes))
+
+
+def why_slower(worse: Layout, better: Layout, usable: int) -> str:
+    """One clause: the estimate's terms that cost `worse` the most against `better` (each term
+    that adds at least a fifth of the largest, largest first)."""
+    if not worse.fits:
+        return (f"does not fit: {worse.peak_bytes / 2**30:.1f} GiB per GPU, over "
+                f"{1 - SPARE:.0%} of the {usable / 2**30:.1f} GiB jax may use")
+    deltas = {k: worse.parts[k] - better.parts.get(k, 0.0) for k in worse.parts}
+    costs = sorted(((d, k) for k, d in deltas.items() if d > 0), reverse=True)
+    top = costs[0][0] if costs else 0.0
+    terms = ", ".join(f"{k} {duration(worse.parts[k])} against {duration(better.parts[k])}"
+                      for d, k in costs[:3] if d >= top / 5)
+    return (f"+{duration(worse.step_seconds - better.step_seconds)} per step, mostly "
+            f"{terms or 'rounding'}")
+
+
+def compiled_step(layout: Layout, report: dict, gpu: str) -> dict[str, float]:
+    """The parts of the layout's step time again, from what its compiled program does (an
+    `aot.report`): compute from the program's matmul and attention FLOPs; for each set of mesh
+    axes, the collective bytes no matmul hides (the report's exposed bytes) over NVLink, or over
+    the network where one of the axes spans nodes; the bubble scaled with the compute, and the
+    latency as estimated."""
+    counted = report["flops"]
+    work = counted["matmul_per_device"] + counted["attention_per_device"]
+    compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
+    estimated = layout.parts["compute"]
+    parts = {"compute": compute,
+             "bubble": layout.parts["bubble"] * compute / estimated if estimated else 0.0}
+    for axes, nbytes in report["exposed_bytes_per_axis"].items():
+        parts[axes] = _seconds(nbytes, bool(set(axes.split("+")) & set(layout.crossing)))
+    parts["latency"] = layout.parts["latency"]
+    return parts
+
+
+def duration(seconds: float) -> str:
+    """Three significant digits in s, ms or us: a small model's step is not "0.00 s"."""
+    if abs(seconds) >= 100:
+        return f"{seconds:.0f} s"
+    scale, unit = next(((scale, unit) for scale, unit in ((1.0, "s"), (1e-3, "ms"))
+                        if abs(seconds) >= scale), (1e-6, "us"))
+    return f"{seconds / scale:.3g} {unit}"

@@ -1,0 +1,176 @@
+"""The step: the loss (summed over real tokens), its gradient with accumulation over microbatches,
+the pure train step, and its compilation with explicit shardings and state donation. Also the
+global batch as sharded arrays, the same for every process layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtron import parallel
+from jaxtron.config import Config
+from jaxtron.data.rows import local_rows
+from jaxtron.model import vocab
+from jaxtron.parallel import pipeline
+from jaxtron.step.optim import lr_schedule, schedule_count
+from jaxtron.step.state import Plan
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
+
+
+
+def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline | None = None,
+              chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
+
+    With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions
+    (jaxtron/model/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
+    Under a mesh the head is gathered in the compute dtype and its gradient leaves by one
+    reduce-scatter; without one the compiler partitions plain ops. Same value and gradient."""
+    model = nnx.merge(graphdef, params)
+    run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
+    x_BTD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
+    mask_BT = batch["segment_ids"] != 0
+    if jax.sharding.get_abstract_mesh().empty:
+        total = vocab.plain_total(x_BTD, model.head(), batch["targets"], mask_BT, chunk)
+    else:
+        total = vocab.sharded_total(x_BTD, model.head_weight(), batch["targets"], mask_BT, chunk,
+                                   tied=model.cfg.tie_embeddings)
+    return total, jnp.sum(mask_BT)
+
+
+def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
+                   pipe: pipeline.Pipeline | None = None, chunk: int = 0):
+    """Mean loss and its gradient; with microbatches > 1, summed over microbatches in a scan
+    (each one a pass through the pipeline when `pipe` is set)."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_sums, pipe=pipe, chunk=chunk),
+                                 has_aux=True)
+    if microbatches == 1:
+        (total, count), grads = grad_fn(params, graphdef, batch)
+    else:
+        # Row i*M + m goes to microbatch m: every device keeps its own rows, nothing moves.
+        def split(x_BT):
+            b, t = x_BT.shape
+            x = x_BT.reshape(b // microbatches, microbatches, t).swapaxes(0, 1)
+            return parallel.constrain(x, (None, "act_batch", None))
+
+        def accumulate(carry, micro):
+            (part, n), g = grad_fn(params, graphdef, micro)
+            return jax.tree.map(jnp.add, carry, (part, n, g)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
+                 jax.tree.map(jnp.zeros_like, params))
+        (total, count, grads), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+    count = jnp.maximum(count, 1).astype(jnp.float32)
+    return total / count, jax.tree.map(lambda g: g / count, grads)
+
+
+def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
+               pipe: pipeline.Pipeline | None = None, chunk: int = 0):
+    """One optimizer update. Pure: the caller jits it once and donates `state`.
+
+    A non-finite loss or gradient leaves params and optimizer state as they were and counts the
+    skip in `nonfinite` (consecutive skips); the host decides whether to go on.
+    """
+    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe, chunk)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {
+        "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+        "opt_state": keep(opt_state, state["opt_state"]),
+        "step": state["step"] + 1,
+        "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
+    }
+    # The rate optax applied: its schedule counts applied updates, so skipped steps do not count.
+    lr = schedule(schedule_count(state["opt_state"]))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
+               "nonfinite": new_state["nonfinite"]}
+    return new_state, metrics
+
+
+def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
+    """jit with explicit in/out shardings and state donation."""
+    step_fn = functools.partial(
+        train_step, graphdef=plan.graphdef, tx=tx,
+        schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
+        pipe=plan.pipe, chunk=cfg.train.loss_chunk,
+    )
+    state_shardings = parallel.named(plan.specs, mesh)
+    batch_sharding = NamedSharding(mesh, parallel.batch_spec())
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, {k: batch_sharding for k in BATCH_KEYS}),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def compile_eval(plan: Plan, mesh: Mesh, chunk: int = 0):
+    """Summed loss and token count of one batch under the current params (no update)."""
+    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe, chunk=chunk)
+    batch_sharding = NamedSharding(mesh, parallel.batch_spec())
+    return jax.jit(
+        lambda params, batch: fn(params, batch=batch),
+        in_shardings=(parallel.named(plan.specs["params"], mesh),
+                      {k: batch_sharding for k in BATCH_KEYS}),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+
+
+def evaluate(eval_fn, params: dict, eval_batches: list[dict], mesh: Mesh,
+             stopped: Callable[[], bool] = lambda: False) -> float | None:
+    """Mean next-token loss over the held-out batches (the same batches every time); None when
+    `stopped()` turns true first (checked per batch, with at most 8 batches in flight)."""
+    sums = []
+    for batch in eval_batches:
+        if stopped():
+            return None
+        sums.append(eval_fn(params, global_batch(batch, mesh)))
+        if len(sums) > 8:
+            jax.block_until_ready(sums[-9])
+    sums = jax.device_get(sums)
+    total = sum(float(s) for s, _ in sums)
+    count = sum(int(n) for _, n in sums)
+    return total / max(count, 1)
+
+
+def global_batch(batch: dict, mesh: Mesh, batch_size: int | None = None) -> dict:
+    """A numpy batch -> one jax.Array per key, sharded over the batch axes. `batch` holds this
+    process's rows (rows.local_rows) of a global batch of `batch_size` rows, or (None) all of
+    them. Each local device takes its own shard out of those rows, so any mesh over any process
+    layout works, also where a batch shard spans processes (pipeline stages or tensor ranks on
+    other hosts)."""
+    sharding = NamedSharding(mesh, parallel.batch_spec())
+    seq_len = batch[BATCH_KEYS[0]].shape[1]
+    mine = None if batch_size is None else local_rows(mesh, batch_size, seq_len)
+    if mine is not None and len(batch[BATCH_KEYS[0]]) != len(mine):
+        raise ValueError(f"a batch of {len(batch[BATCH_KEYS[0]])} rows where this process holds "
+                         f"{len(mine)} of {batch_size}")
+
+    def put(rows: np.ndarray) -> jax.Array:
+        if mine is None:
+            return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+        return jax.make_array_from_callback((batch_size, seq_len), sharding,
+                                            lambda index: rows[mine.positions(index[0]), index[1]])
+
+    return {k: put(batch[k]) for k in BATCH_KEYS}
+
+
+def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
+    """Shapes and shardings of one global batch (for ahead-of-time compilation)."""
+    sharding = NamedSharding(mesh, parallel.batch_spec())
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+

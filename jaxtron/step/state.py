@@ -1,0 +1,166 @@
+"""The train state: the plan (shapes, shardings, sizes) known before anything is allocated, the
+state born sharded, and its restore from a checkpoint into this run's shardings and layer order.
+
+The state is a plain dict pytree {params, opt_state, step, nonfinite}; params are the model's NNX
+state as a pure dict, merged with a static graphdef inside the jitted step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxtron import model as model_lib
+from jaxtron import parallel
+from jaxtron.checkpoint import Checkpoints, restore_from, weights
+from jaxtron.config import Config, ConfigError
+from jaxtron.model import Transformer, abstract_model, count_params
+from jaxtron.parallel import pipeline
+from jaxtron.step.optim import schedule_jump
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything known before allocating: structure, shardings, sizes."""
+
+    graphdef: Any
+    abstract: dict  # {params, opt_state, step} of ShapeDtypeStructs
+    specs: dict  # the same tree of mesh PartitionSpecs
+    mesh_sizes: dict[str, int]
+    num_params: int
+    pipe: pipeline.Pipeline | None  # the layers' pipeline over mesh.stage, None for one stage
+    accumulation: int  # sequential gradient-accumulation steps: microbatches, or pipeline passes
+    layer_order: np.ndarray  # stored index -> model layer (pipeline.layer_order)
+
+    def bytes_per_device(self, part: str) -> int:
+        return parallel.bytes_per_device(self.abstract[part], self.specs[part], self.mesh_sizes)
+
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint's size: the params and optimizer state, whole (each shard once)."""
+        leaves = jax.tree.leaves((self.abstract["params"], self.abstract["opt_state"]))
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
+def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -> Plan:
+    """Validate the layout against `num_devices` and derive every shape and sharding."""
+    model_lib.check(cfg.model)
+    sizes = parallel.mesh_shape(cfg.mesh, num_devices)
+    pipeline.check(cfg, sizes["stage"])
+    parallel.check_layout(cfg, sizes)
+    graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
+    params = nnx.to_pure_dict(abstract_state)
+    param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
+    parallel.check_divisible(params, param_specs, sizes, cfg.model)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, s: s, opt_state, param_specs,
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
+    )
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    abstract = {"params": params, "opt_state": opt_state, "step": scalar, "nonfinite": scalar}
+    specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "nonfinite": P()}
+    pipe = pipeline.from_config(cfg, sizes["stage"])
+    accumulation = cfg.pipeline.passes if pipe else cfg.train.microbatches
+    return Plan(graphdef, abstract, specs, sizes, count_params(params), pipe, accumulation,
+                pipeline.config_order(cfg, sizes["stage"]))
+
+
+def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: Mesh) -> dict:
+    """Initialise the state directly into its shardings: no full copy on any one device."""
+
+    def init() -> dict:
+        params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, nnx.Rngs(cfg.train.seed))))
+        model_order = np.arange(cfg.model.num_layers)
+        params["layers"] = pipeline.reorder(params["layers"], model_order, plan.layer_order)
+        return fresh_state(params, tx)
+
+    return jax.jit(init, out_shardings=parallel.named(plan.specs, mesh))()
+
+
+def fresh_state(params: dict, tx: optax.GradientTransformation) -> dict:
+    """The train state around `params`: new optimizer state, step 0."""
+    zero = jnp.zeros((), jnp.int32)
+    return {"params": params, "opt_state": tx.init(params), "step": zero, "nonfinite": zero}
+
+
+def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings: dict) -> dict:
+    """fresh_state on restored params, in `shardings`; the params are donated, so the state takes
+    over their buffers instead of holding a second copy."""
+    return jax.jit(functools.partial(fresh_state, tx=tx), out_shardings=shardings,
+                   donate_argnums=0)(params)
+
+
+RESTORE_UNUSED = ("checkpoint.restore={} is not used: run.dir has checkpoints of its own, which "
+                  "come first (restore starts a new run.dir)")
+
+
+def resumed_schedule_jump(meta: dict, cfg: Config) -> str | None:
+    """optim.schedule_jump between the checkpoint's config (in its meta) and this run's."""
+    try:
+        saved = weights.config_of(meta)
+    except (ConfigError, KeyError):  # an older or foreign meta: nothing to compare
+        return None
+    return schedule_jump(saved, cfg, int(meta["step"]))
+
+
+def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints, batches,
+                  info: Callable[[str], None]) -> tuple[dict, int, int]:
+    """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
+    checkpoint.restore, else fresh weights."""
+    shardings = parallel.named(plan.specs, mesh)
+    restored = ckpt.restore_latest(plan.abstract, shardings, batches, info)
+    if restored is not None:
+        step, state, meta = restored
+        state = in_layer_order(state, meta, plan, tx, shardings, info)
+        info(f"resumed from {ckpt.manager.directory} step {step} "
+                     f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
+        if jump := resumed_schedule_jump(meta, cfg):
+            info(f"warning: {jump}")
+        if cfg.checkpoint.restore:
+            info(f"note: {RESTORE_UNUSED.format(cfg.checkpoint.restore)}")
+        return state, step, meta["tokens_seen"]
+    if not cfg.checkpoint.restore:
+        return init_state(cfg, plan, tx, mesh), 0, 0
+    state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, batches,
+                               cfg.checkpoint.weights_only, cfg.model)
+    if cfg.checkpoint.weights_only:
+        params = in_layer_order(state, meta, plan, tx, shardings, info)["params"]
+        state = fresh_state_around(params, tx, shardings)
+        info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
+        return state, 0, 0
+    state = in_layer_order(state, meta, plan, tx, shardings, info)
+    info(f"started from {cfg.checkpoint.restore} (step {meta['step']})")
+    return state, int(meta["step"]), meta["tokens_seen"]
+
+
+def in_layer_order(state: dict, meta: dict, plan: Plan, tx, shardings, info) -> dict:
+    """A restored state with its stacked layers (params and optimizer moments) permuted from
+    the checkpoint's storage order (meta["layer_order"]) to this run's (pipeline.layer_order)."""
+    saved = np.asarray(meta.get("layer_order", range(plan.layer_order.size)))
+    if np.array_equal(saved, plan.layer_order):
+        return state
+    is_layer = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key == "layers",
+                                                plan.abstract["params"])
+
+    def permute(state: dict) -> dict:
+        move = lambda x, layer: pipeline.reorder(x, saved, plan.layer_order) if layer else x
+        out = {**state, "params": jax.tree.map(move, state["params"], is_layer)}
+        if "opt_state" in state:  # absent when only the weights were restored
+            out["opt_state"] = optax.tree_map_params(tx, move, state["opt_state"], is_layer,
+                                                     transform_non_params=lambda x: x)
+        return out
+
+    info("layers reordered from the checkpoint's pipeline layout to this run's")
+    # Donated: the permuted state takes the restored one's buffers, never two copies at once.
+    return jax.jit(permute, out_shardings={k: shardings[k] for k in state},
+                   donate_argnums=0)(state)
+

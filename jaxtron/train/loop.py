@@ -1,0 +1,398 @@
+"""The training loop: feed, step, checkpoint, evaluate, log; preemption and non-finite steps.
+
+`train(cfg)` reads top to bottom: mesh and plan (every check, before anything is allocated), run
+directory and writers, input, state (restored or born sharded), the step compiled once, the loop;
+at exit, the attempt's goodput account (jaxtron/train/goodput.py). Around it: a profiler trace of
+run.profile_steps, and JAX's persistent compilation cache in run.compile_cache
+(jaxtron/train/compile_cache.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import jax
+from jax.sharding import Mesh
+
+from jaxtron import cli, parallel
+from jaxtron import config as config_lib
+from jaxtron import data as data_lib
+from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start, weights
+from jaxtron.config import Config, ConfigError
+from jaxtron.data import prepared
+from jaxtron.data.rows import local_rows
+from jaxtron.model import attention as attention_lib
+from jaxtron.model import check_remat
+from jaxtron.parallel import pipeline
+from jaxtron.plan import autofit, memory
+from jaxtron.plan import metrics as metrics_lib
+from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import initial_state, make_plan
+from jaxtron.train import compile_cache, distributed, doctor, goodput
+from jaxtron.train.preemption import Preemption
+from jaxtron.train.watchdog import Watchdog
+
+
+def train(cfg: Config, devices: list | None = None, started: float | None = None) -> list[dict]:
+    """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows.
+    `started` (a time.time()) opens this attempt's goodput account: by default when its Python
+    started (goodput.process_start), or when the run's previous attempt ended if later (an
+    earlier call in this process)."""
+    run_dir = Path(cfg.run.dir)
+    check_paths(cfg)  # a refused start writes nothing
+    if started is None:
+        started = max(goodput.process_start(), goodput.previous_end(run_dir))
+    compile_cache.use(cfg.run.compile_cache)  # before anything compiles
+    memory.limit_heaps()  # before the input, the state and the checkpoint threads allocate
+    # Mesh and plan: every check runs here, before anything is allocated or compiled.
+    devices = jax.devices() if devices is None else devices
+    cfg = attention_lib.configure(cfg, devices[0].platform)
+    cfg, chosen = autofit.resolve(cfg, len(devices), *autofit.usable_here(devices))
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, len(devices))
+    memory.check_host(plan, devices, cfg)  # before anything is allocated
+    if no_room := doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes()):
+        raise ConfigError(no_room[0])  # every save would fail: the first one ends the run
+    check_remat(cfg.model, devices[0])
+    mesh = parallel.make_mesh(cfg.mesh, devices)
+    kernel_checked = cfg.model.attention != "xla" and cfg.model.attention_check
+    if kernel_checked:
+        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
+
+    # Input: checked against the model (sources, mixture, tokenizer) before run.dir is written.
+    data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+    prepared.check_eval(cfg.data, cfg.train.eval_every)
+    unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
+    # Each process builds only the rows of the global batches its devices hold (of the same
+    # packing plan on every process); global_batch gives each device its shard of them.
+    rows = local_rows(mesh, cfg.train.batch_size, cfg.train.seq_len)
+    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size, rows)
+    eval_batches = []
+    if cfg.train.eval_every:
+        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
+    corpus = data_lib.corpus_summary(cfg.data, cfg.model.vocab_size)
+
+    # Run directory and writers: every check above passed.
+    is_main = jax.process_index() == 0
+    fresh = not run_dir.exists()  # made by this start: removed again if it fails before a step
+    lock = RunDirLock(run_dir) if is_main else None  # a second run stops here, writing nothing
+    if is_main:
+        (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
+    log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
+                                    cfg.run.tensorboard, is_main)
+    log.info(f"run: {run_dir} (its resolved config in config.yaml)")
+    eval_short = data_lib.eval_warning(eval_batches, cfg.train)
+    unread = prepared.unread(cfg.data, cfg.train)  # the dry run's warnings, the run's too
+    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab, eval_short,
+                                                                     unread])]:
+        log.info(f"warning: {warning}")
+    log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
+    shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
+    log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
+    per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
+    need = autofit.layout_need(cfg, len(devices), autofit.usable_here(devices)[0])
+    for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
+        if not line.startswith("warning"):  # the preflight checks (jaxtron/train/doctor.py) warn
+            log.info(line)
+    log.info(f"parameters: {plan.num_params:,}")
+    if chosen:
+        log.info(chosen)
+    if kernel_checked:
+        log.info(f"attention: {cfg.model.attention} agrees with the xla reference on a packed "
+                 "batch (forward and gradient)")
+    if plan.pipe:
+        log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
+    log.info(corpus)
+    log.info(f"input: {len(rows)} of {cfg.train.batch_size} rows per step", every_process=True)
+
+    # State: restored from the latest checkpoint, else born sharded; the step compiled once.
+    run = RunContext(mesh, Checkpoints(cfg.checkpoint, run_dir), log, batches, eval_batches,
+                     metrics_lib.StepCost.of(cfg, devices))
+    run.account = goodput.Attempt(run.watch, started, run_dir if is_main else None, log.info)
+    run.profile = Profile(cfg.run, run_dir, log, run.watch)
+    run.watchdog = Watchdog(cfg.run.stuck_timeout_s if jax.process_count() > 1 else 0)
+    outcome = "done"
+    try:
+        with jax.set_mesh(mesh), Preemption() as run.preemption:
+            run.watchdog.tick("restoring or creating the state")  # Orbax's barriers
+            state, start, tokens_seen = initial_state(cfg, plan, tx, mesh, ckpt=run.ckpt,
+                                                      batches=batches, info=log.info)
+            run.watchdog.pause()  # compiling: this process's own work, as long as it takes
+            if start >= cfg.train.steps:
+                log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
+                return []
+            run.preemption.before_training()
+            log.info("compiling the train step (Ctrl-C stops here without saving)")
+            with run.watch.time("compile"), compile_cache.events() as events:
+                lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
+                options = autofit.compiler_options(cfg, plan, autofit.usable_here(devices)[0],
+                                                   devices[0].platform)
+                run.step_fn = _compiled(lowered.compile, options, run.preemption)
+            cache = ""  # whether run.compile_cache had it, if it is on
+            if events:
+                cache = " (and stored in " if "misses" in events else " (loaded from "
+                cache += "run.compile_cache)"
+            log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s{cache}")
+            run.watchdog.tick("running the first step (all processes compile it first)")
+            run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
+            return _loop(cfg, run, state, start, tokens_seen)
+    except BaseException as e:
+        distributed.end_if_lost(e)  # another process is gone: one line, exit 75, no clean-up
+        outcome = ("preempted" if isinstance(e, Preempted) else "stopped before training"
+                   if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}")
+        raise
+    finally:
+        try:
+            _finish(run, run_dir, outcome)
+        except OSError as e:  # a full disk: the error that ended the loop is the one to report
+            if outcome == "done":
+                raise
+            print(f"warning: goodput.json was not updated ({e.strerror})", flush=True)
+        finally:
+            run.watchdog.close()
+            log.close()
+            if lock:
+                lock.release()
+            if fresh and is_main and outcome != "done" and not run.account.last_step:
+                shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run.dir
+
+
+def check_paths(cfg: Config) -> None:
+    """The paths a run writes or reads, checked before anything is written (a refused start
+    leaves them as they were): run.dir can be a directory; its newest checkpoint, or else
+    checkpoint.restore, holds this model; run.compile_cache can be a directory."""
+    cli.check_run_dir(cfg.run.dir)
+    if (holder := weights.checkpoints_holding(Path(cfg.run.dir))) is not None:
+        raise ConfigError(f"run.dir={cfg.run.dir} is inside the checkpoints directory {holder}, "
+                          "whose old checkpoints a run deletes (or moves aside) with what is in "
+                          f"them; set run.dir to a directory outside it")
+    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
+    c = cfg.checkpoint
+    if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
+        meta = weights.read_meta(restored := weights.locate(c.restore)[1])
+        if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
+            raise ConfigError(weights.imported_only(c.restore))
+        at = meta.get("step", -1)
+        if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
+            raise ConfigError(f"checkpoint.restore={c.restore} is at step {at}, not before "
+                              f"train.steps={cfg.train.steps}; raise train.steps, or fine-tune "
+                              f"from its weights with checkpoint.weights_only=true ({restored})")
+    if cfg.run.compile_cache:
+        cache = Path(cfg.run.compile_cache)
+        existing = next(path for path in (cache, *cache.parents) if path.exists())
+        if not existing.is_dir():
+            where = "is a file" if existing == cache else f"is under a file, {existing}"
+            raise ConfigError(f"run.compile_cache={cfg.run.compile_cache} {where}; set it to a "
+                              "directory (JAX keeps a file per compiled program in it), or to ''")
+        cli.check_run_dir(cfg.run.compile_cache, "run.compile_cache")
+
+
+def _evaluate(run: RunContext, step: int, state: dict) -> bool:
+    """Evaluate and log; True when a signal came meanwhile (one process: the evaluation is left
+    unfinished, for the stop to save now rather than after every eval batch)."""
+    jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
+    alone = jax.process_count() == 1  # several: jax's sync point picks the step all stop at
+    with run.watch.time("eval"):  # not a step's time (StepWindow leaves it out)
+        def stopped() -> bool:  # asked before each batch
+            run.watchdog.tick(f"evaluating at step {step}")
+            return alone and run.preemption.signal is not None
+
+        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh, stopped)
+    if loss is None:
+        run.log.info(f"evaluation at step {step} left unfinished: a signal came")
+    else:
+        run.log.write_eval(step, loss)
+    return loss is None
+
+
+def _compiled(compile: Callable, options: dict, preemption: Preemption) -> Callable:
+    """compile(options) in a thread, so that a signal during a long compile (minutes for a large
+    model) stops the start at once instead of after it; the main thread waits and watches."""
+    done: dict = {}
+
+    def work() -> None:
+        try:
+            done["compiled"] = autofit.compile_with(compile, options)
+        except BaseException as e:  # noqa: BLE001 - raised again in the main thread
+            done["error"] = e
+
+    thread = threading.Thread(target=work, name="compile", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        preemption.before_training()
+    if "error" in done:
+        raise done["error"]
+    return done["compiled"]
+
+
+def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
+    """End the attempt: close an open trace, wait for the last checkpoint write, then account for
+    the attempt in run_dir/goodput.json and report all attempts on stdout and TensorBoard."""
+    run.account.end_loop()
+    run.profile.stop()
+    with run.watch.time("checkpoint"):
+        run.ckpt.close()  # the last async save is on disk before we return, also on error
+    record = run.account.record(outcome)
+    if not run.log.is_main:
+        return
+    summary = goodput.summarize(goodput.append(run_dir, record, run.log.info))
+    if record["last_step"] != record["resumed_from"]:  # a start that failed ends on its error
+        run.log.info(goodput.format_summary(summary))
+    run.log.scalars("goodput", summary, record["last_step"] or 0)
+
+
+class Profile:
+    """A JAX profiler trace (TensorBoard's and Perfetto's formats) of the steps run.profile_steps
+    names, into run.dir/profile/ (process 0) or profile/process_<i>/ (run.profile_all_processes)."""
+
+    def __init__(self, cfg: config_lib.RunConfig, run_dir: Path, log: metrics_lib.MetricsWriter,
+                 watch: metrics_lib.Stopwatch):
+        self.first, self.last = cfg.profile_steps or (0, -1)
+        self.dir = run_dir / "profile"
+        if cfg.profile_all_processes:
+            self.dir = self.dir / f"process_{jax.process_index()}"
+        self.enabled = bool(cfg.profile_steps) and (cfg.profile_all_processes or
+                                                    jax.process_index() == 0)
+        self.log, self.watch = log, watch
+        self.traced: list[int] = []  # [first, latest] step of the open trace
+
+    def before(self, step: int, state: dict) -> None:
+        """Open the trace before the first traced step fetches its batch; the steps before it
+        finish first, so that their work stays out."""
+        if self.enabled and not self.traced and self.first <= step <= self.last:
+            jax.block_until_ready(state)
+            with self.watch.time("profile"):
+                jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            self.traced = [step, step]
+
+    def after(self, step: int, outputs) -> None:
+        """Close the trace after the last traced step, once its device work is done."""
+        if self.traced:
+            self.traced[1] = step
+            if step == self.last:
+                jax.block_until_ready(outputs)
+                self.stop()
+
+    def stop(self) -> None:
+        """Write the open trace, if any (also when the loop ends early)."""
+        if not self.traced:
+            return
+        with self.watch.time("profile"):
+            jax.profiler.stop_trace()
+        first, last = self.traced
+        self.traced = []
+        self.log.info(f"profile: steps {first}..{last} traced into {self.dir}/plugins/profile/"
+                      f"<time>/; view with `tensorboard --logdir {self.dir}` (pip install "
+                      "tensorboard tensorboard-plugin-profile), or open its perfetto_trace.json.gz "
+                      "in https://ui.perfetto.dev")
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a NaN/inf loss or gradient and train.on_nonfinite says to stop."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGINT/SIGHUP arrived; a checkpoint of the current step was saved."""
+
+
+@dataclass
+class RunContext:
+    """What the loop uses besides the state: where it runs, its input, what it calls, and what it
+    reports to. The compiled functions and the preemption flag are filled in as they are made."""
+
+    mesh: Mesh
+    ckpt: Checkpoints
+    log: metrics_lib.MetricsWriter
+    batches: data_lib.BatchIterator
+    eval_batches: list[dict]
+    cost: metrics_lib.StepCost
+    watch: metrics_lib.Stopwatch = field(default_factory=metrics_lib.Stopwatch)
+    preemption: Preemption | None = None
+    account: goodput.Attempt | None = None
+    profile: Profile | None = None
+    watchdog: Watchdog | None = None
+    step_fn: Callable | None = None
+    eval_fn: Callable | None = None
+
+
+def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> None:
+    """Act on a step's non-finite count (fetched one step late, so the device stays busy)."""
+    skips = int(pending["nonfinite"])
+    if skips == 0:
+        return
+    if cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(f"non-finite loss or gradient at step {step}; stopped without saving "
+                             "(train.on_nonfinite=stop)")
+    run.log.info(f"step {step}: non-finite loss or gradient, update skipped ({skips} in a row)")
+    if skips > cfg.train.max_nonfinite_skips:
+        raise NonFiniteError(f"{cli.plural(skips, 'non-finite step')} in a row up to step {step}, "
+                             "more than train.max_nonfinite_skips="
+                             f"{cfg.train.max_nonfinite_skips}; stopped")
+
+
+def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: int) -> list[dict]:
+    """Steps start+1 .. train.steps: feed, step, checkpoint, evaluate, log."""
+    steps, watch, batches, preemption = cfg.train.steps, run.watch, run.batches, run.preemption
+    history, previous, window = [], None, metrics_lib.StepWindow(watch, start)
+    run.account.start_loop(start)
+    run.log.begin(start)
+    for step in range(start + 1, steps + 1):
+        run.watchdog.tick(f"training step {step}")
+        run.profile.before(step, state)
+        with watch.time("data"):  # overlaps the previous step, which runs asynchronously
+            batch = global_batch(next(batches), run.mesh, cfg.train.batch_size)
+        state, pending = run.step_fn(state, batch)
+        run.ckpt.check()  # a background write that failed stops the run now, not `every` steps on
+        run.account.last_step = step
+        run.profile.after(step, (state, pending))
+        tokens_seen += run.cost.tokens
+        if previous is not None:
+            _check_finite(cfg, run, *previous)
+        previous = (step, pending)
+        stop = preemption.requested(step)
+        run.log.tick(step)
+        if step % cfg.train.log_every == 0 or step == steps:
+            fetched = jax.device_get(pending)  # host sync point
+            row = metrics_lib.make_row(step, fetched, window.close(step), run.cost, tokens_seen)
+            history.append(row)
+            run.log.write(row)
+            run.account.persist()  # goodput.json holds this attempt also if it is killed
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps) \
+                and not stop:  # a stop saves at once: preemption's grace is seconds
+            stop = _evaluate(run, step, state)
+        if run.ckpt.due(step, steps) or stop:
+            _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
+            meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
+                    "tokens_seen": tokens_seen, "time": time.time(),
+                    "config": config_lib.to_yaml(cfg),
+                    "layer_order": pipeline.config_order(cfg, run.mesh.shape["stage"]).tolist()}
+            run.account.saved(step)  # the step has finished: a resume from here redoes what follows
+            run.watchdog.tick(f"saving checkpoint {step}")
+            with watch.time("checkpoint"):  # only the save's own blocking part
+                run.ckpt.save(step, state, batches, meta)
+                memory.release_freed()  # the previous save's host copies, freed by now
+            run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
+                         "(the write goes on in the background)")
+        if stop:  # launch.py says it, in one line
+            with watch.time("checkpoint"):
+                run.ckpt.wait()  # "checkpoint saved" only once it is
+            why = f"signal {preemption.signal}" if preemption.signal else "a preemption notice"
+            raise Preempted(f"preempted by {why} at step {step}")
+    run.watchdog.tick("writing the last checkpoint")
+    with watch.time("checkpoint"):
+        run.ckpt.wait()  # the last save is on disk before "done" is said
+    for phase in ("data", "checkpoint", "eval"):
+        run.log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
+    final = f"final loss {history[-1]['loss']:.4f}, " if history else ""
+    run.log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for "
+                 f"data, {watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
+    return history
+
