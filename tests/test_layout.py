@@ -138,3 +138,23 @@ def test_ruff_finds_nothing():
     ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--quiet", str(ROOT)],
                           capture_output=True, text=True, cwd=ROOT)
     assert ruff.returncode == 0, ruff.stdout + ruff.stderr
+
+
+@pytest.mark.parametrize("init", sorted((ROOT / "jaxtron").glob("*/__init__.py")),
+                         ids=lambda p: p.parent.name)
+def test_no_package_hides_a_submodule(init):
+    """A name a package's __init__ binds (a function `attention`) that is also a submodule's name
+    (attention.py) makes `from jaxtron.model import attention` the function, not the module."""
+    package = f"jaxtron.{init.parent.name}"
+    submodules = {p.stem for p in init.parent.glob("*.py")} - {"__init__"}
+    bound = set()
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Assign):
+            bound |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.ImportFrom) and node.module != package:  # not a submodule
+            bound |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            bound |= {a.asname for a in node.names if a.asname and a.asname != a.name}
+    assert not bound & submodules, sorted(bound & submodules)

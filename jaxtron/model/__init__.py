@@ -22,8 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import attention as attention_lib
+from jaxtron.model import attention as kernels  # attention.py: the kernels behind one call
 from jaxtron.model import vocab
-from jaxtron.model.attention import attention, cached_attention
 from jaxtron.parallel import collective_matmul, constrain
 
 _policies = jax.checkpoint_policies
@@ -151,7 +151,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq)
-        out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
+        out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
         return self._output(out_BTNH)
 
     def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
@@ -162,7 +162,7 @@ class Attention(nnx.Module):
         at = (0, start, 0, 0)
         k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), at)
         v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
-        out_BTNH = cached_attention(q_BTNH, k_BSKH, v_BSKH, start)
+        out_BTNH = kernels.cached_attention(q_BTNH, k_BSKH, v_BSKH, start)
         return self._output(out_BTNH), k_BSKH, v_BSKH
 
     def _output(self, out_BTNH) -> jax.Array:
