@@ -96,17 +96,18 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     from jaxtron import config as config_lib
     from jaxtron.checkpoint import weights
     from jaxtron.parallel import pipeline
-    from jaxtron.plan import aot, autofit, memory
-    from jaxtron.step.optim import make_optimizer
-    from jaxtron.step.state import RESTORE_UNUSED, make_plan, resumed_schedule_jump
+    from jaxtron.plan import aot, memory
+    from jaxtron.plan.setup import set_up
+    from jaxtron.step.state import RESTORE_UNUSED, resumed_schedule_jump
     from jaxtron.train import doctor
     from jaxtron.train.loop import check_paths
 
     if not (finished := _finished(cfg)):  # a finished run writes nothing: any storage will do
         check_paths(cfg)  # in the order a run checks: paths, layout, data
         _check_unlocked(Path(cfg.run.dir))
-    cfg, chosen = autofit.resolve(cfg, num_devices, *aot.usable_on(gpu, cfg, jax.devices()))
-    plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
+    # the run's own set-up, for any machine: the attention kernel stays as configured
+    setup = set_up(cfg, num_devices, None, aot.usable_on(gpu, cfg, jax.devices()))
+    cfg, chosen, plan = setup.cfg, setup.chosen, setup.plan
     data_check = _check_data(cfg)
     no_room = [] if finished else doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes())
     if no_room and not gpu and num_devices == jax.device_count():  # as a run here refuses it
@@ -406,7 +407,7 @@ def run(args: argparse.Namespace) -> int | None:
     if finished := _finished(cfg):  # run.dir may be read-only by now: write nothing (each process)
         print(finished, flush=True)
         return None
-    check_paths(cfg)  # before the processes join: a refused start writes nothing (train repeats)
+    check_paths(cfg)  # before the processes join: a refused start writes nothing
     cli.outlive_readers()  # `| head` or a closed terminal must not end a run (metrics: run.dir)
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count, and logs the flags once its checks pass.
@@ -417,7 +418,7 @@ def run(args: argparse.Namespace) -> int | None:
     parallel.mesh_shape(cfg.mesh, jax.device_count())  # an error here, not a warning then one
     if status := preflight(cfg, args):
         return status
-    train(cfg)
+    train(cfg, paths_checked=True)
     return None
 
 
@@ -491,9 +492,10 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
     outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}
     cfg, flags = aot.gpu_program(cfg)
-    cfg, chosen = aot.fitted(cfg, args.compile_for, args.devices)  # layout: one line
-    print(f"xla flags: {' '.join(flags) or 'none'}" + (f"\n{chosen}" if chosen else ""), flush=True)
-    report = aot.compile_for(cfg, args.compile_for, args.devices, args.gpus_per_host, args.hlo)
+    setup = aot.set_up_for(cfg, args.compile_for, args.devices)  # layout: one line
+    chosen = f"\n{setup.chosen}" if setup.chosen else ""
+    print(f"xla flags: {' '.join(flags) or 'none'}{chosen}", flush=True)
+    report = aot.compile_for(setup, args.compile_for, args.devices, args.gpus_per_host, args.hlo)
     print("\n".join(aot.format_report(report)))
     if args.report:
         with outputs[args.report].open("w") as f:

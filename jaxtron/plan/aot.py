@@ -27,9 +27,7 @@ from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import attention
 from jaxtron.plan import autofit, flops, hlo, memory, metrics, xla_flags
-from jaxtron.step import abstract_batch, compile_step
-from jaxtron.step.optim import make_optimizer
-from jaxtron.step.state import make_plan
+from jaxtron.plan.setup import Setup, set_up
 
 TARGET_DIR = Path(__file__).resolve().parent / "targets"
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
@@ -101,16 +99,17 @@ def usable_fraction(cfg: Config | None = None) -> float:
     return cfg.xla.mem_fraction if cfg is not None else DEFAULT_MEM_FRACTION
 
 
-def compile_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8,
+def compile_for(cfg: Config | Setup, target: str, num_devices: int, gpus_per_host: int = 8,
                 hlo_path: str | None = None) -> dict:
-    """Compile cfg's train step for `num_devices` GPUs of `target`; the report (see `report`)."""
-    cfg = fitted(cfg, target, num_devices)[0]  # model.remat=auto, train.microbatches=auto
-    compiled, plan, seconds = compile_step_for(cfg, target, num_devices, gpus_per_host)
+    """Compile the train step for `num_devices` GPUs of `target` (of `cfg`, or of a Setup that
+    set_up_for made); the report (see `report`)."""
+    setup = cfg if isinstance(cfg, Setup) else set_up_for(cfg, target, num_devices)
+    compiled, plan, seconds = compile_step_for(setup, target, num_devices, gpus_per_host)
     text = compiled.as_text()
     if hlo_path:
         Path(hlo_path).write_text(text)
     per_host = min(gpus_per_host, num_devices)
-    return report(cfg, plan, compiled.memory_analysis(), hlo.parse(text), target, seconds,
+    return report(setup.cfg, plan, compiled.memory_analysis(), hlo.parse(text), target, seconds,
                   per_host)
 
 
@@ -129,27 +128,20 @@ def for_gpus(cfg: Config) -> Config:
     return attention.configure(cfg, "gpu")
 
 
-def compile_step_for(cfg: Config, target: str, num_devices: int, gpus_per_host: int = 8):
+def compile_step_for(cfg: Config | Setup, target: str, num_devices: int,
+                     gpus_per_host: int = 8):
     """(compiled train step, plan, seconds): train()'s step, compiled for the target's devices
     (`model.attention=auto` meaning what it means on them: cudnn)."""
-    devices = target_devices(target, num_devices, gpus_per_host)
-    cfg = fitted(cfg, target, num_devices)[0]
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, num_devices)
-    mesh = parallel.make_mesh(cfg.mesh, devices)
-    shardings = parallel.named(plan.specs, mesh)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         plan.abstract, shardings)
+    setup = cfg if isinstance(cfg, Setup) else set_up_for(cfg, target, num_devices)
+    mesh = parallel.make_mesh(setup.cfg.mesh, target_devices(target, num_devices, gpus_per_host))
     start = time.perf_counter()
     with jax.set_mesh(mesh):  # the constraints on activations need the mesh, as in train()
-        lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
+        lowered = setup.lower(mesh)
         try:
-            usable = int(capacity_bytes(target) * usable_fraction(cfg))
-            options = autofit.compiler_options(cfg, plan, usable, "gpu")
-            compiled = autofit.compile_with(lowered.compile, options)
+            compiled = autofit.compile_with(lowered.compile, setup.options("gpu"))
         except jax.errors.JaxRuntimeError as e:
             raise ConfigError(compile_failure(str(e), target)) from None
-    return compiled, plan, time.perf_counter() - start
+    return compiled, setup.plan, time.perf_counter() - start
 
 
 # A float32 matmul inside a loop XLA double-buffers: its cloned Triton fusion has no block
@@ -307,11 +299,8 @@ def usable_on(gpu: str | None, cfg: Config, devices: list) -> tuple[int | None, 
     return int(capacity_bytes(gpu) * usable_fraction(cfg)), f"one {gpu.upper()}"
 
 
-def fitted(cfg: Config, target: str, num_devices: int) -> tuple[Config, str]:
-    """autofit.resolve() for `num_devices` GPUs of `target` (the program `--compile-for`
-    compiles: the attention kernel a GPU runs), after the layout's own checks."""
-    cfg = for_gpus(cfg)
-    if not autofit.is_auto(cfg):
-        make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), num_devices)
-    return autofit.resolve(cfg, num_devices, *usable_on(target, cfg, []))
-
+def set_up_for(cfg: Config, target: str, num_devices: int) -> Setup:
+    """The run's set-up (plan/setup.py) for `num_devices` GPUs of `target`: the program
+    `--compile-for` compiles, with the attention kernel a GPU runs and `auto` fitted to one
+    GPU's memory."""
+    return set_up(cfg, num_devices, "gpu", usable_on(target, cfg, []))

@@ -102,16 +102,13 @@ def measure(cfg: Config, steps: int, warmup: int, checks: bool = False) -> dict:
     import jax
 
     from jaxtron import parallel
-    from jaxtron.model import attention
-    from jaxtron.plan import hlo, memory, metrics, xla_flags
-    from jaxtron.step import compile_step
-    from jaxtron.step.optim import make_optimizer
-    from jaxtron.step.state import init_state, make_plan
+    from jaxtron.plan import autofit, hlo, memory, metrics, xla_flags
+    from jaxtron.plan.setup import set_up
+    from jaxtron.step.state import init_state
 
     devices = xla_flags.start_backend()  # one that cannot start here: one line, not a trace
-    cfg = attention.configure(cfg, devices[0].platform)  # as train() runs it
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, len(devices))
+    setup = set_up(cfg, len(devices), devices[0].platform, autofit.usable_here(devices))
+    cfg, tx, plan = setup.cfg, setup.tx, setup.plan  # as train() sets it up
     memory.check_host(plan, devices, cfg)  # one line, not the out-of-memory killer
     found = gpu_checks(cfg, devices) if checks else None
     mesh = parallel.make_mesh(cfg.mesh, devices)
@@ -119,7 +116,8 @@ def measure(cfg: Config, steps: int, warmup: int, checks: bool = False) -> dict:
         state = init_state(cfg, plan, tx, mesh)
         batch = random_batch(cfg, mesh)
         start = time.perf_counter()
-        step = compile_step(cfg, plan, tx, mesh).lower(state, batch).compile()
+        step = autofit.compile_with(setup.lower(mesh, state, batch).compile,
+                                    setup.options(devices[0].platform))  # train()'s options
         compile_s = time.perf_counter() - start
         compiled = step.memory_analysis()
         fmha = {name: n for name, n in hlo.kernels(hlo.parse(step.as_text())).items()

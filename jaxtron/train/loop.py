@@ -32,31 +32,32 @@ from jaxtron.model import check_remat
 from jaxtron.parallel import pipeline
 from jaxtron.plan import autofit, memory
 from jaxtron.plan import metrics as metrics_lib
-from jaxtron.step import abstract_batch, compile_eval, compile_step, evaluate, global_batch
-from jaxtron.step.optim import make_optimizer
-from jaxtron.step.state import initial_state, make_plan
+from jaxtron.plan.setup import set_up
+from jaxtron.step import compile_eval, evaluate, global_batch
+from jaxtron.step.state import initial_state
 from jaxtron.train import compile_cache, distributed, doctor, goodput
 from jaxtron.train.preemption import Preemption
 from jaxtron.train.watchdog import Watchdog
 
 
-def train(cfg: Config, devices: list | None = None, started: float | None = None) -> list[dict]:
+def train(cfg: Config, devices: list | None = None, started: float | None = None, *,
+          paths_checked: bool = False) -> list[dict]:
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows.
     `started` (a time.time()) opens this attempt's goodput account: by default when its Python
     started (goodput.process_start), or when the run's previous attempt ended if later (an
-    earlier call in this process)."""
+    earlier call in this process). `paths_checked`: the caller ran check_paths (launch.py, before
+    the processes join)."""
     run_dir = Path(cfg.run.dir)
-    check_paths(cfg)  # a refused start writes nothing
+    if not paths_checked:
+        check_paths(cfg)  # a refused start writes nothing
     if started is None:
         started = max(goodput.process_start(), goodput.previous_end(run_dir))
     compile_cache.use(cfg.run.compile_cache)  # before anything compiles
     memory.limit_heaps()  # before the input, the state and the checkpoint threads allocate
     # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
-    cfg = attention_lib.configure(cfg, devices[0].platform)
-    cfg, chosen = autofit.resolve(cfg, len(devices), *autofit.usable_here(devices))
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, len(devices))
+    setup = set_up(cfg, len(devices), devices[0].platform, autofit.usable_here(devices))
+    cfg, chosen, tx, plan = setup.cfg, setup.chosen, setup.tx, setup.plan
     memory.check_host(plan, devices, cfg)  # before anything is allocated
     if no_room := doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes()):
         raise ConfigError(no_room[0])  # every save would fail: the first one ends the run
@@ -131,9 +132,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             run.preemption.before_training()
             log.info("compiling the train step (Ctrl-C stops here without saving)")
             with run.watch.time("compile"), compile_cache.events() as events:
-                lowered = compile_step(cfg, plan, tx, mesh).lower(state, abstract_batch(cfg, mesh))
-                options = autofit.compiler_options(cfg, plan, autofit.usable_here(devices)[0],
-                                                   devices[0].platform)
+                lowered = setup.lower(mesh, state)
+                options = setup.options(devices[0].platform)
                 run.step_fn = _compiled(lowered.compile, options, run.preemption)
             cache = ""  # whether run.compile_cache had it, if it is on
             if events:
