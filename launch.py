@@ -34,8 +34,7 @@ import threading
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
-EXIT_NONFINITE = 3  # train.on_nonfinite stopped the run; nothing new was saved
-EXIT_SAVE_FAILED = 4  # a checkpoint that was due was not written; the run stopped there
+# jaxtron.lifecycle's, which says every status; here too, as a stop may come before it imports
 EXIT_PREEMPTED = 75  # SIGTERM/SIGINT/SIGHUP: the current step was checkpointed; rerun to resume
 
 
@@ -310,7 +309,7 @@ class _StartupSignals:
 
 
 def _deferred(signum, frame) -> bool:
-    from jaxtron.cli import deferred  # imported by then (raising starts after the imports)
+    from jaxtron.lifecycle import deferred  # imported by then (raising starts after the imports)
 
     return deferred(signum, frame)
 
@@ -325,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)  # imports jax: a second or two
         from jaxtron.checkpoint import CheckpointSaveError
-        from jaxtron.cli import one_line_errors
+        from jaxtron.lifecycle import EXIT_NONFINITE, EXIT_SAVE_FAILED, one_line_errors
         from jaxtron.train.distributed import end_if_lost
         from jaxtron.train.loop import NonFiniteError, Preempted
 
@@ -386,7 +385,7 @@ def run(args: argparse.Namespace) -> int | None:
     paths, join the processes, check the set-up and train."""
     import jax  # importing starts no backend: XLA_FLAGS may still be set below
 
-    from jaxtron import cli, parallel
+    from jaxtron import lifecycle, parallel
     from jaxtron.config import load, to_yaml
     from jaxtron.plan import xla_flags
     from jaxtron.train import distributed
@@ -408,7 +407,7 @@ def run(args: argparse.Namespace) -> int | None:
         print(finished, flush=True)
         return None
     check_paths(cfg)  # before the processes join: a refused start writes nothing
-    cli.outlive_readers()  # `| head` or a closed terminal must not end a run (metrics: run.dir)
+    lifecycle.outlive_readers()  # `| head` or a closed terminal must not end a run
     # Join the other processes (if any) before anything touches a jax device: train() checks
     # the mesh against the global device count, and logs the flags once its checks pass.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id,

@@ -108,18 +108,18 @@ def test_a_signal_during_a_compile_is_one_line_and_status_130(tmp_path, sig):
 def test_a_stop_is_one_line_in_process_and_left_to_a_command_that_handles_signals(capsys):
     """Called in-process, one_line_errors returns 130 after its line; a command with a SIGINT
     handler of its own (launch.py, prepare_data.py) gets its KeyboardInterrupt back."""
-    from jaxtron import cli
+    from jaxtron import lifecycle
 
     def stop():
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own (conftest restores)
-    assert cli.one_line_errors(stop) == 130
-    assert capsys.readouterr() == ("", f"{cli.script_name()}: stopped by a signal\n")
+    assert lifecycle.one_line_errors(stop) == 130
+    assert capsys.readouterr() == ("", f"{lifecycle.script_name()}: stopped by a signal\n")
     previous = signal.signal(signal.SIGINT, lambda *_: None)
     try:
         with pytest.raises(KeyboardInterrupt):
-            cli.one_line_errors(stop)
+            lifecycle.one_line_errors(stop)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert capsys.readouterr() == ("", "")
@@ -129,7 +129,7 @@ PROBE = """
 import os, signal, sys, time
 sys.path.insert(0, {tools!r})
 import _environment  # as every command of tools/ starts
-from jaxtron import cli
+from jaxtron import cli, lifecycle
 from jaxtron.config import ConfigError
 
 def work():
@@ -153,7 +153,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "while-importing":
         os.kill(os.getpid(), signal.{sig})  # as if jax were still importing
         time.sleep(0.2)
-    status = cli.one_line_errors(work)
+    status = lifecycle.one_line_errors(work)
     if sys.argv[1] == "while-exiting":
         os.kill(os.getpid(), signal.{sig})  # the line is out; the interpreter is ending
         time.sleep(0.2)
@@ -224,3 +224,13 @@ def test_generate_reads_token_ids_with_spaces_around_commas():
 
     generate = import_tool(ROOT / "tools" / "generate.py")
     assert generate.token_ids(" 1 , 2,3 ") == [1, 2, 3]
+
+
+def test_launch_says_the_statuses_of_the_lifecycle_table():
+    """launch.py keeps its own 75 (a stop may come before jaxtron imports): the table's."""
+    import launch
+    from jaxtron import lifecycle
+
+    assert launch.EXIT_PREEMPTED == lifecycle.EXIT_PREEMPTED == lifecycle.EXIT_LOST_PEER == 75
+    assert len({lifecycle.EXIT_USAGE, lifecycle.EXIT_NONFINITE, lifecycle.EXIT_SAVE_FAILED,
+                lifecycle.EXIT_PREEMPTED, lifecycle.EXIT_STOPPED, 0, 1}) == 7

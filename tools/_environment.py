@@ -24,13 +24,13 @@ if importlib.util.find_spec("jaxtron") is None:
 def _record(signum, frame) -> None:
     """Ctrl-C or SIGTERM while the command imports (jax: a second or two) is only recorded: a
     KeyboardInterrupt raised inside an import is a traceback, or an extension's ImportError.
-    jaxtron.cli.one_line_errors (or the command's own handler) takes the signals over, and a
+    jaxtron.lifecycle.one_line_errors (or the command's own handler) takes the signals over, and a
     recorded stop ends the command there in its one line."""
     _record.signalled.append(signum)
 
 
 _record.signalled = []
-_record.startup_recorder = True  # what jaxtron.cli.take_over_signals looks for
+_record.startup_recorder = True  # what jaxtron.lifecycle.take_over_signals looks for
 for _sig in (signal.SIGINT, signal.SIGTERM):
     if signal.getsignal(_sig) in (signal.SIG_DFL, signal.default_int_handler):  # nohup's stays
         signal.signal(_sig, _record)

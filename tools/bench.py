@@ -27,7 +27,7 @@ from pathlib import Path
 if __name__ == "__main__":  # first: a Python without jaxtron gets one line naming the fix
     import _environment  # noqa: F401
 
-from jaxtron import cli
+from jaxtron import cli, lifecycle
 
 HERE = Path(__file__).resolve()
 
@@ -88,7 +88,7 @@ def _positions(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return cli.one_line_errors(lambda: run_suite(args) if args.suite else report(args))
+    return lifecycle.one_line_errors(lambda: run_suite(args) if args.suite else report(args))
 
 
 TABLE = (  # (label, key, format) of one config's table

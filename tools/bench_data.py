@@ -28,12 +28,12 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 
 import numpy as np
 
-from jaxtron import cli
+from jaxtron import cli, lifecycle
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
 from jaxtron.data.rows import Rows
+from jaxtron.lifecycle import one_line_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 # Fewer timed batches give a rate that is mostly noise and, with workers, mostly the batches
@@ -117,7 +117,7 @@ def report(args: argparse.Namespace) -> None:
     cfg = config_lib.load(args.config or [ROOT / "configs" / "tiny.yaml"], args.overrides)
     data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
     if args.batches < MIN_BATCHES:  # a quick look is allowed, as timeit and hyperfine allow it
-        print(f"{cli.script_name()}: warning: --batches {args.batches} is too few timed batches "
+        print(f"{lifecycle.script_name()}: warning: --batches {args.batches} is too few timed batches "
               f"for a steady rate; ask for --batches {MIN_BATCHES} or more", file=sys.stderr)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")

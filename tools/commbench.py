@@ -42,8 +42,8 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
     import _environment  # noqa: F401
 
 from jaxtron import cli
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
+from jaxtron.lifecycle import one_line_errors
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "permute")
 UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,

@@ -42,17 +42,16 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 import sentencepiece as spm
 import yaml
 
-from jaxtron import cli, hf
+from jaxtron import cli, hf, lifecycle
 from jaxtron.checkpoint import weights
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.data import prepared
 from jaxtron.data import tokenizer as tokenizer_lib
 from jaxtron.hf import mapping as hf_mapping
+from jaxtron.lifecycle import EXIT_STOPPED, one_line_errors
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT = 2048  # the preset's train.seq_len, or the model's own context when shorter
-EXIT_STOPPED = 130  # stopped by SIGINT (Ctrl-C) or SIGTERM: 128 + SIGINT, as shells report it
 _signalled: list[int] = []  # the signals that arrived while main() ran
 _held = [False]  # True while Orbax saves: a signal then stops the work at the next _stop_point
 T = TypeVar("T")
@@ -62,7 +61,7 @@ def _on_signal(signum: int, frame) -> None:
     """The first SIGINT/SIGTERM stops the work with one KeyboardInterrupt, at once or, while
     Orbax saves, at the next _stop_point; later ones are only recorded, so that they cannot cut
     the clean-up short."""
-    if cli.deferred(signum, frame):
+    if lifecycle.deferred(signum, frame):
         return
     _signalled.append(signum)
     if len(_signalled) == 1 and not _held[0]:
@@ -363,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = lambda: export_model(args.ckpt_dir, args.hf_dir, args.model_type, args.dtype,
                                    args.tokenizer)
-    stopped_early = cli.take_over_signals()
+    stopped_early = lifecycle.take_over_signals()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     _signalled.clear()
     try:
@@ -374,14 +373,14 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, _on_signal)
         return one_line_errors(run)
     except KeyboardInterrupt:
-        print(f"{cli.script_name()}: stopped by a signal; nothing was written to "
+        print(f"{lifecycle.script_name()}: stopped by a signal; nothing was written to "
               f"{args.out_dir if args.command == 'import' else args.hf_dir} (run the command "
               "again)", file=sys.stderr)
         return EXIT_STOPPED
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        cli.ignore_signals_when_done()
+        lifecycle.ignore_signals_when_done()
 
 
 if __name__ == "__main__":

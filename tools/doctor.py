@@ -28,8 +28,8 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
     import _environment  # noqa: F401
 
 from jaxtron import cli
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError, load
+from jaxtron.lifecycle import one_line_errors
 from jaxtron.plan import xla_flags
 from jaxtron.train import distributed, doctor
 

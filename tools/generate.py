@@ -29,9 +29,10 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 
 from jaxtron import cli, hf
 from jaxtron.checkpoint import weights
-from jaxtron.cli import one_line_errors, plural
+from jaxtron.cli import plural
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.data import prepared, tokenizer
+from jaxtron.lifecycle import one_line_errors
 from jaxtron.model.generate import check, generate, prompt_array
 from jaxtron.plan import xla_flags
 

@@ -28,11 +28,11 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 import numpy as np
 import yaml
 
-from jaxtron import cli
+from jaxtron import cli, lifecycle
 from jaxtron.checkpoint.damage import damage, meta_damage, step_dirs, survey
 from jaxtron.checkpoint.weights import locate, read_meta
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
+from jaxtron.lifecycle import one_line_errors
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
@@ -171,7 +171,7 @@ def inspect(path: Path) -> int:
     fallback = (f"a resume moves it aside and starts from step {older[-1].name}" if older
                 else "a resume moved it aside (the run goes on from its other checkpoints)"
                 if moved else "no older undamaged checkpoint is left")
-    print(f"{cli.script_name()}: error: checkpoint {step_dir} is damaged ({why}); {fallback}",
+    print(f"{lifecycle.script_name()}: error: checkpoint {step_dir} is damaged ({why}); {fallback}",
           file=sys.stderr)
     return 1
 

@@ -40,8 +40,8 @@ import jax
 
 from jaxtron import cli
 from jaxtron import config as config_lib
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
+from jaxtron.lifecycle import one_line_errors
 from jaxtron.model import REMAT_POLICIES
 from jaxtron.plan import aot, planner
 from jaxtron.plan.autofit import AUTO, POLICIES, SPARE

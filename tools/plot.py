@@ -29,8 +29,8 @@ if __name__ == "__main__":  # first: a Python without jaxtron gets one line nami
 import yaml
 
 from jaxtron import cli
-from jaxtron.cli import one_line_errors
 from jaxtron.config import ConfigError
+from jaxtron.lifecycle import one_line_errors
 
 # (file stem, metrics key, y label, title, y scale, factor): the curves against the step
 STEP_PLOTS = (

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-EXIT_STOPPED = 130  # stopped by SIGINT (Ctrl-C) or SIGTERM: 128 + SIGINT, as shells report it
 # SIGINT/SIGTERM are recorded, and raise one KeyboardInterrupt only while the work runs
 # (`_working`): while the modules below import (raised inside an import it can be caught there and
 # lost, or come while jax's plugins load with stderr silenced), once manifest.json is written, and
@@ -42,7 +41,7 @@ _working: list[bool] = []
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if _working and cli.deferred(signum, frame):
+    if _working and lifecycle.deferred(signum, frame):
         return
     _signalled.append(signum)
     if _working:
@@ -84,8 +83,7 @@ from text_inputs import (
 )
 from tqdm import tqdm
 
-from jaxtron import cli
-from jaxtron.cli import one_line_errors
+from jaxtron import cli, lifecycle
 from jaxtron.config import ConfigError
 from jaxtron.data.corpus import write_atomic
 from jaxtron.data.prepared import (
@@ -97,6 +95,7 @@ from jaxtron.data.prepared import (
     is_val,
 )
 from jaxtron.data.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
+from jaxtron.lifecycle import EXIT_STOPPED, one_line_errors
 
 BYTES_PER_TOKEN = 4  # sizes units before tokenizing; BPE on English or code gives ~3-5
 MAX_REPORTED = 20  # bad-input lines kept as examples in the manifest, per input file
@@ -175,7 +174,7 @@ def init_worker(settings: Settings, messages: mp.Queue, stop: Any, threads: int)
     """Load the tokenizer once per worker process."""
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which ends the pool
-    cli.end_with_parent()  # kill -9 of the parent: no worker goes on writing --out
+    lifecycle.end_with_parent()  # kill -9 of the parent: no worker goes on writing --out
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # tokenizer.json's encoding threads
     tok = from_path(settings.out / settings.tokenizer)
     _worker = Worker(settings, messages, stop, tok, threads)
@@ -432,7 +431,7 @@ def _prepare(args: argparse.Namespace, out: Path) -> int:
     new_tokens = sum(f["tokens"] for unit in todo for f in records[unit.index]["files"])
     print(summary(manifest, ordered, new_tokens, seconds), file=sys.stderr)
     if not manifest["splits"]["val"]["documents"]:
-        print(f"{cli.script_name()}: warning: {empty_val(manifest, args.val_fraction)}",
+        print(f"{lifecycle.script_name()}: warning: {empty_val(manifest, args.val_fraction)}",
               file=sys.stderr)
     return 0
 
@@ -500,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
         return one_line_errors(lambda: prepare(args))
     except (Stopped, KeyboardInterrupt) as e:
-        print(f"{cli.script_name()}: stopped by a signal; {str(e) or 'nothing was written'}",
+        print(f"{lifecycle.script_name()}: stopped by a signal; {str(e) or 'nothing was written'}",
               file=sys.stderr)
         return EXIT_STOPPED
     finally:

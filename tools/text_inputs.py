@@ -29,9 +29,9 @@ if __name__ == "__main__":  # run by mistake: it is no command
           "python tools/prepare_data.py --help", file=sys.stderr)
     sys.exit(2)
 
-from jaxtron.cli import script_name
 from jaxtron.config import ConfigError
 from jaxtron.data.prepared import MANIFEST_FORMAT
+from jaxtron.lifecycle import script_name
 
 # (index of the document in its file, where to report it, text, why it is bad, bytes read)
 Item = tuple[int, dict, str | None, str | None, int]

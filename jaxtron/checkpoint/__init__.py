@@ -7,7 +7,6 @@ carry the current mesh's shardings, so no second, unsharded copy of the state is
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -23,6 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtron import data as data_lib
+from jaxtron import lifecycle
 from jaxtron.checkpoint import damage, weights
 from jaxtron.checkpoint.lock import IN_USE, LOCK_FILE, RunDirLock  # noqa: F401 - where callers find them
 from jaxtron.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig
@@ -115,7 +115,7 @@ class Checkpoints:
     def _failed(self, step: int, error: BaseException) -> CheckpointSaveError:
         """The one-line error for a save that did not happen. Writes still in flight may end
         while the interpreter shuts down: that is silenced once the line is out."""
-        atexit.register(_silence_shutdown)
+        lifecycle.silence_at_exit()
         return CheckpointSaveError(f"checkpoint {step} was not saved: "
                                    f"{save_error(error, Path(self.manager.directory))}")
 
@@ -142,7 +142,7 @@ class Checkpoints:
                     self._move_aside(damaged, warn)
                     return step, state, meta
                 except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
-                    atexit.register(_silence_shutdown)  # reads in flight finish into the void
+                    lifecycle.silence_at_exit()  # reads in flight finish into the void
                     why = read_error(e)
             if jax.process_count() > 1:  # the others may have read it: none may go on alone
                 raise ConfigError(
@@ -249,15 +249,6 @@ def _quiet_abandoned_reads() -> None:
 
     quiet_unraisable.quiet_reads = True
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
-
-
-def _silence_shutdown() -> None:
-    """After a failed restore, once the command's last line is out: what the interpreter prints
-    while it shuts down (reads completing into a closed event loop, past the hooks above) goes
-    to /dev/null."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 
 
 def check_start(run_dir: Path, model: ModelConfig, restore: str,
@@ -372,7 +363,7 @@ def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint: one line, not Orbax's spec dump
-        atexit.register(_silence_shutdown)
+        lifecycle.silence_at_exit()
         raise ConfigError(f"checkpoint.restore={path}: {directory} is unreadable ({read_error(e)})"
                           "; restore from another checkpoint") from None
 

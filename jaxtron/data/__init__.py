@@ -34,6 +34,7 @@ import numpy as np
 from absl import flags as absl_flags
 
 from jaxtron import cli
+from jaxtron import lifecycle
 from jaxtron.data import corpus as corpus_lib
 from jaxtron.data import prepared
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
@@ -252,7 +253,7 @@ def _batches(stream: Stream, start: int, train: TrainConfig, workers: int,
         if quiet not in given:
             os.environ["PYTHONWARNINGS"] = f"{given},{quiet}" if given else quiet
         # Each worker packs its own slice (output depends on workers) and dies with the run.
-        ds = ds.mp_prefetch(options, worker_init_fn=cli.quiet_worker)
+        ds = ds.mp_prefetch(options, worker_init_fn=lifecycle.quiet_worker)
     return ds
 
 

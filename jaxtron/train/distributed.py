@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxtron import cli
+from jaxtron import lifecycle
 from jaxtron.config import ConfigError
 from jaxtron.plan import xla_flags
 
@@ -48,7 +48,7 @@ SHUTDOWN_TIMEOUT_S = 30
 # How long processes wait for each other to start (JAX's default): big jobs start slowly.
 INIT_TIMEOUT_S = 300
 STOPPED = 75  # a signal while joining: launch.py's status for a stop before training started
-LOST_PEER = 75  # another process was lost: restartable, as a preemption (scripts/slurm requeues)
+LOST_PEER = lifecycle.EXIT_LOST_PEER  # another process was lost: 75, restartable
 SUPERVISED = "JAXTRON_SUPERVISOR"  # in a training process's environment: its supervisor's pid
 
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")  # host:port, [v6]:port
@@ -230,7 +230,7 @@ def _give_up_after(timeout: float, where: str, manual: bool) -> Callable[[], Non
            "--process-id (0 to N-1)" if manual else "check that every task of the job started")
 
     def stop(line: str, status: int) -> None:
-        print(f"{cli.script_name()}: {line}", file=sys.stderr, flush=True)
+        print(f"{lifecycle.script_name()}: {line}", file=sys.stderr, flush=True)
         os._exit(status)
 
     def watch() -> None:
@@ -297,8 +297,8 @@ def end_if_lost(error: BaseException) -> None:
     if _ask_coordinator(lambda client: client.key_value_dir_get(_LEFT)):
         return  # a process left on an error of its own (its line says it): not a lost one
     first = text.strip().splitlines()[0] if text.strip() else "JaxRuntimeError"
-    print(f"{cli.script_name()}: error: a collective with another process failed {_MARK}{first}; "
-          "rerun the same command to resume", file=sys.stderr, flush=True)
+    print(f"{lifecycle.script_name()}: error: a collective with another process failed "
+          f"{_MARK}{first}; rerun the same command to resume", file=sys.stderr, flush=True)
     if os.environ.get(SUPERVISED):
         while True:
             time.sleep(60)

@@ -26,8 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxtron.cli import EXIT_USAGE, check_run_dir, plural, script_name
+from jaxtron.cli import check_run_dir, plural
 from jaxtron.config import Config, ConfigError, MeshConfig, XlaConfig
+from jaxtron.lifecycle import EXIT_USAGE, script_name
 from jaxtron.plan import xla_flags
 from jaxtron.train.distributed import allgather_text
 

@@ -27,6 +27,7 @@ from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start, weights
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
+from jaxtron.lifecycle import Preemption
 from jaxtron.model import attention as attention_lib
 from jaxtron.model import check_remat
 from jaxtron.parallel import pipeline
@@ -36,7 +37,6 @@ from jaxtron.plan.setup import set_up
 from jaxtron.step import compile_eval, evaluate, global_batch
 from jaxtron.step.state import initial_state
 from jaxtron.train import compile_cache, distributed, doctor, goodput
-from jaxtron.train.preemption import Preemption
 from jaxtron.train.watchdog import Watchdog
 
 

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from jaxtron import cli
+from jaxtron import lifecycle
 from jaxtron.train.distributed import _MARK, LOST_PEER, SUPERVISED
 from jaxtron.train.watchdog import STUCK_MARK
 
@@ -184,7 +184,7 @@ def supervise(command: list[str], process_id: int, num_processes: int, run_dir: 
         return 128 - status if status < 0 else status
     _keep_log(run_dir, process_id, stderr.kept, "lost peer")
     line = _lost_line(stderr.lost_process(), num_processes, run_dir)
-    print(f"{cli.script_name()}: error: {line}", file=sys.stderr, flush=True)
+    print(f"{lifecycle.script_name()}: error: {line}", file=sys.stderr, flush=True)
     return LOST_PEER
 
 

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from jaxtron import cli
+from jaxtron import lifecycle
 
 STUCK = 75  # restartable: the same command resumes from the newest checkpoint
 STUCK_MARK = "(run.stuck_timeout_s)"  # in the line: the supervisor adds no line of its own
@@ -53,7 +53,7 @@ class Watchdog:
                 self._fire()
 
     def _fire(self) -> None:
-        print(f"{cli.script_name()}: error: no progress in {self.timeout_s:g} s while "
+        print(f"{lifecycle.script_name()}: error: no progress in {self.timeout_s:g} s while "
               f"{self.doing} {STUCK_MARK}: a process of the run is stuck, or waits for "
               "one that is; the newest checkpoint is intact: rerun the same command to resume",
               file=sys.stderr, flush=True)
