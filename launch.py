@@ -425,12 +425,13 @@ def _finished(cfg) -> str | None:
     """'nothing to do' when run.dir's newest checkpoint is at train.steps or past it (and holds
     this model: check_start), before anything is written; else None."""
     from jaxtron.checkpoint import check_start, weights
+    from jaxtron.data.prepared import tokenizer_check
 
     run_dir = Path(cfg.run.dir)
     steps = weights.run_checkpoints(run_dir)
     if not steps or int(steps[-1].name) < cfg.train.steps:
         return None
-    check_start(run_dir, cfg.model, "", cfg.data)
+    check_start(run_dir, cfg.model, "", tokenizer_check(cfg.data, cfg.model.vocab_size))
     return (f"nothing to do: {run_dir} is trained to step {steps[-1].name} (train.steps="
             f"{cfg.train.steps}); raise train.steps to train on, or set run.dir to a new directory")
 

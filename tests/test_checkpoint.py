@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
+from jaxtron import data as data_lib
 from jaxtron.checkpoint import Checkpoints, CheckpointSaveError
 from jaxtron.step.optim import lr_schedule
 from jaxtron.train.loop import train
@@ -302,19 +303,16 @@ def test_restore_latest_reads_back_what_was_saved_and_names_one_damaged_checkpoi
     shardings = {"w": SingleDeviceSharding(jax.devices()[0])}
     ckpt = Checkpoints(_cfg(tmp_path).checkpoint, tmp_path)
 
-    class Batches:  # what restore_latest asks of the input: restore(saved) -> exact
-        def restore(self, saved: dict) -> bool:
-            self.saved = saved
-            return True
-
-    fresh = Batches()
-    step, state, meta = ckpt.restore_latest(abstract, shardings, fresh, print)
-    assert (step, meta) == (4, {"step": 4}) and fresh.saved  # and the saved data position
+    handed = []  # restore_latest hands the input its data item's directory, nothing more
+    step, state, meta = ckpt.restore_latest(abstract, shardings, handed.append, print)
+    assert (step, meta) == (4, {"step": 4})
+    assert [Path(d) for d in handed] == [tmp_path / "checkpoints" / "4" / "data"]
+    assert data_lib.saved_iterator_state(handed[0], 0, 1)  # the saved data position
     np.testing.assert_array_equal(state["w"], [0.0, 1.0, 2.0, 3.0])
     for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and f.stat().st_size > 100:
             f.write_bytes(b"")
     with pytest.raises(ConfigError, match=r"^the one checkpoint in .*checkpoints is unreadable; "
                                           r"move it aside to start over"):
-        ckpt.restore_latest(abstract, shardings, fresh, lambda line: None)
+        ckpt.restore_latest(abstract, shardings, handed.append, lambda line: None)
     ckpt.close()

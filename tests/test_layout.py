@@ -126,6 +126,15 @@ def test_the_schema_and_the_model_import_no_parallel_code():
                                          "jaxtron.step"}
 
 
+def test_checkpoints_know_nothing_of_the_input():
+    """The train state does not depend on the input pipeline: a checkpoint saves the iterator as
+    Grain's item and hands its directory back on restore; the data check is a callable."""
+    graph = _graph()
+    of_checkpoints = {dep for module, deps in graph.items()
+                      if module.startswith("jaxtron.checkpoint") for dep in deps}
+    assert of_checkpoints and not {d for d in of_checkpoints if d.startswith("jaxtron.data")}
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT / "jaxtron")))
 def test_package_module_is_one_concern(path):
     text = path.read_text()

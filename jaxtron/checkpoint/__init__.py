@@ -13,7 +13,6 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,12 +20,14 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtron import data as data_lib
 from jaxtron import lifecycle
 from jaxtron.checkpoint import damage, weights
 from jaxtron.checkpoint.lock import IN_USE, LOCK_FILE, RunDirLock  # noqa: F401 - where callers find them
 from jaxtron.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig
-from jaxtron.data import prepared
+
+# What a run says of a checkpoint's data against its own (the checkpoint's DataConfig, and the
+# checkpoint.restore path or ""): a ConfigError message, or None when they agree.
+DataChange = Callable[[DataConfig, str], "str | None"]
 
 DAMAGED_DIR = "damaged_checkpoints"  # run.dir/<this>/<step>-<time>: kept for inspection
 
@@ -123,9 +124,11 @@ class Checkpoints:
         """Read `step`'s state straight into `shardings`, and its metadata."""
         return _restore(self.manager, step, _target(abstract_state, shardings))
 
-    def restore_latest(self, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
+    def restore_latest(self, abstract_state: Any, shardings: Any,
+                       resume_input: Callable[[Path], object],
                        warn: Callable[[str], None]) -> tuple[int, dict, dict] | None:
-        """The newest checkpoint that reads back whole, with `batches` moved to where it was.
+        """The newest checkpoint that reads back whole; `resume_input` is handed its data item's
+        directory (the input moves to where it was: data.resume_input).
         Newer damaged checkpoints are skipped with a warning naming them, and moved aside to
         run.dir/damaged_checkpoints/ so that this run can save those steps again. None when there
         are no checkpoints; an error when there are some but none is readable (then nothing is
@@ -138,7 +141,7 @@ class Checkpoints:
             if why is None:  # damaged array data shows in the read, in TensorStore's words
                 try:
                     state, meta = self.restore(step, abstract_state, shardings)
-                    restore_input(step_dir / "data", batches, warn)
+                    resume_input(step_dir / "data")
                     self._move_aside(damaged, warn)
                     return step, state, meta
                 except Exception as e:  # noqa: BLE001 - any read failure means "not this one"
@@ -252,11 +255,12 @@ def _quiet_abandoned_reads() -> None:
 
 
 def check_start(run_dir: Path, model: ModelConfig, restore: str,
-                data: DataConfig | None = None) -> None:
+                data_change: DataChange | None = None) -> None:
     """Before anything is written: run.dir's newest checkpoint whose metadata reads, or else
     checkpoint.restore, holds this model's arrays (one line naming the fields that differ), its
-    data was tokenized like `data`, and checkpoint.restore names a checkpoint. A refused command
-    leaves run.dir as it was."""
+    data agrees with this run's (`data_change`, e.g. data.prepared.tokenizer_check: what is
+    wrong, or None), and checkpoint.restore names a checkpoint. A refused command leaves run.dir
+    as it was."""
     # Damaged ones are passed over here, and set aside by Checkpoints.restore_latest.
     steps = damage.survey(run_dir / "checkpoints", damage.meta_damage)[0]
     if steps:
@@ -270,11 +274,11 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
             raise ConfigError(f"{run_dir} holds checkpoints of another model "
                               f"({', '.join(changed)}); set run.dir to a new directory, or set "
                               "those fields back")
-        if data is not None and "config" in meta and (change := prepared.tokenizer_change(
-                weights.config_of(meta).data, data, model.vocab_size)):
+        if data_change and "config" in meta and (
+                change := data_change(weights.config_of(meta).data, "")):
             raise ConfigError(change)
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
-        _restore_dir(restore, None if steps else model, data)
+        _restore_dir(restore, None if steps else model, data_change)
 
 
 def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:
@@ -304,9 +308,10 @@ def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) 
     return "start: from scratch (run.dir holds no checkpoint)"
 
 
-def _restore_dir(path: str, model: ModelConfig | None, data: DataConfig | None = None) -> Path:
-    """The checkpoint checkpoint.restore names, once it holds this model's arrays and was trained
-    on ids of `data`'s tokenizer (neither checked when `model` is None)."""
+def _restore_dir(path: str, model: ModelConfig | None,
+                 data_change: DataChange | None = None) -> Path:
+    """The checkpoint checkpoint.restore names, once it holds this model's arrays and its data
+    agrees with this run's (neither checked when `model` is None)."""
     try:
         _, directory = weights.locate(path)
     except ConfigError:
@@ -318,8 +323,8 @@ def _restore_dir(path: str, model: ModelConfig | None, data: DataConfig | None =
         raise ConfigError(f"checkpoint.restore={path} holds another model ({', '.join(changed)})"
                           "; set those to the checkpoint's values")
     meta = weights.read_meta(directory)
-    if data is not None and "config" in meta and (change := prepared.tokenizer_change(
-            weights.config_of(meta).data, data, model.vocab_size, restore=path)):
+    if data_change and "config" in meta and (
+            change := data_change(weights.config_of(meta).data, path)):
         raise ConfigError(change)
     return directory
 
@@ -337,21 +342,9 @@ def _restore(manager: ocp.CheckpointManager, step: int, target: Any) -> tuple[di
     return restored["state"], restored["meta"]
 
 
-def restore_input(directory: Path, batches: grain.DatasetIterator,
-                  warn: Callable[[str], None]) -> bool:
-    """Move `batches` to the saved input position: exact for the same process and worker
-    counts; otherwise the data module resumes deterministically nearby and we say so."""
-    saved = data_lib.saved_iterator_state(directory, jax.process_index(), jax.process_count())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", data_lib.InexactResumeWarning)
-        exact = data_lib.restore_iterator(batches, saved)
-    for w in caught:
-        warn(f"warning: {w.message}")
-    return exact
-
-
-def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.DatasetIterator,
-                 weights_only: bool, model: ModelConfig) -> tuple[dict, dict]:
+def restore_from(path: str, abstract_state: Any, shardings: Any,
+                 resume_input: Callable[[Path], object] | None, weights_only: bool,
+                 model: ModelConfig) -> tuple[dict, dict]:
     """Start from another run's checkpoint: `path` is a checkpoint (`.../checkpoints/<step>`),
     or a run, import or checkpoints directory (its newest complete checkpoint). With
     `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
@@ -359,7 +352,8 @@ def restore_from(path: str, abstract_state: Any, shardings: Any, batches: grain.
     directory = _restore_dir(path, model)
     _quiet_abandoned_reads()
     try:
-        return _restore_from(directory, abstract_state, shardings, batches, weights_only, path)
+        return _restore_from(directory, abstract_state, shardings, resume_input, weights_only,
+                             path)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged checkpoint: one line, not Orbax's spec dump
@@ -376,7 +370,7 @@ def _read_only_notes(record: logging.LogRecord) -> bool:
 
 
 def _restore_from(directory: Path, abstract_state: Any, shardings: Any,
-                  batches: grain.DatasetIterator, weights_only: bool,
+                  resume_input: Callable[[Path], object] | None, weights_only: bool,
                   path: str) -> tuple[dict, dict]:
     if weights.read_meta(directory).get("layout") == weights.LAYERED:
         if not weights_only:  # train.check_paths says it first
@@ -389,7 +383,7 @@ def _restore_from(directory: Path, abstract_state: Any, shardings: Any,
     try:
         if not weights_only:
             state, meta = _restore(manager, int(directory.name), _target(abstract_state, shardings))
-            restore_input(directory / "data", batches, print)
+            resume_input(directory / "data")
             return state, meta
         target = {"params": _target(abstract_state["params"], shardings["params"])}
         restored = manager.restore(int(directory.name), args=ocp.args.Composite(

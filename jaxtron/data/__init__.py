@@ -33,11 +33,10 @@ import grain
 import numpy as np
 from absl import flags as absl_flags
 
-from jaxtron import cli
 from jaxtron import lifecycle
+from jaxtron.config import ConfigError, DataConfig, TrainConfig
 from jaxtron.data import corpus as corpus_lib
 from jaxtron.data import prepared
-from jaxtron.config import ConfigError, DataConfig, TrainConfig
 from jaxtron.data.prepared import check_dataset, mixture_summary, read_manifest, split_documents
 from jaxtron.data.rows import FAN_OUT, PlanDocument, Recent, Rows, assemble, placeholder
 from jaxtron.data.tokenizer import load_tokenizer
@@ -360,6 +359,21 @@ def saved_iterator_state(directory: Path, process_index: int, process_count: int
     if not files:
         raise FileNotFoundError(f"no saved input position in {directory}")
     return json.loads(files[0].read_text())
+
+
+def resume_input(batches: BatchIterator, directory: Path, warn: Callable[[str], None]) -> bool:
+    """Move `batches` to the position a checkpoint's data item (`directory`) saved: exact for
+    the same process and worker counts; otherwise it resumes deterministically nearby, and
+    `warn` says so. Whether it was exact."""
+    import jax
+
+    saved = saved_iterator_state(directory, jax.process_index(), jax.process_count())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InexactResumeWarning)
+        exact = restore_iterator(batches, saved)
+    for w in caught:
+        warn(f"warning: {w.message}")
+    return exact
 
 
 def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int,

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import grain
@@ -131,8 +132,9 @@ def _check_shards(path: str, manifest: dict) -> None:
                 raise ConfigError(f"data.mixture path {path}: shard {shard} cannot be read, cut "
                                   f"short or damaged{why}; {AGAIN}") from None
         if documents != manifest["splits"][split]["documents"]:
+            listed = manifest["splits"][split]["documents"]
             raise ConfigError(f"data.mixture path {path}: the {split} shards hold {documents:,} "
-                              f"documents, its manifest.json {manifest['splits'][split]['documents']:,}"
+                              f"documents, its manifest.json {listed:,}"
                               f"; {AGAIN}")
 
 
@@ -185,6 +187,13 @@ def empty_val(path: str) -> str:
     return (f"data.mixture path {path}: the val split is empty; set train.eval_every=0, or "
             "prepare the dataset again with a larger --val-fraction (with more documents: a "
             "plain text file is one)")
+
+
+def tokenizer_check(now: DataConfig,
+                    vocab_size: int) -> Callable[[DataConfig, str], str | None]:
+    """checkpoint.check_start's `data_change` for a run on `now`: tokenizer_change against the
+    checkpoint's data (and checkpoint.restore's path, or "")."""
+    return lambda saved, restore: tokenizer_change(saved, now, vocab_size, restore)
 
 
 def tokenizer_change(saved: DataConfig, now: DataConfig, vocab_size: int,

@@ -44,8 +44,8 @@ from typing import Any
 
 import sentencepiece as spm
 
-from jaxtron.data import corpus
 from jaxtron.config import ConfigError, DataConfig
+from jaxtron.data import corpus
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = -1, 0, 1, 2  # no pad piece: padding is masked by segment_ids == 0
 

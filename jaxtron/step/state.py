@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxtron import data, parallel
 from jaxtron import model as model_lib
-from jaxtron import parallel
 from jaxtron.checkpoint import Checkpoints, restore_from, weights
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import Transformer, abstract_model, count_params
@@ -117,7 +117,8 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
     """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
     checkpoint.restore, else fresh weights."""
     shardings = parallel.named(plan.specs, mesh)
-    restored = ckpt.restore_latest(plan.abstract, shardings, batches, info)
+    resume_input = functools.partial(data.resume_input, batches, warn=info)
+    restored = ckpt.restore_latest(plan.abstract, shardings, resume_input, info)
     if restored is not None:
         step, state, meta = restored
         state = in_layer_order(state, meta, plan, tx, shardings, info)
@@ -130,7 +131,8 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
         return state, step, meta["tokens_seen"]
     if not cfg.checkpoint.restore:
         return init_state(cfg, plan, tx, mesh), 0, 0
-    state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, batches,
+    resume_input = functools.partial(data.resume_input, batches, warn=print)
+    state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, resume_input,
                                cfg.checkpoint.weights_only, cfg.model)
     if cfg.checkpoint.weights_only:
         params = in_layer_order(state, meta, plan, tx, shardings, info)["params"]

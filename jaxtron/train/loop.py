@@ -173,7 +173,8 @@ def check_paths(cfg: Config) -> None:
         raise ConfigError(f"run.dir={cfg.run.dir} is inside the checkpoints directory {holder}, "
                           "whose old checkpoints a run deletes (or moves aside) with what is in "
                           f"them; set run.dir to a directory outside it")
-    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore, cfg.data)
+    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore,
+                prepared.tokenizer_check(cfg.data, cfg.model.vocab_size))
     c = cfg.checkpoint
     if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
         meta = weights.read_meta(restored := weights.locate(c.restore)[1])
