@@ -5,7 +5,9 @@ is jaxtron/lifecycle.py's."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -20,13 +22,42 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, command: str, **kwargs):
         lifecycle.name_command(Path(command.split()[0]).name)
         kwargs.setdefault("prog", lifecycle.script_name())  # as a shell shows it, in-process too
+        kwargs.setdefault("allow_abbrev", False)  # `--gpus 8` was --gpus-per-host 8 in launch.py
         super().__init__(*args, **kwargs)
         self.command = command
+        self._argv: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)  # for error()'s suggestion
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        print(f"{lifecycle.script_name()}: error: {message} (see python {self.command} --help)",
-              file=sys.stderr)
+        print(f"{lifecycle.script_name()}: error: {message}{self._suggestion(message)} (see "
+              f"python {self.command} --help)", file=sys.stderr)
         sys.exit(lifecycle.EXIT_USAGE)
+
+    def _suggestion(self, message: str) -> str:
+        """For an option this command does not have: the name it has here (SYNONYMS: '; --gpus
+        is --devices here'), or the nearest of its own ('; did you mean --dry-run?'); else ''."""
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        words = unknown.group(1).split() if unknown else self._argv  # (a required one missing)
+        own = [option for option in self._option_string_actions if option.startswith("--")]
+        for word in words:
+            flag = word.split("=")[0]
+            if not flag.startswith("--") or flag in own:
+                continue
+            if SYNONYMS.get(flag) in own:
+                return f"; {flag} is {SYNONYMS[flag]} here"
+            if near := difflib.get_close_matches(flag, own, n=1, cutoff=0.75):
+                return f"; did you mean {near[0]}?"
+        return ""
+
+
+# What other tools name the options every command here shares (the devices of the job, the GPUs
+# per host): the names they have here.
+SYNONYMS = {"--gpus": "--devices", "--num-gpus": "--devices", "--num-devices": "--devices",
+            "--world-size": "--devices", "--gpus-per-node": "--gpus-per-host",
+            "--devices-per-host": "--gpus-per-host", "--nproc-per-node": "--gpus-per-host"}
 
 
 def writable_file(path: str | Path, what: str = "") -> Path:

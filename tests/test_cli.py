@@ -22,7 +22,7 @@ MISSING = {  # a file that is not there, where each command first reads one
     "tools/doctor.py": ["--config", "nope.yaml"],
     "tools/generate.py": ["nope", "--tokens", "1"],
     "tools/inspect_ckpt.py": ["nope"],
-    "tools/plan.py": ["--gpus", "8", "--config", "nope.yaml"],
+    "tools/plan.py": ["--devices", "8", "--config", "nope.yaml"],
     "tools/plot.py": ["nope"],
     "tools/prepare_data.py": ["nope.txt", "--out", "ds", "--tokenizer", "nope.model"],
 }
@@ -183,7 +183,7 @@ def test_a_signal_before_or_after_the_work_is_one_line(tmp_path, sig, when, stat
 def test_ctrl_c_while_a_tool_imports_jax_is_one_line(delay):
     """plan.py imports jax at its top, for about two seconds; Ctrl-C there is its one line."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "plan.py"), "--config",
-                             str(ROOT / "configs" / "llama3_8b.yaml"), "--gpus", "8"], cwd=ROOT,
+                             str(ROOT / "configs" / "llama3_8b.yaml"), "--devices", "8"], cwd=ROOT,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
@@ -234,3 +234,21 @@ def test_launch_says_the_statuses_of_the_lifecycle_table():
     assert launch.EXIT_PREEMPTED == lifecycle.EXIT_PREEMPTED == lifecycle.EXIT_LOST_PEER == 75
     assert len({lifecycle.EXIT_USAGE, lifecycle.EXIT_NONFINITE, lifecycle.EXIT_SAVE_FAILED,
                 lifecycle.EXIT_PREEMPTED, lifecycle.EXIT_STOPPED, 0, 1}) == 7
+
+
+@pytest.mark.parametrize("script, args, hint", [
+    ("tools/plan.py", ["--gpus", "64"], "; --gpus is --devices here"),  # a required one missing
+    ("tools/plan.py", ["--devices", "8", "--gpus-per-node", "8"], "; --gpus-per-node is --gpus-per-host here"),
+    ("launch.py", ["--dry-run", "--gpus", "8"], "; --gpus is --devices here"),  # no abbreviation
+    ("launch.py", ["--dry-rn"], "; did you mean --dry-run?"),
+    ("tools/doctor.py", ["--devics", "8"], "; did you mean --devices?"),
+    ("launch.py", ["--bogus"], " (see python launch.py --help)"),  # nothing near: no guess
+])
+def test_a_wrong_option_is_told_its_name_here(script, args, hint):
+    """Every command names the devices of the job --devices and the GPUs per host
+    --gpus-per-host; another framework's name, or a typo, gets the one it has here."""
+    proc = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300)
+    line = proc.stderr.strip()
+    assert proc.returncode == 2 and "\n" not in line and "error:" in line, proc.stderr
+    assert hint in line and ("did you mean" in hint or " is " in hint or "did you" not in line)

@@ -90,7 +90,7 @@ def test_cli_ranks_writes_json_and_verifies_against_the_compiled_peak(tmp_path):
     out = tmp_path / "plan.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "plan.py"), "--config",
-         str(ROOT / "configs" / "llama3_1b.yaml"), "--gpus", "16", "--top", "3", "--json",
+         str(ROOT / "configs" / "llama3_1b.yaml"), "--devices", "16", "--top", "3", "--json",
          str(out), "--verify", "1", "--remat", "full", "train.batch_size=32",
          "train.seq_len=2048"],
         capture_output=True, text=True, timeout=600, check=False,
@@ -112,14 +112,14 @@ def test_cli_ranks_writes_json_and_verifies_against_the_compiled_peak(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--gpus", "0"], "--gpus 0 must be at least 1"),
-    (["--gpus", "8", "--top", "-3"], "--top -3 must be at least 1"),  # was: a line naming all four
-    (["--gpus", "8", "--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
-    (["--gpus", "8", "--verify", "-1"], "--verify -1 must be at least 0"),
-    (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
-    (["--gpus", "8", "--remat", "fastest"], "--remat fastest is not one of"),
-    (["--gpus", "8", "train.lr=1"], "unknown config key 'train.lr'"),
-    (["--gpus", "8", "--json", "/nonexistent/plan.json"],
+    (["--devices", "0"], "--devices 0 must be at least 1"),
+    (["--devices", "8", "--top", "-3"], "--top -3 must be at least 1"),  # was: a line naming all four
+    (["--devices", "8", "--gpus-per-host", "0"], "--gpus-per-host 0 must be at least 1"),
+    (["--devices", "8", "--verify", "-1"], "--verify -1 must be at least 0"),
+    (["--devices", "12"], "--devices 12 is not a whole number of hosts of --gpus-per-host 8"),
+    (["--devices", "8", "--remat", "fastest"], "--remat fastest is not one of"),
+    (["--devices", "8", "train.lr=1"], "unknown config key 'train.lr'"),
+    (["--devices", "8", "--json", "/nonexistent/plan.json"],
      "--json /nonexistent/plan.json: directory /nonexistent does not exist"),
 ])
 def test_bad_input_is_one_line_and_status_2(capsys, args, message):
@@ -134,7 +134,7 @@ def test_bad_input_is_one_line_and_status_2(capsys, args, message):
 def test_verify_without_the_cuda_plugin_names_verify(capsys, monkeypatch):
     """The line named --compile-for, launch.py's option, which plan.py does not have."""
     monkeypatch.setattr(aot, "PLUGINS", ("no_such_cuda_plugin",))
-    assert plan_tool.main(["--config", str(TINY), "--gpus", "8", "--verify", "1"]) == 2
+    assert plan_tool.main(["--config", str(TINY), "--devices", "8", "--verify", "1"]) == 2
     assert capsys.readouterr() == ("", "plan.py: error: --verify needs jax's CUDA plugin, which is "
                                    f"not installed: {aot.INSTALL}\n")
 
@@ -148,14 +148,14 @@ def test_verify_without_the_cuda_plugin_names_verify(capsys, monkeypatch):
 def test_an_empty_or_repeated_remat_is_refused(capsys, remat, message):
     """`--remat ''` was the config's own and full, silently; `--remat full,full` estimated every
     layout twice."""
-    assert plan_tool.main(["--config", str(TINY), "--gpus", "8", "--remat", remat]) == 2
+    assert plan_tool.main(["--config", str(TINY), "--devices", "8", "--remat", remat]) == 2
     assert capsys.readouterr() == ("", f"plan.py: error: {message}\n")
 
 
 def test_remat_names_may_have_spaces_around_commas(capsys):
     counts = []
     for remat in (" full , none", "full"):
-        assert plan_tool.main(["--config", str(TINY), "--gpus", "8", "--top", "1", "--remat",
+        assert plan_tool.main(["--config", str(TINY), "--devices", "8", "--top", "1", "--remat",
                                remat, *SMALL]) == 0
         counts.append(int(capsys.readouterr().out.split(" layouts estimated")[0]))
     assert counts[0] == 2 * counts[1], counts  # two policies, each layout once
@@ -166,7 +166,7 @@ def test_plan_computes_on_the_cpu_whatever_jax_platforms_says():
     """JAX_PLATFORMS=cuda without a GPU was an AssertionError traceback from jax: the plan only
     estimates GPUs elsewhere, so it uses this machine's CPU, and --verify compiles for them."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "plan.py"), "--config", str(TINY), "--gpus", "8",
+        [sys.executable, str(ROOT / "tools" / "plan.py"), "--config", str(TINY), "--devices", "8",
          "--top", "1", "--verify", "1", *SMALL], capture_output=True, text=True, timeout=300,
         env={**os.environ, "JAX_PLATFORMS": "cuda"})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -180,9 +180,9 @@ def test_durations_keep_three_digits_at_any_scale():
 
 
 def test_when_nothing_fits_the_plan_says_so_first(capsys):
-    assert plan_tool.main(["--config", str(ROOT / "configs" / "llama3_70b.yaml"), "--gpus", "1"]) == 0
+    assert plan_tool.main(["--config", str(ROOT / "configs" / "llama3_70b.yaml"), "--devices", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("none fits in 90% of the ") and "use more GPUs (--gpus)" in lines[1]
+    assert lines[1].startswith("none fits in 90% of the ") and "use more GPUs (--devices)" in lines[1]
 
 
 def _seed_layout(mesh: dict[str, int], micro: int, grad_sum: str) -> tuple[dict, float]:
@@ -211,7 +211,7 @@ def test_seed_case_tp8_pp2_summing_whole_beats_tp8_pp8_dp2():
 
 
 def test_find_shows_where_named_layouts_rank_and_why(capsys):
-    rc = plan_tool.main(["--config", str(TINY), "--gpus", "16", "--top", "1", *SMALL,
+    rc = plan_tool.main(["--config", str(TINY), "--devices", "16", "--top", "1", *SMALL,
                          "--find", "TP1 FSDP16", "--find", "PP2 DP2", "--find", "TP16"])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -227,7 +227,7 @@ def test_find_shows_where_named_layouts_rank_and_why(capsys):
 def test_a_find_part_no_layout_name_has_is_refused_before_planning(capsys):
     """'XX9' could never match: it printed the ranking, then 'no layout has all of these parts'
     with status 0."""
-    rc = plan_tool.main(["--config", str(TINY), "--gpus", "8", "--find", "TP1 XX9"])
+    rc = plan_tool.main(["--config", str(TINY), "--devices", "8", "--find", "TP1 XX9"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "", out
     assert err == ("plan.py: error: --find TP1 XX9: 'XX9' is not a layout part (TP8, PP2, gpipe, "
@@ -236,7 +236,7 @@ def test_a_find_part_no_layout_name_has_is_refused_before_planning(capsys):
 
 def test_json_under_a_file_is_refused_before_planning(tmp_path, capsys):
     (tmp_path / "runs").write_text("a file, not a directory")
-    rc = plan_tool.main(["--config", str(TINY), "--gpus", "8", "--json",
+    rc = plan_tool.main(["--config", str(TINY), "--devices", "8", "--json",
                          str(tmp_path / "runs" / "plan.json")])
     err = capsys.readouterr().err
     assert rc == 2 and err == (f"plan.py: error: --json {tmp_path}/runs/plan.json: {tmp_path}/runs "
@@ -249,7 +249,7 @@ def test_seed_case_ranking_from_the_command_line():
     best TP8/PP8/DP2 one, and the line under the latter says what costs it most."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "plan.py"), "--config",
-         str(ROOT / "configs" / "llama3_70b.yaml"), "--gpus", "128", "--gpus-per-node", "8",
+         str(ROOT / "configs" / "llama3_70b.yaml"), "--devices", "128", "--gpus-per-host", "8",
          "train.batch_size=512", "train.seq_len=4096", "--top", "1", "--find", "TP8 PP8 DP2",
          "--find", "TP8 PP2"],
         capture_output=True, text=True, timeout=900, check=False,
@@ -301,7 +301,7 @@ def test_verify_recommends_the_fastest_compiled_layout_that_leaves_10_percent(ca
                "save_attn_out": _report(51.0, 18 * tflops, {"fsdp": 90 * 10**9})}
     monkeypatch.setattr(plan_tool.aot, "compile_for",
                         lambda cfg, *args: reports[cfg.model.remat])
-    args = plan_tool.parse_args(["--gpus", "64"])
+    args = plan_tool.parse_args(["--devices", "64"])
     plan_tool.verify(_cfg(), layouts, 3, args, usable)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4 and "less than 10% of the usable memory free" in lines[0], lines

@@ -1,8 +1,8 @@
 """Rank the layouts of a model on a GPU cluster before renting it: memory per GPU and step time.
 
-    python tools/plan.py --config configs/llama3_70b.yaml --gpus 128 --gpus-per-node 8
-    python tools/plan.py --config configs/llama3_8b.yaml --gpus 16 --json plan.json --verify 3
-    python tools/plan.py --config configs/llama3_70b.yaml --gpus 128 train.batch_size=512 \\
+    python tools/plan.py --config configs/llama3_70b.yaml --devices 128 --gpus-per-host 8
+    python tools/plan.py --config configs/llama3_8b.yaml --devices 16 --json plan.json --verify 3
+    python tools/plan.py --config configs/llama3_70b.yaml --devices 128 train.batch_size=512 \\
         train.seq_len=4096 --remat full,save_attn_out --find "TP8 PP2" --find "TP8 PP8 DP2"
 
 Every mesh (data x fsdp x tensor x stage), pipeline schedule, microbatch count, remat policy and
@@ -50,8 +50,8 @@ from jaxtron.plan.autofit import AUTO, POLICIES, SPARE
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.Parser(command="tools/plan.py", description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset (repeatable)")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--devices", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpus-per-host", type=int, default=8)
     parser.add_argument("--gpu", default="h100", choices=sorted(planner.ACHIEVABLE_TFLOPS))
     parser.add_argument("--remat",
                         help="comma-separated remat policies to try (default: those "
@@ -87,10 +87,10 @@ def _remats(args: argparse.Namespace, cfg) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    cli.check_counts(args, gpus=1, gpus_per_node=1, top=1, verify=0)
-    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise ConfigError(f"--gpus {args.gpus} is not a whole number of nodes of "
-                          f"--gpus-per-node {args.gpus_per_node}")
+    cli.check_counts(args, devices=1, gpus_per_host=1, top=1, verify=0)
+    if args.devices > args.gpus_per_host and args.devices % args.gpus_per_host:
+        raise ConfigError(f"--devices {args.devices} is not a whole number of hosts of "
+                          f"--gpus-per-host {args.gpus_per_host}")
 
 
 def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
@@ -101,7 +101,7 @@ def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
     if not fits:
         print(f"none fits in {1 - SPARE:.0%} of the {usable / 2**30:.1f} GiB jax may use per GPU; "
               f"the smallest needs {min(x.peak_bytes for x in ranked) / 2**30:.1f} GiB: use more "
-              "GPUs (--gpus)")
+              "GPUs (--devices)")
     for i, layout in enumerate(ranked[:top]):
         print(f"{i + 1}. {_line(layout)}")
         if i:
@@ -159,7 +159,7 @@ def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespa
     for layout in [x for x in ranked if x.fits][:count]:
         candidate = planner.configure(cfg, layout.mesh, layout.schedule, layout.repeats,
                                       layout.microbatches, layout.remat, layout.grad_sum)
-        report = aot.compile_for(candidate, args.gpu, args.gpus, args.gpus_per_node)
+        report = aot.compile_for(candidate, args.gpu, args.devices, args.gpus_per_host)
         peak = report["memory"]["peak_bytes"]
         parts = planner.compiled_step(layout, report, args.gpu)
         seconds = sum(parts.values())
@@ -192,14 +192,14 @@ def run(args: argparse.Namespace) -> None:
         cli.writable_file(args.json, "--json")
     cfg = aot.for_gpus(config_lib.load(args.config, args.overrides))
     if args.verify:  # compiled as the run would compile it: the GPU flags, no CUDA runtime
-        aot.check_target(args.gpu, args.gpus, args.gpus_per_node, "--verify")  # before ranking
+        aot.check_target(args.gpu, args.devices, args.gpus_per_host, "--verify")  # before ranking
         cfg, _ = aot.gpu_program(cfg)
     # What jax may allocate: XLA_PYTHON_CLIENT_MEM_FRACTION as the job will set it.
     usable = int(aot.capacity_bytes(args.gpu) * aot.usable_fraction(cfg))
-    ranked = planner.evaluate(cfg, args.gpus, args.gpus_per_node, args.gpu, usable,
+    ranked = planner.evaluate(cfg, args.devices, args.gpus_per_host, args.gpu, usable,
                               _remats(args, cfg))
     if not ranked:
-        raise ConfigError(f"no layout of this model divides {args.gpus} GPUs; check "
+        raise ConfigError(f"no layout of this model divides {args.devices} GPUs; check "
                           "train.batch_size and the model's heads and layers")
     print_ranking(ranked, args.top, usable)
     print_found(ranked, args.find, usable)
