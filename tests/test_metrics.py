@@ -25,6 +25,7 @@ from test_goodput import SMALL, _tensorboard
 from test_preemption import _run_until, _saved_steps
 
 from jaxtron import config
+from jaxtron.plan import setup as setup_lib
 from jaxtron.plan.metrics import KEYS, MetricsWriter, StepWindow, Stopwatch
 from jaxtron.train import loop as train_lib
 
@@ -180,7 +181,7 @@ def test_a_rows_step_time_is_its_steps_without_the_evaluation(tmp_path, monkeypa
     device work; that wait is step 5's time, so step 6's row is two steps' time like the others
     (it was counted as evaluation: the row showed half the step time, twice the tok/s). Steps
     slowed by 0.4 s (a sleep on the device's side) make the rows' times steady."""
-    monkeypatch.setattr(train_lib, "compile_step", _slowed(train_lib.compile_step, 0.4))
+    monkeypatch.setattr(setup_lib, "compile_step", _slowed(setup_lib.compile_step, 0.4))
     small = [o for o in SMALL if not o.startswith("train.log_every")]
     cfg = config.load(["configs/tiny.yaml"], [*small, "train.steps=8", "train.log_every=2",
                                               "train.eval_every=5", "train.eval_batches=1",

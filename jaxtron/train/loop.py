@@ -1,10 +1,11 @@
 """The training loop: feed, step, checkpoint, evaluate, log; preemption and non-finite steps.
 
-`train(cfg)` reads top to bottom: mesh and plan (every check, before anything is allocated), run
-directory and writers, input, state (restored or born sharded), the step compiled once, the loop;
-at exit, the attempt's goodput account (jaxtron/train/goodput.py). Around it: a profiler trace of
-run.profile_steps, and JAX's persistent compilation cache in run.compile_cache
-(jaxtron/train/compile_cache.py).
+`train(cfg)` reads top to bottom in its parts: the set-up and mesh (`_set_up`: every check,
+before anything is allocated), the input (`_Input`), run directory and writers, what the start
+says (`_say_start`), the attempt's context (`RunContext.begin`), the state (restored or born
+sharded), the step compiled once (`_compile`), the loop (`_loop`); at exit, the attempt's goodput
+account (jaxtron/train/goodput.py). Around it: a profiler trace of run.profile_steps, and JAX's
+persistent compilation cache in run.compile_cache (jaxtron/train/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +34,7 @@ from jaxtron.model import check_remat
 from jaxtron.parallel import pipeline
 from jaxtron.plan import autofit, memory
 from jaxtron.plan import metrics as metrics_lib
-from jaxtron.plan.setup import set_up
+from jaxtron.plan.setup import Setup, set_up
 from jaxtron.step import compile_eval, evaluate, global_batch
 from jaxtron.step.state import initial_state
 from jaxtron.train import compile_cache, distributed, doctor, goodput
@@ -54,31 +55,10 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
         started = max(goodput.process_start(), goodput.previous_end(run_dir))
     compile_cache.use(cfg.run.compile_cache)  # before anything compiles
     memory.limit_heaps()  # before the input, the state and the checkpoint threads allocate
-    # Mesh and plan: every check runs here, before anything is allocated or compiled.
     devices = jax.devices() if devices is None else devices
-    setup = set_up(cfg, len(devices), devices[0].platform, autofit.usable_here(devices))
-    cfg, chosen, tx, plan = setup.cfg, setup.chosen, setup.tx, setup.plan
-    memory.check_host(plan, devices, cfg)  # before anything is allocated
-    if no_room := doctor.check_disk(cfg.run.dir, plan.checkpoint_bytes()):
-        raise ConfigError(no_room[0])  # every save would fail: the first one ends the run
-    check_remat(cfg.model, devices[0])
-    mesh = parallel.make_mesh(cfg.mesh, devices)
-    kernel_checked = cfg.model.attention != "xla" and cfg.model.attention_check
-    if kernel_checked:
-        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
-
-    # Input: checked against the model (sources, mixture, tokenizer) before run.dir is written.
-    data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
-    prepared.check_eval(cfg.data, cfg.train.eval_every)
-    unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
-    # Each process builds only the rows of the global batches its devices hold (of the same
-    # packing plan on every process); global_batch gives each device its shard of them.
-    rows = local_rows(mesh, cfg.train.batch_size, cfg.train.seq_len)
-    batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size, rows)
-    eval_batches = []
-    if cfg.train.eval_every:
-        eval_batches = data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
-    corpus = data_lib.corpus_summary(cfg.data, cfg.model.vocab_size)
+    setup, mesh = _set_up(cfg, devices)  # every check, before anything is allocated or compiled
+    cfg = setup.cfg
+    feed = _Input.of(cfg, mesh)  # checked against the model before run.dir is written
 
     # Run directory and writers: every check above passed.
     is_main = jax.process_index() == 0
@@ -88,61 +68,22 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
-    log.info(f"run: {run_dir} (its resolved config in config.yaml)")
-    eval_short = data_lib.eval_warning(eval_batches, cfg.train)
-    unread = prepared.unread(cfg.data, cfg.train)  # the dry run's warnings, the run's too
-    for warning in [*config_lib.check_warnings(cfg), *filter(None, [unused_vocab, eval_short,
-                                                                     unread])]:
-        log.info(f"warning: {warning}")
-    log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
-    shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
-    log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
-    per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
-    need = autofit.layout_need(cfg, len(devices), autofit.usable_here(devices)[0])
-    for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
-        if not line.startswith("warning"):  # the preflight checks (jaxtron/train/doctor.py) warn
-            log.info(line)
-    log.info(f"parameters: {plan.num_params:,}")
-    if chosen:
-        log.info(chosen)
-    if kernel_checked:
-        log.info(f"attention: {cfg.model.attention} agrees with the xla reference on a packed "
-                 "batch (forward and gradient)")
-    if plan.pipe:
-        log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
-    log.info(corpus)
-    log.info(f"input: {len(rows)} of {cfg.train.batch_size} rows per step", every_process=True)
-
-    # State: restored from the latest checkpoint, else born sharded; the step compiled once.
-    run = RunContext(mesh, Checkpoints(cfg.checkpoint, run_dir), log, batches, eval_batches,
-                     metrics_lib.StepCost.of(cfg, devices))
-    run.account = goodput.Attempt(run.watch, started, run_dir if is_main else None, log.info)
-    run.profile = Profile(cfg.run, run_dir, log, run.watch)
-    run.watchdog = Watchdog(cfg.run.stuck_timeout_s if jax.process_count() > 1 else 0)
+    _say_start(log, setup, devices, feed)
+    run = RunContext.begin(cfg, mesh, devices, log, feed, started)
     outcome = "done"
     try:
-        with jax.set_mesh(mesh), Preemption() as run.preemption:
+        with jax.set_mesh(mesh), run.preemption:
+            # State: restored from the latest checkpoint, else born sharded; the step compiled.
             run.watchdog.tick("restoring or creating the state")  # Orbax's barriers
-            state, start, tokens_seen = initial_state(cfg, plan, tx, mesh, ckpt=run.ckpt,
-                                                      batches=batches, info=log.info)
+            state, start, tokens_seen = initial_state(cfg, setup.plan, setup.tx, mesh,
+                                                      ckpt=run.ckpt, batches=feed.batches,
+                                                      info=log.info)
             run.watchdog.pause()  # compiling: this process's own work, as long as it takes
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
                 return []
-            run.preemption.before_training()
-            log.info("compiling the train step (Ctrl-C stops here without saving)")
-            with run.watch.time("compile"), compile_cache.events() as events:
-                lowered = setup.lower(mesh, state)
-                options = setup.options(devices[0].platform)
-                run.step_fn = _compiled(lowered.compile, options, run.preemption)
-            cache = ""  # whether run.compile_cache had it, if it is on
-            if events:
-                cache = " (and stored in " if "misses" in events else " (loaded from "
-                cache += "run.compile_cache)"
-            log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s{cache}")
-            run.watchdog.tick("running the first step (all processes compile it first)")
-            run.eval_fn = compile_eval(plan, mesh, cfg.train.loss_chunk)
-            return _loop(cfg, run, state, start, tokens_seen)
+            step_fn, eval_fn = _compile(setup, run, state, devices[0].platform)
+            return _loop(cfg, run, step_fn, eval_fn, state, start, tokens_seen)
     except BaseException as e:
         distributed.end_if_lost(e)  # another process is gone: one line, exit 75, no clean-up
         outcome = ("preempted" if isinstance(e, Preempted) else "stopped before training"
@@ -162,6 +103,100 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                 lock.release()
             if fresh and is_main and outcome != "done" and not run.account.last_step:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run.dir
+
+
+def _set_up(cfg: Config, devices: list) -> tuple[Setup, Mesh]:
+    """The run's set-up (plan/setup.py) and mesh on `devices`, after every check that needs no
+    allocation: the host's memory, run.dir's free space, the remat policy on this device, and the
+    attention kernel against the reference (run.attention_check)."""
+    setup = set_up(cfg, len(devices), devices[0].platform, autofit.usable_here(devices))
+    cfg = setup.cfg
+    memory.check_host(setup.plan, devices, cfg)  # before anything is allocated
+    if no_room := doctor.check_disk(cfg.run.dir, setup.plan.checkpoint_bytes()):
+        raise ConfigError(no_room[0])  # every save would fail: the first one ends the run
+    check_remat(cfg.model, devices[0])
+    mesh = parallel.make_mesh(cfg.mesh, devices)
+    if _kernel_checked(cfg):
+        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
+    return setup, mesh
+
+
+def _kernel_checked(cfg: Config) -> bool:
+    return cfg.model.attention != "xla" and cfg.model.attention_check
+
+
+@dataclass(frozen=True)
+class _Input:
+    """The run's batches, checked against the model (sources, mixture, tokenizer), and what a
+    start says of them."""
+
+    batches: data_lib.BatchIterator
+    eval_batches: list[dict]
+    rows: int  # rows of each global batch this process builds
+    corpus: str  # one line naming the data
+    warnings: list[str]
+
+    @classmethod
+    def of(cls, cfg: Config, mesh: Mesh) -> _Input:
+        data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
+        prepared.check_eval(cfg.data, cfg.train.eval_every)
+        unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
+        # Each process builds only the rows of the global batches its devices hold (of the
+        # same packing plan on every process); global_batch gives each device its shard.
+        rows = local_rows(mesh, cfg.train.batch_size, cfg.train.seq_len)
+        batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size, rows)
+        evals = (data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
+                 if cfg.train.eval_every else [])
+        corpus = data_lib.corpus_summary(cfg.data, cfg.model.vocab_size)
+        eval_short = data_lib.eval_warning(evals, cfg.train)
+        unread = prepared.unread(cfg.data, cfg.train)  # the dry run's warnings, the run's too
+        warnings = [w for w in (unused_vocab, eval_short, unread) if w]
+        return cls(batches, evals, len(rows), corpus, warnings)
+
+
+def _say_start(log: metrics_lib.MetricsWriter, setup: Setup, devices: list, feed: _Input) -> None:
+    """What a start logs before the state: the run, its warnings, flags, mesh over the hosts,
+    size, the `auto` choice, the kernel check, the pipeline and the input."""
+    cfg, plan = setup.cfg, setup.plan
+    log.info(f"run: {Path(cfg.run.dir)} (its resolved config in config.yaml)")
+    for warning in [*config_lib.check_warnings(cfg), *feed.warnings]:
+        log.info(f"warning: {warning}")
+    log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
+    shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
+    log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
+    per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
+    need = autofit.layout_need(cfg, len(devices), setup.usable)
+    for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
+        if not line.startswith("warning"):  # the preflight checks (jaxtron/train/doctor.py) warn
+            log.info(line)
+    log.info(f"parameters: {plan.num_params:,}")
+    if setup.chosen:
+        log.info(setup.chosen)
+    if _kernel_checked(cfg):
+        log.info(f"attention: {cfg.model.attention} agrees with the xla reference on a packed "
+                 "batch (forward and gradient)")
+    if plan.pipe:
+        log.info(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
+    log.info(feed.corpus)
+    log.info(f"input: {feed.rows} of {cfg.train.batch_size} rows per step", every_process=True)
+
+
+def _compile(setup: Setup, run: RunContext, state: dict,
+             platform: str) -> tuple[Callable, Callable]:
+    """The train step compiled once for `state` (in a thread a signal can interrupt: Ctrl-C
+    stops here without saving), and the eval step."""
+    run.preemption.before_training()
+    run.log.info("compiling the train step (Ctrl-C stops here without saving)")
+    with run.watch.time("compile"), compile_cache.events() as events:
+        lowered = setup.lower(run.mesh, state)
+        step_fn = _compiled(lowered.compile, setup.options(platform), run.preemption)
+    cache = ""  # whether run.compile_cache had it, if it is on
+    if events:
+        cache = " (and stored in " if "misses" in events else " (loaded from "
+        cache += "run.compile_cache)"
+    run.log.info(f"compiled the train step in {run.watch.totals['compile']:.1f} s{cache}")
+    run.watchdog.tick("running the first step (all processes compile it first)")
+    return step_fn, compile_eval(setup.plan, run.mesh, setup.cfg.train.loss_chunk)
 
 
 def check_paths(cfg: Config) -> None:
@@ -195,7 +230,7 @@ def check_paths(cfg: Config) -> None:
         cli.check_run_dir(cfg.run.compile_cache, "run.compile_cache")
 
 
-def _evaluate(run: RunContext, step: int, state: dict) -> bool:
+def _evaluate(run: RunContext, eval_fn: Callable, step: int, state: dict) -> bool:
     """Evaluate and log; True when a signal came meanwhile (one process: the evaluation is left
     unfinished, for the stop to save now rather than after every eval batch)."""
     jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
@@ -205,7 +240,7 @@ def _evaluate(run: RunContext, step: int, state: dict) -> bool:
             run.watchdog.tick(f"evaluating at step {step}")
             return alone and run.preemption.signal is not None
 
-        loss = evaluate(run.eval_fn, state["params"], run.eval_batches, run.mesh, stopped)
+        loss = evaluate(eval_fn, state["params"], run.eval_batches, run.mesh, stopped)
     if loss is None:
         run.log.info(f"evaluation at step {step} left unfinished: a signal came")
     else:
@@ -304,10 +339,10 @@ class Preempted(RuntimeError):
     """SIGTERM/SIGINT/SIGHUP arrived; a checkpoint of the current step was saved."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunContext:
-    """What the loop uses besides the state: where it runs, its input, what it calls, and what it
-    reports to. The compiled functions and the preemption flag are filled in as they are made."""
+    """What the loop uses besides the state and its compiled steps: where it runs, its input,
+    and what it reports to."""
 
     mesh: Mesh
     ckpt: Checkpoints
@@ -315,13 +350,23 @@ class RunContext:
     batches: data_lib.BatchIterator
     eval_batches: list[dict]
     cost: metrics_lib.StepCost
-    watch: metrics_lib.Stopwatch = field(default_factory=metrics_lib.Stopwatch)
-    preemption: Preemption | None = None
-    account: goodput.Attempt | None = None
-    profile: Profile | None = None
-    watchdog: Watchdog | None = None
-    step_fn: Callable | None = None
-    eval_fn: Callable | None = None
+    watch: metrics_lib.Stopwatch
+    preemption: Preemption
+    account: goodput.Attempt
+    profile: Profile
+    watchdog: Watchdog
+
+    @classmethod
+    def begin(cls, cfg: Config, mesh: Mesh, devices: list, log: metrics_lib.MetricsWriter,
+              feed: _Input, started: float) -> RunContext:
+        """The context of an attempt that `started` (goodput's account opens then)."""
+        run_dir, watch = Path(cfg.run.dir), metrics_lib.Stopwatch()
+        is_main = jax.process_index() == 0
+        return cls(mesh, Checkpoints(cfg.checkpoint, run_dir), log, feed.batches,
+                   feed.eval_batches, metrics_lib.StepCost.of(cfg, devices), watch, Preemption(),
+                   goodput.Attempt(watch, started, run_dir if is_main else None, log.info),
+                   Profile(cfg.run, run_dir, log, watch),
+                   Watchdog(cfg.run.stuck_timeout_s if jax.process_count() > 1 else 0))
 
 
 def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> None:
@@ -339,7 +384,8 @@ def _check_finite(cfg: Config, run: RunContext, step: int, pending: dict) -> Non
                              f"{cfg.train.max_nonfinite_skips}; stopped")
 
 
-def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: int) -> list[dict]:
+def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, state: dict,
+          start: int, tokens_seen: int) -> list[dict]:
     """Steps start+1 .. train.steps: feed, step, checkpoint, evaluate, log."""
     steps, watch, batches, preemption = cfg.train.steps, run.watch, run.batches, run.preemption
     history, previous, window = [], None, metrics_lib.StepWindow(watch, start)
@@ -350,7 +396,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
         run.profile.before(step, state)
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
             batch = global_batch(next(batches), run.mesh, cfg.train.batch_size)
-        state, pending = run.step_fn(state, batch)
+        state, pending = step_fn(state, batch)
         run.ckpt.check()  # a background write that failed stops the run now, not `every` steps on
         run.account.last_step = step
         run.profile.after(step, (state, pending))
@@ -368,7 +414,7 @@ def _loop(cfg: Config, run: RunContext, state: dict, start: int, tokens_seen: in
             run.account.persist()  # goodput.json holds this attempt also if it is killed
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps) \
                 and not stop:  # a stop saves at once: preemption's grace is seconds
-            stop = _evaluate(run, step, state)
+            stop = _evaluate(run, eval_fn, step, state)
         if run.ckpt.due(step, steps) or stop:
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
