@@ -130,7 +130,7 @@ def test_apply_gives_jax_the_configured_memory_share_unless_the_environment_does
                                                                                  expected):
     """Before the backend starts (a fresh process): the variable jax reads its memory share
     from is set to xla.mem_fraction, and a user's own value, under either name, is kept."""
-    code = ("import json, os; from jaxtron import xla_flags; from jaxtron.config import XlaConfig;"
+    code = ("import json, os; from jaxtron.plan import xla_flags; from jaxtron.config import XlaConfig;"
             "xla_flags.apply(XlaConfig(preset='none'));"
             "print(json.dumps({k: v for k, v in os.environ.items() if 'MEM_FRACTION' in k}))")
     env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k} | environ
