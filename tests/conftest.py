@@ -20,6 +20,7 @@
 
 import atexit
 import functools
+import inspect
 import itertools
 import os
 import re
@@ -85,6 +86,36 @@ def _gpu_missing() -> str | None:
     except RuntimeError as e:  # "Unknown backend cuda": no plugin, or it found no GPU
         return str(e).split("\n")[0]
     return None
+
+
+# What an end-to-end test calls: a command (launch.py, a tool, in-process or as a process), the
+# training loop, or the compile of the whole step for GPUs. A test that calls one of these, or a
+# helper of its module that does (one level), is marked e2e; the rest are unit tests.
+E2E_CALLS = re.compile(r"\b(?:run_launch|launch\.main|subprocess\.(?:run|Popen)|train(?:_lib)?\.train"
+                       r"|train\(|compile_step_for|compile_for|\w+_tool\.main|bench\.main)\b")
+
+
+def _end_to_end(function, helpers: set[str]) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return bool(E2E_CALLS.search(source)) or any(f"{name}(" in source for name in helpers)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test `e2e` or `unit` (pytest -m unit: the fast ones), by what it calls."""
+    helpers: dict[object, set[str]] = {}
+    for item in items:
+        module = item.module
+        if module not in helpers:
+            helpers[module] = {name for name, value in vars(module).items()
+                               if inspect.isfunction(value) and not name.startswith("test")
+                               and value.__module__ == module.__name__
+                               and _end_to_end(value, set())}
+        function = getattr(item, "function", None)
+        end_to_end = function is not None and _end_to_end(function, helpers[module])
+        item.add_marker("e2e" if end_to_end else "unit")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
