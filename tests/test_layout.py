@@ -21,7 +21,7 @@ SCRIPTS = sorted((ROOT / "tools").glob("*.py")) + [ROOT / "launch.py"]
 def _name(path: Path) -> str:
     """The module name an import statement would use for `path`."""
     if ROOT / "jaxtron" not in path.parents:
-        return path.stem  # tools import each other as top-level modules (text_inputs)
+        return path.stem  # the commands of tools/, as top-level modules
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

@@ -134,7 +134,8 @@ def test_tokens_equal_direct_tokenization(tmp_path, tokenizer, corpus):
 
 def test_plan_units_groups_small_files_and_keeps_a_large_one_alone():
     from prepare_data import plan_units
-    from text_inputs import Source
+
+    from jaxtron.data.text_inputs import Source
 
     sources = [Source(Path(f"/in/{i}"), str(i)) for i in range(7)]
     units = plan_units(sources, [10, 20, 9, 50, 1, 0, 39], part_tokens=10)  # 40 bytes a unit
@@ -761,7 +762,7 @@ def test_a_rerun_names_other_inputs_before_settings_that_do_not_apply(tmp_path, 
 def test_an_unfinished_output_is_told_apart_from_a_dataset(tmp_path, tokenizer, corpus):
     """A preparation stopped before its manifest.json is recognizable (.parts without
     manifest.json), so a reader can say 'rerun the same command' instead of 'cannot read'."""
-    from dataset_dir import unfinished
+    from jaxtron.data.dataset_dir import unfinished
 
     out = tmp_path / "ds"
     run_tool(corpus[0][0], "--out", out, "--tokenizer", tokenizer)

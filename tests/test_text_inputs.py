@@ -1,17 +1,13 @@
-"""tools/text_inputs.py, the inputs of tools/prepare_data.py: an INPUT that names no file says
+"""jaxtron/data/text_inputs.py, the inputs of tools/prepare_data.py: an INPUT that names no file says
 why, and a named pipe or a device is bad input rather than a read that waits for ever."""
 
 import os
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # as the tool imports it
-from text_inputs import find_sources, read_documents  # noqa: E402
-
-from jaxtron.config import ConfigError  # noqa: E402
+from jaxtron.config import ConfigError
+from jaxtron.data.text_inputs import find_sources, read_documents
 
 
 @pytest.mark.parametrize("name, why", [
@@ -40,7 +36,7 @@ def test_a_named_pipe_is_bad_input_not_a_wait_for_a_writer(tmp_path):
 def test_a_json_array_over_the_size_read_whole_names_the_conversion(tmp_path, monkeypatch):
     """A JSON array is parsed whole; past JSON_ARRAY_MAX_BYTES it is one bad item naming the jq
     command that makes it JSON Lines, never a parse that fills the host's memory."""
-    import text_inputs
+    from jaxtron.data import text_inputs
 
     path = tmp_path / "big.json"
     path.write_text('[{"text": "a"}, {"text": "b"}]')

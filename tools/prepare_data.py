@@ -3,7 +3,7 @@
 INPUT is a file, a directory (recursed; hidden names and jaxtron's own datasets skipped) or a glob:
 `.jsonl`/`.json` hold one JSON document per line (or one JSON array of them), `.parquet` one per
 row (--text-field names the key/column), any other file is one plain-text document; text and
-JSON may be compressed (.gz, .bz2, .xz) (tools/text_inputs.py finds and reads them). The unit of work is a run of
+JSON may be compressed (.gz, .bz2, .xz) (jaxtron/data/text_inputs.py finds and reads them). The unit of work is a run of
 consecutive files worth about --part-tokens tokens (estimated from their bytes), or one larger file
 alone; units are tokenized in worker processes, each into its own shards, a new part every
 --part-tokens tokens of a split. Safe to interrupt: shards get their names when complete, a unit's
@@ -58,7 +58,12 @@ elif __name__ == "__main__":  # first: a Python without jaxtron gets one line na
     import _environment  # noqa: F401
 
 import numpy as np
-from dataset_dir import (
+from tqdm import tqdm
+
+from jaxtron import cli, lifecycle
+from jaxtron.config import ConfigError
+from jaxtron.data.corpus import write_atomic
+from jaxtron.data.dataset_dir import (
     PARTS,
     check_ours,
     check_run,
@@ -70,7 +75,15 @@ from dataset_dir import (
     writable_dir,
     write_if_changed,
 )
-from text_inputs import (
+from jaxtron.data.prepared import (
+    MANIFEST_FORMAT,
+    SPLITS,
+    VAL_RULE,
+    SplitShards,
+    build_manifest,
+    is_val,
+)
+from jaxtron.data.text_inputs import (
     Source,
     absolute,
     bad_entry,
@@ -80,19 +93,6 @@ from text_inputs import (
     missing_field,
     read_documents,
     sample_lines,
-)
-from tqdm import tqdm
-
-from jaxtron import cli, lifecycle
-from jaxtron.config import ConfigError
-from jaxtron.data.corpus import write_atomic
-from jaxtron.data.prepared import (
-    MANIFEST_FORMAT,
-    SPLITS,
-    VAL_RULE,
-    SplitShards,
-    build_manifest,
-    is_val,
 )
 from jaxtron.data.tokenizer import FILE_NAMES, SP_FILE, Tokenizer, from_path, train_tokenizer
 from jaxtron.lifecycle import EXIT_STOPPED, one_line_errors

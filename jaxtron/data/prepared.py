@@ -44,7 +44,7 @@ def read_manifest(path: str) -> dict:
               and {"sha256", "vocab_size", "bos_id", "eos_id"} <= set(tok)
               and all(isinstance(splits[s]["shards"], list) for s in SPLITS))
     except OSError as e:
-        if not file.exists() and (file.parent / ".parts").is_dir():  # tools/dataset_dir.PARTS
+        if not file.exists() and (file.parent / ".parts").is_dir():  # dataset_dir.PARTS
             raise ConfigError(f"{where} is an unfinished tools/prepare_data.py output (no "
                               "manifest.json yet); rerun the same command to finish it") from None
         shown = file if file.is_absolute() else f"{file} in {Path.cwd()}"  # relative: to here

@@ -24,11 +24,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-if __name__ == "__main__":  # run by mistake: it is no command
-    print("text_inputs.py: error: a module of tools/prepare_data.py, not a command; run "
-          "python tools/prepare_data.py --help", file=sys.stderr)
-    sys.exit(2)
-
 from jaxtron.config import ConfigError
 from jaxtron.data.prepared import MANIFEST_FORMAT
 from jaxtron.lifecycle import script_name

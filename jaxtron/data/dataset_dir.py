@@ -6,15 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-if __name__ == "__main__":  # run by mistake: it is no command
-    print("dataset_dir.py: error: a module of tools/prepare_data.py, not a command; run "
-          "python tools/prepare_data.py --help", file=sys.stderr)
-    sys.exit(2)
 
 from jaxtron.config import ConfigError
 from jaxtron.data.corpus import write_atomic
