@@ -133,9 +133,8 @@ def test_tokens_equal_direct_tokenization(tmp_path, tokenizer, corpus):
 
 
 def test_plan_units_groups_small_files_and_keeps_a_large_one_alone():
-    from prepare_data import plan_units
-
     from jaxtron.data.text_inputs import Source
+    from jaxtron.data.units import plan_units
 
     sources = [Source(Path(f"/in/{i}"), str(i)) for i in range(7)]
     units = plan_units(sources, [10, 20, 9, 50, 1, 0, 39], part_tokens=10)  # 40 bytes a unit
