@@ -135,8 +135,8 @@ def test_checkpoints_know_nothing_of_the_input():
     assert of_checkpoints and not {d for d in of_checkpoints if d.startswith("jaxtron.data")}
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT / "jaxtron")))
-def test_package_module_is_one_concern(path):
+@pytest.mark.parametrize("path", MODULES + SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_is_one_concern(path):
     text = path.read_text()
     assert len(text.splitlines()) <= MAX_LINES, f"{path.name}: {len(text.splitlines())} lines"
     assert ast.get_docstring(ast.parse(text)), f"{path} does not say its concern"
