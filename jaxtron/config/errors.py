@@ -1,5 +1,5 @@
 """The one exception every layer raises for bad user input; commands turn it into one line and exit
-status 2 (jaxtron/cli.py)."""
+status 2 (jaxtron/lifecycle.py)."""
 
 
 class ConfigError(ValueError):
