@@ -9,7 +9,7 @@
     srun --ntasks-per-node=8 python launch.py ...    # Slurm / mpirun: processes found by JAX
     python launch.py --strict ...                    # a set-up problem stops the run (exit 2)
 
-Before training, the set-up checks of tools/doctor.py run (jaxtron/train/doctor.py): each problem is
+Before training, the set-up checks of jaxtron doctor run (jaxtron/train/doctor.py): each problem is
 one `warning: ...` line naming the fix; with --strict, one `launch.py: error: ...` line each and
 exit status 2.
 
@@ -74,7 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hlo", metavar="FILE", help="with --compile-for: the optimized HLO text")
     distributed.add_flags(parser)
     parser.add_argument("--strict", action="store_true",
-                        help="set-up problems found before training (tools/doctor.py's checks) "
+                        help="set-up problems found before training (jaxtron doctor's checks) "
                              "are errors: exit status 2")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_intermixed_args(argv)  # overrides may come before, between or after options
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int | None:
     from jaxtron import lifecycle, parallel
     from jaxtron.config import load, to_yaml
     from jaxtron.plan import xla_flags
-    from jaxtron.train import distributed
+    from jaxtron.train import distributed, doctor
     from jaxtron.train.dry_run import dry_run, nothing_to_do
     from jaxtron.train.loop import check_paths, train
 
@@ -218,9 +218,10 @@ def run(args: argparse.Namespace) -> int | None:
     xla_flags.start_backend()  # the first device touched: a backend that cannot start, one line
     distributed.check_same_config(to_yaml(cfg))  # processes that differ would part, then hang
     parallel.mesh_shape(cfg.mesh, jax.device_count())  # an error here, not a warning then one
-    if status := preflight(cfg, args):
+    hosts = doctor.Hosts.here()  # a collective: where every process runs, counted once
+    if status := preflight(cfg, args, hosts):
         return status
-    train(cfg, paths_checked=True)
+    train(cfg, paths_checked=True, hosts=hosts)
     return None
 
 
@@ -232,7 +233,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--devices {args.devices} must be at least 1")
     if args.strict and (args.dry_run or args.compile_for):
         raise ConfigError("--strict applies to training runs; to check a set-up without training, "
-                          "run python tools/doctor.py --strict")
+                          "run jaxtron doctor --strict")
     if args.gpu and not args.dry_run:
         raise ConfigError(f"--gpu {args.gpu} only applies to --dry-run (its memory verdict); "
                           + ("--compile-for names the GPU itself" if args.compile_for else
@@ -252,14 +253,14 @@ def _check_options(args: argparse.Namespace) -> None:
         distributed.check_flags(args.coordinator, args.num_processes, args.process_id)
 
 
-def preflight(cfg, args: argparse.Namespace) -> int:
-    """tools/doctor.py's checks (a collective with several processes); process 0 prints the
+def preflight(cfg, args: argparse.Namespace, hosts) -> int:
+    """jaxtron doctor's checks (a collective with several processes); process 0 prints the
     problems. The exit status: 2 under --strict when there is any, else 0."""
     import jax
 
     from jaxtron.train import doctor
 
-    problems = doctor.check_all(cfg, os.environ, coordinator=args.coordinator, disk=False,
+    problems = doctor.check_all(cfg, os.environ, hosts, coordinator=args.coordinator, disk=False,
                                 gpu=jax.devices()[0].platform == "gpu")  # GPU settings: GPUs only
     return doctor.report(problems, args.strict, show=jax.process_index() == 0)
 

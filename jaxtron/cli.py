@@ -17,14 +17,19 @@ from jaxtron.config import ConfigError
 
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line naming the command's --help, and exit status 2.
-    `command` is how to run it ('tools/plan.py'; a subcommand's adds its name)."""
+    `command` is how to run it from a checkout ('tools/plan.py'; a subcommand's adds its name);
+    started as `jaxtron plan` (jaxtron.commands), the lines name that instead."""
 
     def __init__(self, *args, command: str, **kwargs):
-        lifecycle.name_command(Path(command.split()[0]).name)
+        invoked = lifecycle.invoked_as()  # `jaxtron plan`: its lines name that, not plan.py
+        if invoked:
+            self.run_as = " ".join([invoked, *command.split()[1:]])
+        else:
+            lifecycle.name_command(Path(command.split()[0]).name)
+            self.run_as = f"python {command}"
         kwargs.setdefault("prog", lifecycle.script_name())  # as a shell shows it, in-process too
         kwargs.setdefault("allow_abbrev", False)  # `--gpus 8` was --gpus-per-host 8 in launch.py
         super().__init__(*args, **kwargs)
-        self.command = command
         self._argv: list[str] = []
 
     def parse_known_args(self, args=None, namespace=None):
@@ -33,7 +38,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         print(f"{lifecycle.script_name()}: error: {message}{self._suggestion(message)} (see "
-              f"python {self.command} --help)", file=sys.stderr)
+              f"{self.run_as} --help)", file=sys.stderr)
         sys.exit(lifecycle.EXIT_USAGE)
 
     def _suggestion(self, message: str) -> str:

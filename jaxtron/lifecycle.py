@@ -3,22 +3,24 @@ stderr. Bad input ends in one line on stderr and exit status 2, never a tracebac
 failures end the same way with their own status. Every such line reads
 `<script>: error: <message>` (argparse's own form), <script> the command's file name.
 
-Two pieces run before jaxtron itself imports (jax takes a second or two), so they live at the
-entry points and hand over to this module: launch.py's start-up signal recorder (a signal then
-stops start-up with 75, read by Preemption) and tools/_environment.py's (read by
-take_over_signals)."""
+While a command imports (jax takes a second or two), SIGINT and SIGTERM are only recorded: a
+KeyboardInterrupt raised inside an import is a traceback, or an extension's ImportError.
+launch.py's recorder (a signal then stops start-up with 75, read by Preemption) and
+tools/_environment.py's run before jaxtron imports; the `jaxtron` command's is start_command's.
+take_over_signals reads the latter two."""
 
 from __future__ import annotations
 
 import _thread
 import atexit
+import contextlib
 import gc
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jaxtron.config import ConfigError
@@ -35,15 +37,44 @@ PARENT_POLL_S = 0.2  # how often a worker looks whether its parent is still ther
 # What Python itself does with Ctrl-C and SIGTERM, which one_line_errors takes over.
 _PYTHON_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 REDELIVER_S = 0.01  # a signal that landed in a garbage-collection callback comes again this late
-# The running command's file name (launch.py, plan.py), set by its Parser: a command called
-# in-process (tests call main()) is named as it is from a shell, where sys.argv[0] names it.
+# The running command's name (launch.py, plan.py, `jaxtron plan`), set by its Parser or by
+# start_command: a command called in-process (tests call main()) is named as it is from a shell,
+# where sys.argv[0] names it.
 _script = ""
+_started = False  # start_command ran: this process is the command (`jaxtron NAME`)
 
 
 def name_command(name: str) -> None:
     """The running command's file name (its Parser says it): what its error lines start with."""
     global _script
     _script = name
+
+
+def start_command(name: str | None) -> None:
+    """This process runs a command of jaxtron.commands, as `name` (`jaxtron plan`; None: as
+    sys.argv[0] says, a shim of tools/ whose own recorder is in place). Until the command takes
+    its signals over, SIGINT and SIGTERM that Python handles as usual are recorded."""
+    global _started
+    _started = True
+    if name:
+        name_command(name)
+    for sig, default in _PYTHON_HANDLERS.items():
+        if signal.getsignal(sig) == default:  # nohup's SIG_IGN stays, as does a recorder
+            signal.signal(sig, _record)
+
+
+def _record(signum, frame) -> None:
+    _record.signalled.append(signum)
+
+
+_record.signalled = []
+_record.startup_recorder = True  # what take_over_signals looks for
+
+
+def invoked_as() -> str:
+    """How the running command was started when start_command named it (`jaxtron plan`), else
+    ""."""
+    return _script if _started and " " in _script else ""
 
 
 def script_name() -> str:
@@ -94,6 +125,17 @@ def take_over_signals() -> bool:
             signal.signal(sig, default)
             stopped = stopped or bool(handler.signalled)
     return stopped
+
+
+@contextlib.contextmanager
+def signals_held(*signals: int) -> Iterator[None]:
+    """`signals` blocked in this thread meanwhile, delivered when it ends: processes started
+    meanwhile inherit the block (across exec), and keep it until they unblock them."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def deferred(signum: int, frame) -> bool:
@@ -173,11 +215,12 @@ def quiet_worker(*_) -> None:
     end_with_parent()
 
 
-def _as_command() -> bool:
-    """Whether the running command was started as a file from a shell (its Parser's name is
-    __main__'s), not called in-process (tests call main()), in the main thread."""
+def as_command() -> bool:
+    """Whether the running command was started from a shell (by start_command, or as a file
+    that its Parser names: launch.py), not called in-process (tests call main()), in the main
+    thread."""
     main_file = getattr(sys.modules["__main__"], "__file__", None) or ""
-    return (bool(_script) and Path(main_file).name == _script
+    return ((_started or bool(_script) and Path(main_file).name == _script)
             and threading.current_thread() is threading.main_thread())
 
 
@@ -186,7 +229,7 @@ def ignore_signals_when_done() -> bool:
     ignores SIGINT and SIGTERM from here on: one during the interpreter's exit (jax's clean-up
     takes a moment) would end it with -2 or a traceback after the line. Whether it did so (a
     command called in-process keeps its handlers)."""
-    if not _as_command():
+    if not as_command():
         return False
     for sig in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(sig) is not None:  # None: a handler not set from Python; left so

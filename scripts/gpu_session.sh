@@ -9,7 +9,7 @@
 # then runs each STEP in order, each one's output into a file of its own under $OUT
 # (/tmp/gpu_session without it):
 #   tests          pytest -m gpu tests/test_gpu.py             -> gpu_tests.txt
-#   suite[:ROWS]   tools/bench.py --suite gpu [--rows ROWS]     -> suite[_ROWS].md, .jsonl
+#   suite[:ROWS]   jaxtron bench --suite gpu [--rows ROWS]     -> suite[_ROWS].md, .jsonl
 #   peer[:ROWS]    the same with --peer (MaxText on each row)   -> peer[_ROWS].md, .jsonl
 # ROWS as `bench.py --suite gpu --list` numbers them (1,2). A step that fails does not stop the
 # next; the exit status is the first failing step's. BENCH_SUITE=smoke rehearses it all on a CPU

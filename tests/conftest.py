@@ -171,3 +171,14 @@ def run_launch(*args: str, timeout: float = 600, **kwargs) -> subprocess.Complet
     """`python launch.py ARGS` in the repository root, its output captured as text."""
     return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
+
+
+def assert_refused(status: int, err: str, *names: str, code: int = 2) -> None:
+    """A refusal as every command makes one: exit status `code` (2: bad input), one line on
+    stderr, and in it each of `names` (the key, the flag, the path, the value to use instead)
+    whatever the words around them, so that a reworded message keeps its tests."""
+    assert status == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    missing = [name for name in names if name.strip() not in lines[0]]
+    assert not missing, f"{missing} not named in: {lines[0]}"

@@ -4,15 +4,13 @@
 import dataclasses
 import json
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import bench
-import bench_data
 import pytest
+from conftest import assert_refused
 
+from jaxtron.commands import bench, bench_data
 from jaxtron.plan import benchmark
 
 SMALL = ["--steps", "1", "--warmup", "0", "train.seq_len=64", "train.batch_size=8",
@@ -86,9 +84,8 @@ def test_bench_data_refuses_bad_worker_counts_in_one_line(capsys, workers):
     with pytest.raises(SystemExit) as exit:
         bench_data.main(["--workers", workers])
     err = capsys.readouterr().err
-    assert exit.value.code == 2 and err == (
-        f"bench_data.py: error: argument --workers: '{workers}' is not a list of counts of 0 or "
-        "more, such as 0,2,4 (see python tools/bench_data.py --help)\n")
+    assert_refused(exit.value.code, err, "bench_data.py: error:", f"--workers: '{workers}'",
+                   "0,2,4", "tools/bench_data.py --help")
 
 
 @pytest.mark.parametrize("args, message", [(["--warmup", "-1", "--batches", "5"],
@@ -99,8 +96,7 @@ def test_bench_data_names_the_count_that_is_out_of_range(capsys, args, message):
     with pytest.raises(SystemExit) as exit:
         bench_data.main(args)
     err = capsys.readouterr().err
-    assert exit.value.code == 2 and err == (f"bench_data.py: error: {message} (see python "
-                                            "tools/bench_data.py --help)\n")
+    assert_refused(exit.value.code, err, message, "tools/bench_data.py --help")
 
 
 def test_bench_data_says_one_batch_and_that_it_is_too_few(capsys):
@@ -181,7 +177,7 @@ def test_a_failed_row_is_a_row_and_the_suite_goes_on(monkeypatch, capsys):
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
     assert cells[0][0] == "tiny 2 layers" and cells[0][1] == "8 x 64" and cells[0][7] == "xla"
     assert cells[1][0] == "three heads" and cells[1][2].startswith(
-        "FAILED: bench.py: error: model.num_heads=3"), cells[1]
+        "FAILED: jaxtron bench: error: model.num_heads=3"), cells[1]
     assert cells[2][0] == "tiny 1 layer" and float(cells[2][2].replace(",", "")) > 0
     assert any(line.startswith("each row: 1 warm-up + 2 timed steps") for line in lines)
 
@@ -227,8 +223,7 @@ def test_a_failure_is_said_in_one_line(stderr, said):
 def test_suite_options_are_checked_in_one_line(capsys, args, message):
     with pytest.raises(SystemExit) as exit:
         bench.main(args)
-    assert exit.value.code == 2 and capsys.readouterr().err == (
-        f"bench.py: error: {message} (see python tools/bench.py --help)\n")
+    assert_refused(exit.value.code, capsys.readouterr().err, message, "tools/bench.py --help")
 
 
 def test_rows_picks_rows_by_their_number(capsys):

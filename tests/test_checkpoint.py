@@ -84,7 +84,7 @@ def _poison(monkeypatch, at, where="loss"):
     from jaxtron import data as data_lib
     from jaxtron import step as step_lib
 
-    real_loss, real_batches = step_lib.loss_sums, data_lib.make_batches
+    real_loss, real_input = step_lib.loss_sums, data_lib.make_input
 
     def loss_sums(params, graphdef, batch, pipe=None, chunk=0):
         total, count = real_loss(params, graphdef, batch, pipe, chunk)
@@ -98,8 +98,12 @@ def _poison(monkeypatch, at, where="loss"):
         return total + (root - jax.lax.stop_gradient(root)), count
 
     monkeypatch.setattr(step_lib, "loss_sums", loss_sums)
-    monkeypatch.setattr(data_lib, "make_batches",
-                        lambda *a, **k: _Poisoned(real_batches(*a, **k), at))
+
+    def make_input(*args, **kwargs):
+        batches, evals = real_input(*args, **kwargs)
+        return _Poisoned(batches, at), evals
+
+    monkeypatch.setattr(data_lib, "make_input", make_input)
 
 
 def _saved_params(run_dir, step):

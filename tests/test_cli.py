@@ -2,6 +2,7 @@
 (argparse's own form, <script> the file run), nothing on stdout, exit status 2. Run as users run
 them, each with a missing file (the command's own check) and an unknown flag (argparse's)."""
 
+import importlib
 import os
 import re
 import signal
@@ -29,9 +30,50 @@ MISSING = {  # a file that is not there, where each command first reads one
 
 
 def test_every_command_is_listed():
-    scripts = {str(p.relative_to(ROOT)) for p in [ROOT / "launch.py", *ROOT.glob("tools/*.py")]
-               if "sys.exit(main())" in p.read_text()}
-    assert scripts == set(MISSING)
+    """launch.py, and each command of `jaxtron` with its shim in tools/ (none without the other)."""
+    from jaxtron.commands import COMMANDS
+
+    shims = {f"tools/{p.stem}.py" for p in ROOT.glob("tools/*.py") if "sys.exit(run(" in p.read_text()}
+    assert shims == {f"tools/{c.module}.py" for c in COMMANDS.values()}
+    assert {"launch.py", *shims} == set(MISSING)
+    for name, command in COMMANDS.items():
+        assert f'sys.exit(run("{name}"))' in (ROOT / "tools" / f"{command.module}.py").read_text()
+
+
+def test_the_jaxtron_command_names_its_commands(capsys):
+    """`jaxtron` alone, or with a command it lacks: one line and status 2, the nearest command
+    suggested; --help lists them all."""
+    from jaxtron.commands import COMMANDS, main
+
+    assert main([]) == 2
+    assert capsys.readouterr().err.startswith("jaxtron: error: a command is needed; one of ")
+    assert main(["prepare_data"]) == 2  # the shim's spelling
+    assert capsys.readouterr() == ("", "jaxtron: error: no command 'prepare_data'; did you mean "
+                                       "prepare-data? (see jaxtron --help)\n")
+    assert main(["xyzzy"]) == 2
+    assert "no command 'xyzzy'; one of prepare-data, " in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in COMMANDS)
+
+
+def test_each_jaxtron_command_names_itself_in_its_errors(tmp_path):
+    """`jaxtron NAME --no-such-flag` (here `python -m jaxtron.commands`, the console script's
+    code without its install): the line and its --help hint name `jaxtron NAME`, status 2."""
+    from jaxtron.commands import COMMANDS
+
+    runs = {name: subprocess.Popen([sys.executable, "-m", "jaxtron.commands", name,
+                                    *MISSING[f"tools/{c.module}.py"], "--no-such-flag"],
+                                   cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+            for name, c in COMMANDS.items()}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=300)
+        assert (run.returncode, out) == (2, ""), err
+        assert err.startswith(f"jaxtron {name}: error: unrecognized arguments: --no-such-flag")
+        assert err.endswith(f"(see jaxtron {name} --help)\n"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("script", sorted(MISSING))
@@ -220,9 +262,8 @@ def test_generate_refuses_an_empty_token_id(tokens):
 
 
 def test_generate_reads_token_ids_with_spaces_around_commas():
-    from tool_module import import_tool
 
-    generate = import_tool(ROOT / "tools" / "generate.py")
+    generate = importlib.import_module("jaxtron.commands.generate")
     assert generate.token_ids(" 1 , 2,3 ") == [1, 2, 3]
 
 

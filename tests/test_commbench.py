@@ -14,7 +14,6 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
-from tool_module import import_tool
 
 from jaxtron.config import MeshConfig
 from jaxtron.parallel import MESH_AXES, make_mesh
@@ -25,7 +24,7 @@ ROW = re.compile(r"^(\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+([\d.]+ [KMG]?i?B)\s+([\d.]+
 
 
 
-cb = import_tool(TOOL)
+from jaxtron.commands import commbench as cb
 
 
 # nccl-tests doc/PERFORMANCE.md: allreduce 2(n-1)/n, allgather and reducescatter (n-1)/n, sendrecv 1

@@ -3,6 +3,7 @@ family and dtype; a pipeline-trained run exports to transformers with matching l
 back to fine-tune on another mesh; pickles, missing, extra and misshapen tensors are refused."""
 
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -21,7 +22,6 @@ import pytest
 import torch
 from test_hf_parity import CASES, LLAMA3_ROPE, TOL, _case, _hf, _inputs
 from test_tokenizer import LLAMA3, build_bpe, ids_of
-from tool_module import import_tool
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import launch
@@ -36,8 +36,7 @@ from jaxtron.step import state as state_lib
 from jaxtron.step.optim import make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import convert_hf
+from jaxtron.commands import convert_hf
 
 RUN = ["train.seq_len=64", "train.batch_size=8", "train.eval_every=0", "run.tensorboard=false",
        "run.progress=lines"]
@@ -230,7 +229,7 @@ def test_importing_a_jaxtron_run_says_to_export_it(pipeline_run, tmp_path, capsy
     for source in (pipeline_run, pipeline_run / "checkpoints", step):
         err = _one_line(capsys, 2, "import", source, tmp_path / "out")
         assert err == (f"convert_hf.py: error: {source} is a jaxtron run or checkpoint, not a "
-                       "Hugging Face model; to make one of it: python tools/convert_hf.py export "
+                       "Hugging Face model; to make one of it: jaxtron convert-hf export "
                        f"{source} OUT\n")
     assert not (tmp_path / "out").exists()
 
@@ -428,7 +427,7 @@ def test_an_export_carries_the_tokenizers_ids_and_generation_stops_at_its_eos(tm
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
     assert theirs[0, len(prompt):].tolist() == want
-    tool = import_tool(ROOT / "tools" / "generate.py")
+    tool = importlib.import_module("jaxtron.commands.generate")
     capsys.readouterr()
     assert tool.main([str(tmp_path / "out"), "--tokens", ",".join(map(str, prompt)),
                       "--max-new-tokens", str(new)]) == 0
@@ -680,7 +679,7 @@ def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path, capsys, edi
     """A string where a number belongs (a TypeError traceback from model.py before), or a key
     left out ('model_type None is not supported'): one line naming the key, from import and
     from tools/generate.py alike."""
-    import generate as generate_tool
+    from jaxtron.commands import generate as generate_tool
 
     _tiny_llama(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -705,4 +704,4 @@ def test_the_fine_tune_command_can_be_pasted(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == f"fine-tune: {command}"
     assert shlex.split(command)[-1] == str(out / "config.yaml")
     assert (out / "config.yaml").read_text().splitlines()[1] == (
-        f"# by tools/convert_hf.py; fine-tune: {command}")
+        f"# by jaxtron convert-hf; fine-tune: {command}")

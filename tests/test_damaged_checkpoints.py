@@ -6,13 +6,13 @@ sets 15 aside in damaged_checkpoints/, resumes from 10 with the uninterrupted ru
 saves 15 again; a run on to 16 then resumes from that new 15, again with the same loss.
 """
 
+import importlib
 import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-from tool_module import import_tool
 
 import launch
 from jaxtron import config
@@ -135,7 +135,7 @@ def test_the_dry_run_names_each_kind_of_damage(straight, tmp_path, capsys):
 def test_inspect_ckpt_names_each_damaged_checkpoint(straight, tmp_path, capsys):
     """Garbage was a UnicodeDecodeError traceback; deleted meta files left the step unlisted.
     In-process: an exception other than the tool's one line would fail the test."""
-    inspect_ckpt = import_tool(ROOT / "tools" / "inspect_ckpt.py")
+    inspect_ckpt = importlib.import_module("jaxtron.commands.inspect_ckpt")
     straight_dir, losses = straight
     for kind, (_, cause) in DAMAGE.items():
         run_dir = _stopped_at_15(straight_dir, tmp_path / kind, kind)

@@ -659,4 +659,4 @@ def test_a_resume_that_changes_data_source_compares_the_tokenizers(datasets, cap
             f"launch.py: error: data.mixture path {other} was tokenized by another tokenizer than "
             f"checkpoint.restore={run_dir} was trained on (data.source=stdlib (its tokenizer "
             "trained at model.vocab_size)), so its token ids mean other text to that model; train "
-            "on data of that tokenizer (tools/prepare_data.py --tokenizer with its file)\n"))
+            "on data of that tokenizer (jaxtron prepare-data --tokenizer with its file)\n"))

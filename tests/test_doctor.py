@@ -230,7 +230,7 @@ def test_run_dir_that_is_a_file(tmp_path, capsys, kind):
     assert doctor.check_all(cfg, {}, ONE_HOST, versions=VERSIONS) == [
         f"run.dir={path} {message}" + ("; choose a directory you can write" if kind != "file"
                                        else " (a new one, or a run to resume)")]
-    from tools import doctor as tool
+    from jaxtron.commands import doctor as tool
 
     assert tool.main(["--strict", f"run.dir={path}"]) == 2
     assert capsys.readouterr().err == f"doctor.py: error: run.dir={path} {message}" + (
@@ -262,7 +262,7 @@ def test_planned_for_other_devices_gives_no_hsdp_advice(tmp_path, capsys):
     assert doctor.check_all(_cfg(tmp_path), {}, one_device, devices=8, versions=VERSIONS) == [
         "the mesh is planned for 8 devices (--devices) but 1 device found (1 per host x 1 host); "
         "run on 8 devices or plan for 1"]
-    from tools import doctor as tool
+    from jaxtron.commands import doctor as tool
 
     assert tool.main(["--devices", "16", f"run.dir={tmp_path}"]) == 0  # 8 devices here
     assert capsys.readouterr().out == (
@@ -346,7 +346,7 @@ def test_doctor_tool_reports_a_backend_that_cannot_start(tmp_path, platforms, re
 
 
 def test_doctor_tool_without_problems(tmp_path, capsys):
-    from tools import doctor as tool
+    from jaxtron.commands import doctor as tool
 
     assert tool.main([f"run.dir={tmp_path}"]) == 0
     assert capsys.readouterr().out == "doctor.py: no problems found\n"
@@ -371,8 +371,8 @@ def test_launch_strict_stops_before_compiling(tmp_path, capsys, monkeypatch):
 def test_launch_strict_is_for_training_runs(capsys):
     assert launch.main(["--strict", "--dry-run"]) == 2
     assert capsys.readouterr().err == ("launch.py: error: --strict applies to training runs; to "
-                                       "check a set-up without training, run python "
-                                       "tools/doctor.py --strict\n")
+                                       "check a set-up without training, run "
+                                       "jaxtron doctor --strict\n")
 
 
 def test_launch_on_cpus_trains_without_the_gpu_warnings(tmp_path):

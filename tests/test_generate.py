@@ -9,6 +9,7 @@ and exit status 2.
 """
 
 import dataclasses
+import importlib
 import itertools
 import re
 import shutil
@@ -22,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from tool_module import import_tool
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from jaxtron import hf
@@ -205,7 +205,7 @@ def test_cli_prints_transformers_greedy_ids(case):
 
 @pytest.fixture(scope="module")
 def tool():
-    return import_tool(TOOL)
+    return importlib.import_module("jaxtron.commands.generate")
 
 
 def _word_tokenizer(path: Path, bos: bool = True) -> None:
@@ -233,7 +233,7 @@ def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_pat
     hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
     shutil.copytree(path, hf_dir)
     _word_tokenizer(hf_dir)
-    convert = import_tool(TOOL.parent / "convert_hf.py")
+    convert = importlib.import_module("jaxtron.commands.convert_hf")
     assert convert.main(["import", str(hf_dir), str(imported), "--compute-dtype", "float32"]) == 0
     capsys.readouterr()
     want = _hf_greedy(model, [1, 17, 42, 99, 5], 12, eos=2)
@@ -321,7 +321,7 @@ def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_p
     """No tokenizer came with the import: --prompt says so (rather than training one on the
     default corpus for a vocabulary it was never meant for)."""
     _, path, _, _ = case
-    convert = import_tool(TOOL.parent / "convert_hf.py")
+    convert = importlib.import_module("jaxtron.commands.convert_hf")
     assert convert.main(["import", str(path), str(tmp_path / "imp")]) == 0
     capsys.readouterr()
     assert tool.main([str(tmp_path / "imp"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2

@@ -13,7 +13,6 @@ from test_aot import TINY
 from jaxtron import config as config_lib
 from jaxtron import parallel
 from jaxtron.plan import aot, hlo
-from jaxtron.train import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,17 +103,6 @@ def test_h100_program_keeps_hsdp_gathers_on_one_host():
     assert any("mesh.data=2 mesh.fsdp=8" in line for line in aot.format_report(flat))
 
 
-@pytest.mark.parametrize("environ,expected", [
-    ({}, 1),
-    ({"SLURM_NTASKS": "128", "SLURM_TASKS_PER_NODE": "8(x16)"}, 8),  # srun, one task per GPU
-    ({"SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "1(x16)"}, 1),  # one task per node
-    ({"SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1(x16)"}, 1),
-    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 8),
-])
-def test_processes_per_host_from_the_cluster_manager(environ, expected):
-    assert distributed.processes_per_host(environ) == expected
-
-
 def test_a_layout_within_a_node_is_proposed_only_where_it_fits():
     """llama3_70b, TP8 x FSDP8 on 64 H100s: keeping fsdp within a node (data=8, fsdp=1) would
     need 176 GiB per GPU, so the log says fsdp must cross hosts instead of proposing it (the
@@ -139,3 +127,25 @@ def test_a_layout_within_a_node_is_proposed_only_where_it_fits():
     lines = parallel.describe_hosts(_sizes(fsdp=16), 8, autofit.layout_need(small, 16, usable))
     assert lines[1].startswith("warning: mesh.fsdp=16 spans 2 hosts")
     assert "mesh.data=2 mesh.fsdp=8" in lines[1]
+
+
+@pytest.mark.parametrize("nodes,says", [
+    (("node-a", "node-b"), "mesh across 2 hosts of 4 devices: fsdp (2 hosts) crosses hosts"),
+    (("node-a", "node-a"), None),  # two processes of one machine: one host of 8
+])
+def test_the_run_log_counts_hosts_as_the_preflight_found_them(tmp_path, capsys, nodes, says):
+    """The log's hosts are the ones the preflight counted (launch.py passes them on): two
+    processes on one machine were 2 hosts in the log but one to the doctor."""
+    from conftest import tiny_config
+
+    from jaxtron.train import doctor
+    from jaxtron.train.loop import train
+
+    hosts = doctor.Hosts(devices=(4, 4), nodes=nodes)
+    train(tiny_config("mesh.fsdp=8", "train.steps=1", "model.num_layers=1", run_dir=tmp_path),
+          hosts=hosts)
+    out = capsys.readouterr().out
+    if says:
+        assert says in out, out
+    else:
+        assert "crosses hosts" not in out, out

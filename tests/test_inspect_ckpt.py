@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import assert_refused
 
 from jaxtron import config
 from jaxtron.train.loop import train
@@ -92,10 +93,9 @@ def test_a_run_with_no_checkpoint_yet_is_called_so(run_dir, tmp_path):
     for name in ("config.yaml", "metrics.jsonl"):
         (tmp_path / name).write_bytes((run_dir / name).read_bytes())
     result = _inspect(tmp_path)
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == (f"inspect_ckpt.py: error: {tmp_path} is a run with no complete "
-                             "checkpoint yet (checkpoint.every=1); inspect it after the first "
-                             "save\n"), result.stderr
+    assert result.stdout == ""
+    assert_refused(result.returncode, result.stderr, str(tmp_path), "no complete checkpoint",
+                   "checkpoint.every=1")
     (tmp_path / "checkpoints" / "5.orbax-checkpoint-tmp-1").mkdir(parents=True)  # mid-save
     assert "is a run with no complete checkpoint yet" in _inspect(tmp_path).stderr
 
@@ -103,9 +103,9 @@ def test_a_run_with_no_checkpoint_yet_is_called_so(run_dir, tmp_path):
 def test_no_path_is_one_usage_line():
     result = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True,
                             timeout=120)
-    assert (result.returncode, result.stdout) == (2, "")
-    assert result.stderr == ("inspect_ckpt.py: error: the following arguments are required: "
-                             "path (see python tools/inspect_ckpt.py --help)\n"), result.stderr
+    assert result.stdout == ""
+    assert_refused(result.returncode, result.stderr, "inspect_ckpt.py: error:", "path",
+                   "tools/inspect_ckpt.py --help")
 
 
 def test_a_closed_pipe_ends_quietly(run_dir):
@@ -158,10 +158,9 @@ def test_an_import_used_as_run_dir_is_refused_before_anything_is_written(tmp_pat
                                                         "config": config.to_yaml(cfg)}))
     before = sorted(p.name for p in imported.rglob("*"))
     for dry in (["--dry-run"], []):
-        assert launch.main([*dry, f"run.dir={imported}", "train.steps=2"]) == 2
-        assert capsys.readouterr().err == (
-            f"launch.py: error: run.dir={imported} holds an import (weights only); set run.dir to "
-            f"a new directory with checkpoint.restore={imported} checkpoint.weights_only=true\n")
+        assert_refused(launch.main([*dry, f"run.dir={imported}", "train.steps=2"]),
+                       capsys.readouterr().err, f"run.dir={imported}", "import",
+                       f"checkpoint.restore={imported}", "checkpoint.weights_only=true")
     assert sorted(p.name for p in imported.rglob("*")) == before
 
 

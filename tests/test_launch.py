@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, run_launch
+from conftest import ROOT, assert_refused, run_launch
 
 import launch
 from jaxtron import config
@@ -62,69 +62,58 @@ def test_dry_run_plans_llama3_70b_without_allocating(capsys):
     assert f"  params: {expected:,} bytes" in out and f"  grads: {expected:,} bytes" in out
 
 
+# Bad input, and the names its one line must hold: the key or flag, and what to use instead.
 BAD_INPUTS = [
-    (["train.stpes=5"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
-    (["train.lr=0.1"], "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),  # across sections
-    (["xla.collective_matmul=true"],
-     "unknown config key 'xla.collective_matmul' (did you mean 'model.collective_matmul'?)"),
-    (["train.steps=abc"], "train.steps must be an integer, got abc"),
-    (["train.steps=3.5"], "train.steps must be an integer, got 3.5"),
-    (["optim.lr=inf"], "optim.lr=inf is not a finite number; it must be >= 0"),
-    (["model.sliding_window=-1"], "model.sliding_window=-1 must be 0 (none) or positive"),
-    (["run.compile_cache=/proc/jaxtron-cache"],
-     "run.compile_cache=/proc/jaxtron-cache cannot be written"),
-    (["xla.flags=--foo"], "xla.flags is a list: write xla.flags=[--foo] (items separated by commas)"),
-    (["=3"], "'=3': an override is section.key=value, e.g. train.steps=100"),
-    (["--config", "tiny"], "config file not found: tiny (did you mean --config configs/tiny.yaml?)"),
-    (["--gpus-per-host", "4", "train.steps=1"], "--gpus-per-host only applies to --compile-for"),
+    (["train.stpes=5"], ["train.stpes", "train.steps"]),
+    (["train.lr=0.1"], ["train.lr", "optim.lr"]),  # across sections
+    (["xla.collective_matmul=true"], ["xla.collective_matmul", "model.collective_matmul"]),
+    (["train.steps=abc"], ["train.steps", "integer", "abc"]),
+    (["train.steps=3.5"], ["train.steps", "integer", "3.5"]),
+    (["optim.lr=inf"], ["optim.lr=inf", ">= 0"]),
+    (["model.sliding_window=-1"], ["model.sliding_window=-1"]),
+    (["run.compile_cache=/proc/jaxtron-cache"], ["run.compile_cache=/proc/jaxtron-cache"]),
+    (["xla.flags=--foo"], ["xla.flags=[--foo]"]),
+    (["=3"], ["'=3'", "section.key=value"]),
+    (["--config", "tiny"], ["tiny", "--config configs/tiny.yaml"]),
+    (["--gpus-per-host", "4", "train.steps=1"], ["--gpus-per-host", "--compile-for"]),
     (["--gpu", "h100", "train.steps=1", "train.seq_len=64", "train.eval_every=0"],
-     "--gpu h100 only applies to --dry-run (its memory verdict); add --dry-run"),
-    (["--gpu", "h200", "--compile-for", "h100", "--devices", "8"],
-     "--compile-for names the GPU itself"),
-    (["optim.lr=-1"], "optim.lr=-1.0 is out of range: it must be >= 0"),
-    (["optim.warmup_steps=-3"], "optim.warmup_steps=-3 is out of range: it must be >= 0"),
-    (["checkpoint.every=-1"], "checkpoint.every=-1 is out of range: it must be >= 0"),
-    (["optim.b2=1.5"], "optim.b2=1.5 is out of range: it must be in [0, 1)"),
-    (["model.norm_eps=0"], "model.norm_eps=0.0 is out of range: it must be > 0"),
-    (["checkpoint.keep=0"], "checkpoint.keep=0 is out of range: it must be >= 1"),
-    (["--dry-run", "--devices", "0"], "--devices 0 must be at least 1"),
-    (["mesh.fsdp=3"], "has 3 devices but 8 are available"),
-    (["mesh.tensor=8", "mesh.fsdp=1"], "model.num_heads=4 is not divisible by mesh.tensor=8"),
-    (["train.batch_size=12"], "not divisible by data*fsdp=8; use train.batch_size=8 or 16\n"),
+     ["--gpu h100", "--dry-run"]),
+    (["--gpu", "h200", "--compile-for", "h100", "--devices", "8"], ["--gpu h200", "--compile-for"]),
+    (["optim.lr=-1"], ["optim.lr=-1.0", ">= 0"]),
+    (["optim.warmup_steps=-3"], ["optim.warmup_steps=-3", ">= 0"]),
+    (["checkpoint.every=-1"], ["checkpoint.every=-1", ">= 0"]),
+    (["optim.b2=1.5"], ["optim.b2=1.5", "[0, 1)"]),
+    (["model.norm_eps=0"], ["model.norm_eps=0.0", "> 0"]),
+    (["checkpoint.keep=0"], ["checkpoint.keep=0", ">= 1"]),
+    (["--dry-run", "--devices", "0"], ["--devices 0", "at least 1"]),
+    (["mesh.fsdp=3"], ["3 devices", "8 are available"]),
+    (["mesh.tensor=8", "mesh.fsdp=1"], ["model.num_heads=4", "mesh.tensor=8"]),
+    (["train.batch_size=12"], ["data*fsdp=8", "train.batch_size=8 or 16"]),
     (["train.batch_size=12", "train.microbatches=5"],  # each value named works with the mesh
-     "train.batch_size=12 is not divisible by train.microbatches=5; use train.batch_size=40\n"),
+     ["train.batch_size=12", "train.microbatches=5", "train.batch_size=40"]),
     (["train.batch_size=16", "train.microbatches=3", "mesh.fsdp=2", "mesh.data=4"],
-     "train.batch_size=16 is not divisible by train.microbatches=3; use train.batch_size=24, or "
-     "train.microbatches=2\n"),  # it said 15 or 18, which the next check refused
+     ["train.batch_size=16", "train.microbatches=3", "train.batch_size=24",
+      "train.microbatches=2"]),  # it said 15 or 18, which the next check refused
     (["train.batch_size=8", "train.microbatches=2"],
-     "8 / train.microbatches=2 = 4 sequences per microbatch is not divisible by data*fsdp=8; "
-     "use train.batch_size=16, or train.microbatches=1\n"),
+     ["train.microbatches=2", "data*fsdp=8", "train.batch_size=16", "train.microbatches=1"]),
     (["mesh.stage=2", "mesh.fsdp=4", "train.batch_size=4"],
-     "= 4 sequences per pass is not divisible by data*fsdp*stage=8 (the stages share the "
-     "embedding and LM head work); use train.batch_size=8\n"),
-    (["--config", "configs/nope.yaml"], "config file not found"),
-    (["model.dtype=fp8"], "model.dtype=fp8 is not one of"),
-    (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh axis may be -1"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
+     ["data*fsdp*stage=8", "train.batch_size=8"]),
+    (["--config", "configs/nope.yaml"], ["configs/nope.yaml", "not found"]),
+    (["model.dtype=fp8"], ["model.dtype=fp8"]),
+    (["mesh.data=-1", "mesh.fsdp=-1"], ["-1"]),
+    (["--bogus"], ["--bogus"]),
     # heads, kv heads, seq and batch all divide tensor=2 (fsdp=4): only the weight width is off
-    (["mesh.tensor=2", "model.mlp_dim=769"],
-     "dimension 769 does not split over mesh tensor of size 2; change the mesh or "
-     "model.mlp_dim=770\n"),
+    (["mesh.tensor=2", "model.mlp_dim=769"], ["769", "tensor", "model.mlp_dim=770"]),
     (["mesh.tensor=2", "model.vocab_size=8191"],  # it said "the model width"
-     "dimension 8191 does not split over mesh ('tensor', 'stage') of size 2; change the mesh or "
-     "model.vocab_size=8192\n"),
-    (["mesh.tensor=2", "train.seq_len=255"],
-     "train.seq_len=255 is not divisible by mesh.tensor=2 (sequence parallelism splits it "
-     "between blocks)"),
-    (["--devices", "8"], "--devices only applies to --dry-run"),
-    (["model.remat=everything"], "model.remat=everything is not one of none, save_dots"),
-    (["model.attention=flash"], "model.attention=flash is not one of auto, xla, cudnn"),
-    (["--dry-run", "model.remat=everything"], "model.remat=everything is not one of"),
-    (["--dry-run", "model.attention=cudnn"],
-     "model.attention=cudnn needs model.dtype=bfloat16 or float16, not float32"),
+     ["8191", "tensor", "model.vocab_size=8192"]),
+    (["mesh.tensor=2", "train.seq_len=255"], ["train.seq_len=255", "mesh.tensor=2"]),
+    (["--devices", "8"], ["--devices", "--dry-run"]),
+    (["model.remat=everything"], ["model.remat=everything", "save_dots"]),
+    (["model.attention=flash"], ["model.attention=flash", "cudnn"]),
+    (["--dry-run", "model.remat=everything"], ["model.remat=everything"]),
+    (["--dry-run", "model.attention=cudnn"], ["model.attention=cudnn", "model.dtype=bfloat16"]),
     (["model.attention=cudnn", "model.dtype=bfloat16"],
-     "model.attention=cudnn runs on NVIDIA GPUs only, not on cpu devices; use "
-     "model.attention=auto"),
+     ["model.attention=cudnn", "cpu", "model.attention=auto"]),
 ]
 
 
@@ -146,17 +135,11 @@ def _fake_checkpoint(run_dir: Path, step: int, config_yaml: str) -> Path:
     return path
 
 
-def _assert_one_line_status_2(rc: int, err: str, message: str) -> None:
-    """Exit status 2 and a stderr of exactly one line that contains `message`."""
-    assert rc == 2, err
-    assert len(err.strip().splitlines()) == 1 and message in err, err
-
-
-@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, message):
+@pytest.mark.parametrize("args,names", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, names):
     rc = _main([*args, f"run.dir={tmp_path / 'run'}"])  # not ./runs/tiny, whatever it holds
     out, err = capsys.readouterr()
-    _assert_one_line_status_2(rc, err, message)
+    assert_refused(rc, err, *names)
     assert out == ""  # nothing before the error: no flags line, no warning saying it twice
     assert not (tmp_path / "run").exists()
 
@@ -183,7 +166,7 @@ def test_restore_from_a_non_checkpoint_is_one_line_and_status_2(tmp_path, capsys
     path = _not_a_checkpoint(tmp_path, kind)
     rc = _main([*SMALL_RUN, f"checkpoint.restore={path}", f"run.dir={tmp_path / 'run'}"])
     message = f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
-    _assert_one_line_status_2(rc, capsys.readouterr().err, message)
+    assert_refused(rc, capsys.readouterr().err, message)
 
 
 def test_a_hugging_face_model_as_a_checkpoint_says_to_import_it(tmp_path, capsys):
@@ -193,13 +176,13 @@ def test_a_hugging_face_model_as_a_checkpoint_says_to_import_it(tmp_path, capsys
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text('{"model_type": "llama"}')
     (hf_dir / "model.safetensors").write_bytes(b"")
-    hint = (f"is a Hugging Face model, not a jaxtron checkpoint; import it first (python "
-            f"tools/convert_hf.py import '{hf_dir}' OUT), then restore OUT with "
+    hint = (f"is a Hugging Face model, not a jaxtron checkpoint; import it first ("
+            f"jaxtron convert-hf import '{hf_dir}' OUT), then restore OUT with "
             "checkpoint.weights_only=true")
     for weights_only in ("false", "true"):
         rc = _main([*SMALL_RUN, f"checkpoint.restore={hf_dir}", f"run.dir={tmp_path / 'run'}",
                     f"checkpoint.weights_only={weights_only}"])
-        _assert_one_line_status_2(rc, capsys.readouterr().err, f"checkpoint.restore={hf_dir} {hint}")
+        assert_refused(rc, capsys.readouterr().err, f"checkpoint.restore={hf_dir} {hint}")
     assert not (tmp_path / "run").exists()
     inspect = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_ckpt.py"), str(hf_dir)],
                              capture_output=True, text=True, timeout=120)
@@ -211,7 +194,7 @@ def test_restore_from_a_non_checkpoint_in_a_real_process_is_one_line(tmp_path):
     path = _not_a_checkpoint(tmp_path, "empty_step_dir")
     proc = run_launch(*SMALL_RUN, f"checkpoint.restore={path}", f"run.dir={tmp_path / 'run'}")
     message = f"checkpoint.restore={path} is not a checkpoint (.../checkpoints/<step>)"
-    _assert_one_line_status_2(proc.returncode, proc.stderr, message)
+    assert_refused(proc.returncode, proc.stderr, message)
 
 
 def test_bad_input_in_a_real_process_exits_2_without_traceback():
@@ -239,9 +222,23 @@ def test_default_run_learns_well_below_unigram_entropy(tmp_path):
     assert final < entropy - 1.5, (final, entropy)  # measured: 4.38 vs 6.19
 
 
-def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
-    """The production path end to end: raw files -> tools/prepare_data.py -> launch.py."""
+def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys, monkeypatch):
+    """The production path end to end: raw files -> tools/prepare_data.py -> launch.py. The
+    datasets are checked once per start, dry or not (they were checked four times: the input,
+    its tokenizer, the training and the evaluation batches, each on its own)."""
     import sysconfig
+
+    import jaxtron.data
+
+    checks = []
+
+    def counted(*args):
+        checks.append(args)
+        return check(*args)
+
+    check = prepared.check_dataset
+    monkeypatch.setattr(prepared, "check_dataset", counted)
+    monkeypatch.setattr(jaxtron.data, "check_dataset", counted)
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out = tmp_path / "ds"
@@ -258,6 +255,7 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
                       "train.eval_every=2", "train.seq_len=64", f"run.dir={run_dir}",
                       "run.tensorboard=false", "run.progress=lines"])
     assert rc == 0
+    assert len(checks) == 1
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2]
     assert abs(evals[0]["eval_perplexity"] - np.exp(evals[0]["eval_loss"])) < 1e-6 * evals[0]["eval_perplexity"]
@@ -275,7 +273,9 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys):
     read = steps * 512
     args = ["--dry-run", "data.source=arrayrecord", "model.vocab_size=1024", f"train.steps={steps}",
             "train.batch_size=8", "train.seq_len=64", f"run.dir={run_dir}3"]
+    checks.clear()
     assert launch.main([*args, f"data.mixture=[{{path: {out}}}]"]) == 0
+    assert len(checks) == 1
     assert (f"data: 1 prepared dataset checked; the run reads {read:,} tokens, so it reads {out} "
             f"{read / have:,.1f} times over ({have:,} tokens, weight 1)\n") in capsys.readouterr().out
     assert launch.main([*args, f"data.mixture=[{{path: {out}, weight: 3}}, "
@@ -311,7 +311,7 @@ def test_a_run_dir_that_cannot_be_one_is_one_line(tmp_path, capsys, kind):
     path = tmp_path / "notes.txt" if kind == "file" else tmp_path / "notes.txt" / "run"
     rc = _main([*SMALL_RUN, f"run.dir={path}"])
     message = "is a file; set run.dir" if kind == "file" else "cannot be written (Not a directory)"
-    _assert_one_line_status_2(rc, capsys.readouterr().err, f"run.dir={path} {message}")
+    assert_refused(rc, capsys.readouterr().err, f"run.dir={path} {message}")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
@@ -332,7 +332,7 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
     run_dir = tmp_path / "run"
     assert run_launch(*SMALL_RUN, f"run.dir={run_dir}").returncode == 0
     proc = run_launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
-    _assert_one_line_status_2(proc.returncode, proc.stderr,
+    assert_refused(proc.returncode, proc.stderr,
                               f"{run_dir} holds checkpoints of another model "
                               "(model.num_layers=4 -> 2); set run.dir to a new directory, or set "
                               "those fields back")
@@ -342,7 +342,7 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
     assert len(json.loads((run_dir / "goodput.json").read_text())) == 1
     proc = run_launch(*SMALL_RUN, f"checkpoint.restore={run_dir}", "checkpoint.weights_only=true",
                    "model.vocab_size=9000", f"run.dir={tmp_path / 'other'}")
-    _assert_one_line_status_2(proc.returncode, proc.stderr,
+    assert_refused(proc.returncode, proc.stderr,
                               f"checkpoint.restore={run_dir} holds another model "
                               "(model.vocab_size=8192 -> 9000)")
     assert not (tmp_path / "other").exists()
@@ -354,7 +354,7 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
          f"checkpoint.restore={run_dir} holds another model (model.vocab_size=8192 -> 9000)")]:
         rc = _main(["--dry-run", *args])
         out, err = capsys.readouterr()
-        _assert_one_line_status_2(rc, err, message)
+        assert_refused(rc, err, message)
         assert out == ""
     assert not (tmp_path / "other").exists()
 
@@ -372,7 +372,7 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
     for f in (run_dir / "checkpoints" / "1" / "state").rglob("d/*"):
         f.write_bytes(f.read_bytes()[:10])
     proc = run_launch(*SMALL_RUN, "train.steps=2", f"run.dir={run_dir}")
-    _assert_one_line_status_2(proc.returncode, proc.stderr, "the one checkpoint in "
+    assert_refused(proc.returncode, proc.stderr, "the one checkpoint in "
                               f"{run_dir}/checkpoints is unreadable; move it aside")
     warning = next(line for line in proc.stdout.splitlines() if "is unreadable" in line)
     assert "Error reading" in warning and "pybind" not in warning and len(warning) < 400, warning
@@ -380,7 +380,7 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
     for weights_only in ("false", "true"):  # the same checkpoint named by checkpoint.restore
         proc = run_launch(*SMALL_RUN, "train.steps=3", f"checkpoint.restore={run_dir}",
                        f"run.dir={tmp_path / 'new'}", f"checkpoint.weights_only={weights_only}")
-        _assert_one_line_status_2(proc.returncode, proc.stderr, f"launch.py: error: checkpoint."
+        assert_refused(proc.returncode, proc.stderr, f"launch.py: error: checkpoint."
                                   f"restore={run_dir}: {run_dir}/checkpoints/1 is unreadable (")
         assert "Error reading" in proc.stderr and "pybind" not in proc.stderr
         assert not (tmp_path / "new").exists()  # the refused start left no half-made run.dir
@@ -477,7 +477,7 @@ def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch)
 def test_dry_run_checks_the_data(capsys, tmp_path, overrides, message):
     """The dry run stops on the data mistakes the real run would stop on."""
     rc = _main(["--dry-run", f"run.dir={tmp_path / 'run'}", *overrides])
-    _assert_one_line_status_2(rc, capsys.readouterr().err, message)
+    assert_refused(rc, capsys.readouterr().err, message)
 
 
 def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
@@ -525,7 +525,7 @@ def test_a_refused_start_writes_nothing(tmp_path, capsys, kind):
     out, err = capsys.readouterr()
     message = {"mixture": f"data.mixture path {tmp_path / 'ds'}: cannot read",
                "tokenizer": f"data.tokenizer={tmp_path / 'nope.model'}: no such file"}[kind]
-    _assert_one_line_status_2(rc, err, message)
+    assert_refused(rc, err, message)
     assert not run_dir.exists() and out == ""
 
 
@@ -537,7 +537,7 @@ def test_a_compile_cache_that_is_a_file_is_one_line(tmp_path, capsys, dry):
         rc = _main([*(["--dry-run"] if dry else SMALL_RUN), f"run.compile_cache={path}",
                     f"run.dir={tmp_path / 'run'}"])
         out, err = capsys.readouterr()
-        _assert_one_line_status_2(rc, err, f"run.compile_cache={path} {words}; set it to a directory")
+        assert_refused(rc, err, f"run.compile_cache={path} {words}; set it to a directory")
         assert out == "" and not (tmp_path / "run").exists()
     assert (tmp_path / "cache").read_text() == "keep me"
 
@@ -555,7 +555,7 @@ def test_dry_run_checks_run_dir_and_restore_as_a_run_would(tmp_path, capsys, kin
     for dry in (["--dry-run"], SMALL_RUN):
         rc = _main([*dry, f"run.dir={run_dir}", *restore])
         out, err = capsys.readouterr()
-        _assert_one_line_status_2(rc, err, message)
+        assert_refused(rc, err, message)
         assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert (tmp_path / "notes.txt").read_text() == "keep me"
@@ -588,7 +588,7 @@ def test_help_gives_the_defaults(capsys):
 def test_compile_for_prints_nothing_before_a_layout_error():
     """--compile-for checks the layout before its flags line and the long compile."""
     proc = run_launch("--compile-for", "h100", "--devices", "8", "train.batch_size=12")
-    _assert_one_line_status_2(proc.returncode, proc.stderr,
+    assert_refused(proc.returncode, proc.stderr,
                               "train.batch_size=12 / train.microbatches=1 = 12 sequences per "
                               "microbatch is not divisible by data*fsdp=8")
     assert proc.stdout == ""
@@ -599,7 +599,7 @@ def test_an_empty_run_dir_is_refused_not_the_working_directory(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     rc = _main([*dry, "train.steps=1", "run.dir="])
     out, err = capsys.readouterr()
-    _assert_one_line_status_2(rc, err, "run.dir is empty; name a directory")
+    assert_refused(rc, err, "run.dir is empty; name a directory")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -613,7 +613,7 @@ def test_a_run_dir_inside_another_runs_checkpoints_is_refused(tmp_path, capsys, 
     (other / "config.yaml").write_text("train: {steps: 20}\n")
     for dry in ([], ["--dry-run"]):
         rc = _main([*dry, *SMALL_RUN, f"run.dir={other / inside}"])
-        _assert_one_line_status_2(rc, capsys.readouterr().err, (
+        assert_refused(rc, capsys.readouterr().err, (
             f"run.dir={other / inside} is inside the checkpoints directory {other / 'checkpoints'}, "
             "whose old checkpoints a run deletes (or moves aside) with what is in them; set run.dir "
             "to a directory outside it\n"))
@@ -630,13 +630,13 @@ def test_a_run_dir_holding_other_files_is_not_written_into(tmp_path, capsys, mon
     monkeypatch.chdir(tmp_path)
     for dry in ([], ["--dry-run"]):
         rc = _main([*dry, *SMALL_RUN, "run.dir=."])
-        _assert_one_line_status_2(rc, capsys.readouterr().err, "run.dir=. holds other files (data, "
+        assert_refused(rc, capsys.readouterr().err, "run.dir=. holds other files (data, "
                                   "notes.txt) and no run; set run.dir to a new or empty directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
     (tmp_path / "empty").mkdir()
     assert _main(["--dry-run", *SMALL_RUN, "run.dir=empty"]) == 0
     rc = _main(["--dry-run", *SMALL_RUN, f"run.dir={tmp_path / ('x' * 300)}"])
-    _assert_one_line_status_2(rc, capsys.readouterr().err, "cannot be used (File name too long)")
+    assert_refused(rc, capsys.readouterr().err, "cannot be used (File name too long)")
 
 
 def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
@@ -646,7 +646,7 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), *SMALL_RUN,
                            f"run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
-    _assert_one_line_status_2(proc.returncode, proc.stderr, "into the cache /proc/jaxtron-cache (")
+    assert_refused(proc.returncode, proc.stderr, "into the cache /proc/jaxtron-cache (")
     assert "set data.cache_dir (or JAXTRON_CACHE) to a writable directory" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -773,9 +773,9 @@ def test_an_unfinished_prepared_dataset_says_to_rerun_prepare_data(tmp_path, cap
     (tmp_path / "ds" / ".parts").mkdir(parents=True)
     rc = _main(["--dry-run", f"run.dir={tmp_path / 'run'}", "data.source=arrayrecord",
                 f"data.mixture=[{{path: {tmp_path / 'ds'}, weight: 1}}]"])
-    _assert_one_line_status_2(rc, capsys.readouterr().err,
+    assert_refused(rc, capsys.readouterr().err,
                               f"data.mixture path {tmp_path / 'ds'} is an unfinished "
-                              "tools/prepare_data.py output (no manifest.json yet); rerun the "
+                              "jaxtron prepare-data output (no manifest.json yet); rerun the "
                               "same command to finish it")
 
 
@@ -789,7 +789,7 @@ def test_a_whole_state_restore_at_or_past_train_steps_is_refused(tmp_path, capsy
     run_dir = tmp_path / "run"
     for dry in ([], ["--dry-run"]):
         rc = _main([*dry, f"run.dir={run_dir}", f"checkpoint.restore={source}", "train.steps=3"])
-        _assert_one_line_status_2(rc, capsys.readouterr().err, (
+        assert_refused(rc, capsys.readouterr().err, (
             f"checkpoint.restore={source} is at step 3, not before train.steps=3; raise "
             "train.steps, or fine-tune from its weights with checkpoint.weights_only=true "
             f"({step})"))

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 450
 # Bottom to top. A module may import its own package and any package below it, never one above.
-LAYERS = ["config", "lifecycle", "cli", "parallel", "model", "data", "checkpoint", "hf", "step", "plan", "train"]
+LAYERS = ["config", "lifecycle", "cli", "parallel", "model", "data", "checkpoint", "hf", "step", "plan", "train",
+          "commands"]
 MODULES = sorted((ROOT / "jaxtron").rglob("*.py"))
 SCRIPTS = sorted((ROOT / "tools").glob("*.py")) + [ROOT / "launch.py"]
 

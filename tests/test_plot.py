@@ -10,7 +10,6 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from tool_module import import_tool
 
 import launch
 from jaxtron.plan import metrics
@@ -21,7 +20,7 @@ STEMS = ("loss", "lr", "throughput", "mfu", "grad_norm")
 
 
 
-plot = import_tool(TOOL)
+from jaxtron.commands import plot
 
 
 def _rows(path: Path) -> list[dict]:

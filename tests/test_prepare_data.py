@@ -2,6 +2,7 @@
 tokenizing the same documents directly; many small files in few shards; resuming after a kill;
 bad input reports; usage errors."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +26,6 @@ from jaxtron.config import ConfigError
 from jaxtron.data.tokenizer import train_tokenizer
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_data.py"
-sys.path.insert(0, str(TOOL.parent))  # tools/ is no package: import its modules as the tool does
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 PY_FILES = ["textwrap.py", "string.py", "json/decoder.py", "csv.py"]
 UNICODE = "héllo — 世界 🐍 naïve\tcafé\r\n"
@@ -716,6 +716,37 @@ def test_a_stop_while_starting_or_finishing_is_one_line(tmp_path, tokenizer, cor
         assert read_split(out, "train")  # the finished dataset is kept
 
 
+@pytest.mark.parametrize("command", [[str(TOOL)], ["-m", "jaxtron.commands", "prepare-data"]],
+                         ids=["tools/prepare_data.py", "jaxtron prepare-data"])
+def test_ctrl_c_as_the_workers_start_is_the_parents_one_line(tmp_path, tokenizer, corpus,
+                                                               command):
+    """A terminal's Ctrl-C reaches the whole process group, the pool's workers too: as they
+    started (importing jax: a second) each printed a KeyboardInterrupt traceback under
+    `jaxtron prepare-data`. They start with SIGINT blocked now: the parent's one line, 130."""
+    from test_preemption import _children
+
+    out = tmp_path / "ds"
+    proc = subprocess.Popen([sys.executable, *command, *map(str, corpus[0]), "--tokenizer",
+                             str(tokenizer), "--out", str(out), "--workers", "2",
+                             "--part-tokens", "3000"], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group, as a shell's job
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and len(_children(proc.pid)) < 3:  # the resource tracker, and
+            assert time.monotonic() < deadline  # the first worker starting
+            time.sleep(0.005)
+        for _ in range(20):  # through the workers' imports, as a user pressing it again would
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 130 and err.count("\n") == 1, err
+    assert "prepare-data: stopped by a signal" in err or "prepare_data.py: stopped" in err, err
+
+
 def test_an_out_holding_other_files_is_refused_before_any_work(tmp_path, tokenizer):
     """--out holding a.txt got shards written beside it, exit 0 (launch.py refuses such a
     run.dir); what the tool writes itself (a rerun, write_atomic's temporaries) is no refusal."""
@@ -727,7 +758,7 @@ def test_an_out_holding_other_files_is_refused_before_any_work(tmp_path, tokeniz
     done = run_tool(tmp_path / "doc.txt", "--out", out, "--tokenizer", tokenizer, check=False)
     assert (done.returncode, done.stderr) == (2, (
         f"prepare_data.py: error: --out {out} already holds a.txt and 1 more, which "
-        "tools/prepare_data.py did not write; name a new or empty directory\n"))
+        "jaxtron prepare-data did not write; name a new or empty directory\n"))
     assert sorted(p.name for p in out.iterdir()) == ["a.txt", "notes"]
     (out / "a.txt").unlink()
     (out / "notes").rmdir()

@@ -265,7 +265,7 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
     steps = damage.survey(run_dir / "checkpoints", damage.meta_damage)[0]
     if steps:
         meta = weights.read_meta(steps[-1])
-        if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
+        if meta.get("layout") == weights.LAYERED:  # jaxtron convert-hf import's output
             raise ConfigError(f"run.dir={run_dir} holds an import (weights only); set run.dir to a "
                               f"new directory with checkpoint.restore={run_dir} "
                               "checkpoint.weights_only=true")
@@ -348,7 +348,7 @@ def restore_from(path: str, abstract_state: Any, shardings: Any,
     """Start from another run's checkpoint: `path` is a checkpoint (`.../checkpoints/<step>`),
     or a run, import or checkpoints directory (its newest complete checkpoint). With
     `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
-    the start); an imported model (tools/convert_hf.py import) holds nothing else."""
+    the start); an imported model (jaxtron convert-hf import) holds nothing else."""
     directory = _restore_dir(path, model)
     _quiet_abandoned_reads()
     try:

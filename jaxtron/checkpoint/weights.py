@@ -4,7 +4,7 @@ one layer at a time, and written one layer at a time for imported models.
 A training checkpoint stores each weight stacked over layers, in the pipeline's storage order
 (meta "layer_order"). A stacked weight of a large model does not fit a host (one 70B MLP matrix
 in float32 is 75 GB), so weights are read here straight from the checkpoint's arrays with
-TensorStore, one layer's slice at a time. An imported checkpoint (`tools/convert_hf.py import`)
+TensorStore, one layer's slice at a time. An imported checkpoint (`jaxtron convert-hf import`)
 is written with Orbax's partial saves one layer at a time, so it stores each layer separately
 (meta "layout": "layers"); restoring it stacks the layers on the devices, one weight at a time
 (`restore_layers`).
@@ -74,7 +74,7 @@ def checkpoints_holding(path: Path) -> Path | None:
 
 
 def imported_only(restore: str) -> str:
-    """checkpoint.restore naming an import (tools/convert_hf.py) as a whole state to resume."""
+    """checkpoint.restore naming an import (jaxtron convert-hf) as a whole state to resume."""
     return (f"checkpoint.restore={restore} holds imported weights only (no optimizer state or "
             "data position); add checkpoint.weights_only=true")
 
@@ -109,7 +109,7 @@ def import_hint(path: str | Path) -> str | None:
     weights = [*path.glob("*.safetensors"), *path.glob("*.bin"), *path.glob("*.pt")]
     if not ((path / "config.json").is_file() and weights):
         return None
-    return (f"import it first (python tools/convert_hf.py import {shlex.quote(str(path))} OUT), "
+    return (f"import it first (jaxtron convert-hf import {shlex.quote(str(path))} OUT), "
             "then restore OUT with checkpoint.weights_only=true")
 
 

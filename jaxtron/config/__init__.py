@@ -74,7 +74,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class DatasetEntry:
-    """One prepared dataset (a directory made by tools/prepare_data.py) and its mixture weight."""
+    """One prepared dataset (a directory made by jaxtron prepare-data) and its mixture weight."""
 
     path: str = ""
     weight: float = 1.0
@@ -152,7 +152,7 @@ class CheckpointConfig:
     keep: int = 3  # the latest this many are kept ...
     keep_every: int = 0  # ... plus, permanently, every step that is a multiple of this (0: none)
     # if run.dir has none, start from this checkpoint (.../checkpoints/<step>), or the newest of a
-    # run or import directory (tools/convert_hf.py import)
+    # run or import directory (jaxtron convert-hf import)
     restore: str = ""
     # with restore: take the params only (fine-tuning): fresh optimizer, step 0
     weights_only: bool = False

@@ -2,7 +2,7 @@
 
 Two sources feed the same stages. `stdlib` (the default) is the Python standard library's own
 sources, tokenized once and cached as one flat token array; its documents are chunked up front and
-the chunks shuffled. `arrayrecord` is a weighted mixture of datasets made by tools/prepare_data.py
+the chunks shuffled. `arrayrecord` is a weighted mixture of datasets made by jaxtron prepare-data
 (docs/data_format.md); there the documents are shuffled (reading every record's length up front
 would cost a pass over the data) and each one is cut into the same chunks after sharding.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,7 +36,14 @@ from jaxtron import lifecycle
 from jaxtron.config import ConfigError, DataConfig, TrainConfig
 from jaxtron.data import corpus as corpus_lib
 from jaxtron.data import prepared
-from jaxtron.data.prepared import check_dataset, mixture_summary, read_manifest, split_documents
+from jaxtron.data.prepared import (
+    check_dataset,
+    check_eval,
+    mixture_summary,
+    read_manifest,
+    split_documents,
+)
+from jaxtron.data.resume import InexactResumeWarning, resume_warning, saved_iterator_state
 from jaxtron.data.rows import FAN_OUT, PlanDocument, Recent, Rows, assemble, placeholder
 from jaxtron.data.tokenizer import load_tokenizer
 
@@ -222,8 +228,8 @@ def _mixture_stream(data: DataConfig, seq_len: int, seed: int | None) -> Stream:
 
 
 def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -> Stream:
-    """The training stream (seeded) or the held-out one (seed None) of `data.source`."""
-    check_dataset(data, vocab_size)
+    """The training stream (seeded) or the held-out one (seed None) of `data.source`, checked
+    (check_dataset) by the caller."""
     if data.source == "arrayrecord":
         return _mixture_stream(data, seq_len, seed)
     return _stdlib_stream(data, seq_len, vocab_size, seed)
@@ -254,10 +260,6 @@ def _batches(stream: Stream, start: int, train: TrainConfig, workers: int,
         # Each worker packs its own slice (output depends on workers) and dies with the run.
         ds = ds.mp_prefetch(options, worker_init_fn=lifecycle.quiet_worker)
     return ds
-
-
-class InexactResumeWarning(UserWarning):
-    """A saved input position could not be restored exactly (another layout)."""
 
 
 class BatchIterator(grain.DatasetIterator):
@@ -310,55 +312,9 @@ class BatchIterator(grain.DatasetIterator):
             self._it.close()
 
 
-# A layout field -> the config key that sets it, as a warning names it.
-_KEYS = {"workers": "data.workers", "source": "data.source", "mixture": "data.mixture",
-         "seq_len": "train.seq_len", "batch_size": "train.batch_size", "seed": "train.seed"}
-
-
-def resume_warning(saved: dict, layout: dict) -> str | None:
-    """Why a saved input position (a checkpoint's) cannot be resumed exactly with `layout`, the
-    fields that changed first; None when it can."""
-    if {k: saved.get(k) for k in layout} == layout:
-        return None
-    return (f"data: {_changes(saved, layout)} since the checkpoint: the input cannot resume "
-            "exactly, and the batches from here on differ from an uninterrupted run's (the "
-            f"stream restarts near item {saved['start'] + saved['consumed']:,}, skipping what "
-            "the old run held in packing buffers)")
-
-
-def _shown(value) -> str:
-    """A layout value as a config would say it: a mixture as `path (weight), ...`."""
-    if isinstance(value, list):
-        return "[" + ", ".join(f"{path} ({weight:g})" for path, weight in value) + "]"
-    return str(value)
-
-
-def _changes(saved: dict, now: dict) -> str:
-    """The layout fields that differ as `key old -> new` (a pipeline saved as a string by older
-    checkpoints compares as a whole)."""
-    pairs = [("workers", saved.get("workers"), now["workers"])]
-    old, new = saved.get("pipeline"), now["pipeline"]
-    if isinstance(old, dict):
-        pairs += [(key, old.get(key), new.get(key)) for key in dict.fromkeys([*old, *new])]
-    else:
-        pairs.append(("pipeline", old, " ".join(f"{k}={v}" for k, v in new.items())))
-    return ", ".join(f"{_KEYS.get(key, key)} {_shown(a)} -> {_shown(b)}" for key, a, b in pairs
-                     if a != b)
-
-
 def restore_iterator(it: BatchIterator, saved_state: dict) -> bool:
     """Move `it` to a saved position: True if exact, else False after an InexactResumeWarning."""
     return it.restore(saved_state)
-
-
-def saved_iterator_state(directory: Path, process_index: int, process_count: int) -> dict:
-    """The state Grain's checkpoint handler saved in `directory` for this process; process 0's
-    when the run had another process count (that handler itself would fail then)."""
-    mine = Path(directory) / f"process_{process_index}-of-{process_count}.json"
-    files = [mine] if mine.is_file() else sorted(Path(directory).glob("process_0-of-*.json"))
-    if not files:
-        raise FileNotFoundError(f"no saved input position in {directory}")
-    return json.loads(files[0].read_text())
 
 
 def resume_input(batches: BatchIterator, directory: Path, warn: Callable[[str], None]) -> bool:
@@ -376,11 +332,26 @@ def resume_input(batches: BatchIterator, directory: Path, warn: Callable[[str], 
     return exact
 
 
+def make_input(data: DataConfig, train: TrainConfig, vocab_size: int,
+               rows: Rows | None = None) -> tuple[BatchIterator, list[dict[str, np.ndarray]]]:
+    """A run's input: make_batches and make_eval_batches, `data` checked once before either
+    (check_dataset; check_eval, as evaluation reads every dataset's val split)."""
+    check_dataset(data, vocab_size)
+    check_eval(data, train.eval_every)
+    return _train_batches(data, train, vocab_size, rows), _eval_batches(data, train, vocab_size)
+
+
 def make_batches(data: DataConfig, train: TrainConfig, vocab_size: int,
                  rows: Rows | None = None) -> BatchIterator:
     """The endless stream of packed training batches, int32 [len(rows), seq_len]: the rows `rows`
     (rows.local_rows; all when None) of the global batches, which are the same for any process
     count, so results and resume do not depend on it."""
+    check_dataset(data, vocab_size)
+    return _train_batches(data, train, vocab_size, rows)
+
+
+def _train_batches(data: DataConfig, train: TrainConfig, vocab_size: int,
+                   rows: Rows | None) -> BatchIterator:
     stream = _stream(data, train.seq_len, vocab_size, train.seed)
     build = functools.partial(_batches, stream, train=train, workers=data.workers,
                               rows=None if rows is None else rows.indices)
@@ -401,6 +372,12 @@ def make_eval_batches(data: DataConfig, train: TrainConfig,
     """The first `train.eval_batches` global batches of the held-out split, unshuffled, the same at
     every call ([] when train.eval_every is 0). They end once the split is read through (its
     last batch filled from its start): the same tokens again would add time, not information."""
+    check_dataset(data, vocab_size)
+    return _eval_batches(data, train, vocab_size)
+
+
+def _eval_batches(data: DataConfig, train: TrainConfig,
+                  vocab_size: int) -> list[dict[str, np.ndarray]]:
     if train.eval_every <= 0:
         return []
     stream = _stream(data, train.seq_len, vocab_size, None)

@@ -1,4 +1,4 @@
-"""The output directory of tools/prepare_data.py: checked before any work, the settings it was
+"""The output directory of jaxtron prepare-data: checked before any work, the settings it was
 made with (.parts/run.json), the completion records of its units (.parts/NNNNN.json) checked
 against the plan, and leftover shards removed."""
 
@@ -54,7 +54,7 @@ def check_ours(out: Path) -> None:
     if foreign:
         more = f" and {len(foreign) - 1:,} more" if len(foreign) > 1 else ""
         raise ConfigError(f"--out {out} already holds {foreign[0]}{more}, which "
-                          "tools/prepare_data.py did not write; name a new or empty directory")
+                          "jaxtron prepare-data did not write; name a new or empty directory")
 
 
 def unfinished(path: Path) -> bool:

@@ -1,5 +1,5 @@
 """Prepared datasets on disk (docs/data_format.md), in both directions: the writer's pieces (the
-val rule, a split's shards, the manifest) that tools/prepare_data.py drives, and the reader's
+val rule, a split's shards, the manifest) that jaxtron prepare-data drives, and the reader's
 (manifests, the checks made before compiling, a split's documents as a Grain map dataset).
 """
 
@@ -27,7 +27,7 @@ SPLITS = ("train", "val")
 SHARD_NAME = re.compile(r"^\.?(train|val)-\d{5,}-\d{5,}\.arrayrecord(\.tmp)?$")  # ours, temps too
 VAL_RULE = "sha256"  # is_val's hash, recorded so one output directory never mixes two rules
 MAX_EXAMPLES = 100  # bad-input examples in the manifest
-# A damaged dataset's fix: tools/prepare_data.py rerun into the same --out goes on from the units
+# A damaged dataset's fix: jaxtron prepare-data rerun into the same --out goes on from the units
 # it recorded as finished, so it would find nothing to do.
 AGAIN = "prepare it again into a new --out (a rerun into this one keeps what it finished)"
 VOCAB_MULTIPLE = 128  # a vocabulary padded to this keeps the lm_head's matmul tile-aligned
@@ -45,7 +45,7 @@ def read_manifest(path: str) -> dict:
               and all(isinstance(splits[s]["shards"], list) for s in SPLITS))
     except OSError as e:
         if not file.exists() and (file.parent / ".parts").is_dir():  # dataset_dir.PARTS
-            raise ConfigError(f"{where} is an unfinished tools/prepare_data.py output (no "
+            raise ConfigError(f"{where} is an unfinished jaxtron prepare-data output (no "
                               "manifest.json yet); rerun the same command to finish it") from None
         shown = file if file.is_absolute() else f"{file} in {Path.cwd()}"  # relative: to here
         raise ConfigError(f"{where}: cannot read {shown} ({e.strerror})") from None
@@ -164,7 +164,7 @@ def unused_vocab(data: DataConfig, model: ModelConfig) -> str | None:
     output) rows no token id reaches, parameters and lm_head FLOPs spent on nothing."""
     if data.source == "stdlib" and not data.tokenizer:  # CORPUS_PIECES, said in the data line
         return None
-    pieces = dataset_tokenizer(data, model.vocab_size).get_piece_size()
+    pieces = checked_tokenizer(data, model.vocab_size).get_piece_size()
     padded = -(-pieces // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     unused = model.vocab_size - pieces
     if model.vocab_size <= padded or unused <= model.vocab_size // 100:
@@ -208,7 +208,7 @@ def tokenizer_change(saved: DataConfig, now: DataConfig, vocab_size: int,
     if restore:
         return (f"{_data_name(now)} was tokenized by another tokenizer than checkpoint.restore="
                 f"{restore} was trained on ({theirs}), so its token ids mean other text to that "
-                "model; train on data of that tokenizer (tools/prepare_data.py --tokenizer with "
+                "model; train on data of that tokenizer (jaxtron prepare-data --tokenizer with "
                 "its file)")
     return (f"{_data_name(now)} was tokenized by another tokenizer than the checkpoint's data "
             f"({theirs}), so its token ids mean other text; resume with "
@@ -239,14 +239,21 @@ def _data_name(data: DataConfig, short: bool = False) -> str:
 
 
 def dataset_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
-    """The tokenizer the batches are made with: the datasets' own when source=arrayrecord."""
+    """The tokenizer the batches are made with, `data` checked first (check_dataset): for a
+    command that reads a run's data outside its set-up (convert-hf, generate)."""
+    check_dataset(data, vocab_size)
+    return checked_tokenizer(data, vocab_size)
+
+
+def checked_tokenizer(data: DataConfig, vocab_size: int) -> Tokenizer:
+    """The tokenizer the batches are made with, of `data` already checked (check_dataset, as a
+    start's set-up does once): the datasets' own when source=arrayrecord."""
     if data.source != "arrayrecord":
         tok = load_tokenizer(data, vocab_size)
         if tok.get_piece_size() > vocab_size:
             raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
                               f"{tok.get_piece_size()} pieces; raise it")
         return tok
-    check_dataset(data, vocab_size)
     path = data.mixture[0].path
     return from_path(tokenizer_file(path, read_manifest(path)))
 

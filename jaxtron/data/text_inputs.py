@@ -1,4 +1,4 @@
-"""The inputs of tools/prepare_data.py: which files INPUTs name, and the documents in each.
+"""The inputs of jaxtron prepare-data: which files INPUTs name, and the documents in each.
 
 A `.jsonl`/`.json` file holds one JSON document per line, or is one JSON array of them; a
 `.parquet` file holds one per row (the text under a key/column); any other file is one plain-text
@@ -116,7 +116,7 @@ def _walk(folder: Path, out: Path) -> list[Path]:
 
 @functools.cache
 def _is_dataset(folder: Path) -> bool:
-    """Whether `folder` holds a dataset tools/prepare_data.py wrote (its manifest names it)."""
+    """Whether `folder` holds a dataset jaxtron prepare-data wrote (its manifest names it)."""
     try:
         manifest = json.loads((folder / "manifest.json").read_bytes())
         return isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT

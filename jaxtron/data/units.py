@@ -1,4 +1,4 @@
-"""The workers of tools/prepare_data.py: input files planned into units of about
+"""The workers of jaxtron prepare-data: input files planned into units of about
 --part-tokens tokens, and each unit tokenized by one pool worker into its shards per split, with
 each file's tally, its bad input and the train split's token counts (its completion record)."""
 

@@ -9,7 +9,7 @@ tensors are memory-mapped one at a time (jaxtron.hf.tensorfile), bfloat16 includ
     logits = jaxtron.hf.logits(cfg, params, tokens)  # numpy [B, T, V]
     jaxtron.hf.save_pretrained(cfg, params, "out/", model_type="llama")
 
-The name mapping and config reading are in jaxtron.hf.mapping; `tools/convert_hf.py` converts
+The name mapping and config reading are in jaxtron.hf.mapping; `jaxtron convert-hf` converts
 whole directories to and from jaxtron checkpoints.
 """
 

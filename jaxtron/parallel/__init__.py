@@ -154,7 +154,7 @@ def describe_hosts(sizes: dict[str, int], per_host: int,
             if axis == "fsdp" and need is not None and (needs := need(hsdp)):
                 lines.append(f"note: mesh.fsdp={sizes[axis]} spans {across} hosts (its "
                              f"collectives leave NVLink every layer), and must: within a node "
-                             f"({hint}) it {needs} (tools/plan.py ranks the layouts that fit)")
+                             f"({hint}) it {needs} (jaxtron plan ranks the layouts that fit)")
                 continue
             lines.append(f"warning: mesh.{axis}={sizes[axis]} spans {across} hosts, so its "
                          f"collectives leave NVLink every layer; keep it within a node, e.g. "

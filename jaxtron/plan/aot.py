@@ -155,7 +155,7 @@ def compile_failure(error: str, target: str) -> str:
     first = first if len(first) <= 200 else first[:197] + "..."
     hint = (f"; compile without loop double buffering: 'xla.flags=[{DOUBLE_BUFFERING}]'"
             if "double_buffer_clone" in error else
-            "; try another layout (tools/plan.py ranks them), or xla.preset=none")
+            "; try another layout (jaxtron plan ranks them), or xla.preset=none")
     return f"XLA could not compile this step for {target}: {first}{hint}"
 
 

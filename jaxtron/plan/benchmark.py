@@ -1,5 +1,5 @@
 """Train-step benchmarks: one measurement of the real step, the checks only a GPU can make, and
-the fixed suites of rows that tools/bench.py runs one process each.
+the fixed suites of rows that jaxtron bench runs one process each.
 
 A row's numbers are the compiled train step (the config's mesh, flags and attention kernel) on
 random full-length documents, so the data pipeline is out of the measurement. tokens/s, TFLOP/s

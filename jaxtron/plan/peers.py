@@ -2,7 +2,7 @@
 
 `run_maxtext` runs MaxText's own pre-training entry point in a subprocess (its synthetic data, no
 checkpoints, no eval) with overrides that `maxtext_args` derives from a jaxtron Config, and reads
-the step times MaxText logs itself, so that tools/bench.py can put jaxtron/MaxText ratios in a
+the step times MaxText logs itself, so that jaxtron bench can put jaxtron/MaxText ratios in a
 table. Nothing of MaxText is imported here: it may live in another interpreter (`python`).
 """
 

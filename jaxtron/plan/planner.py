@@ -30,7 +30,7 @@ estimates one step's time as
 A layout fits where its estimate leaves autofit.SPARE (10%) of the usable memory free, as
 model.remat=auto asks of its choice. The constants are below, each with its source; they are
 estimates for ranking layouts against each other, not predictions of absolute speed.
-`tools/plan.py --verify` compiles the best layouts for the real GPU topology and times them
+`jaxtron plan --verify` compiles the best layouts for the real GPU topology and times them
 again from their programs (`compiled_step`): the compiled matmul and attention FLOPs, and the
 collective bytes per axis that no matmul hides.
 """
@@ -44,11 +44,9 @@ from dataclasses import dataclass
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
-from jaxtron.parallel import pipeline
 from jaxtron.plan import flops, memory, metrics
 from jaxtron.plan.autofit import SPARE
-from jaxtron.step.optim import make_optimizer
-from jaxtron.step.state import make_plan
+from jaxtron.plan.setup import set_up
 
 # Dense bf16 TFLOP/s a large LLM training step achieves per GPU: ~45% of the H100 SXM's 989
 # (NVIDIA H100 datasheet), the MFU Megatron-LM and MaxText report for 70B-class Llama training on
@@ -219,19 +217,17 @@ def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, usable: int,
     """Every layout the config's checks accept, with its memory and time estimates. One fits
     where its estimated peak leaves SPARE of `usable` free: what model.remat=auto and
     train.microbatches=auto ask of their choice, so that the planner's best is one they keep."""
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
     budget = usable * (1 - SPARE)
     out = []
     for mesh in meshes(cfg, gpus, per_node):
         crossing = tuple(parallel.crossing_axes(mesh, per_node))
         for schedule, repeats, micro, remat, grad_sum in variants(cfg, mesh, remats):
             candidate = configure(cfg, mesh, schedule, repeats, micro, remat, grad_sum)
-            try:
-                pipeline.check(candidate, mesh["stage"])
-                plan = make_plan(candidate, tx, gpus)
+            try:  # a run's own set-up, for any machine (no kernel chosen, nothing `auto`)
+                setup = set_up(candidate, gpus, None)
             except ConfigError:
                 continue
-            peak = sum(memory.estimate(candidate, plan).values())
+            peak = sum(memory.estimate(candidate, setup.plan).values())
             parts = step_time(candidate, mesh, per_node, gpu)
             out.append(Layout(mesh, schedule, repeats, micro, remat, grad_sum, peak,
                               peak <= budget, sum(parts.values()), parts, crossing))

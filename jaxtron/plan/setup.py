@@ -1,5 +1,5 @@
 """A run's pieces, made one way for every entry point: training, the dry run, `--compile-for`, the
-benchmarks and the planner's verification.
+benchmarks, and the planner (each layout it estimates, and --verify's compiles).
 
     config -> the attention kernel for the platform -> `auto` remat and microbatches for the
     memory at hand -> optimizer -> plan (every layout check; shapes, shardings, sizes) -> on a

@@ -81,17 +81,6 @@ def cluster_processes() -> tuple[str, int, int]:
     return "", 1, 0
 
 
-def processes_per_host(environ=os.environ) -> int:
-    """How many processes share a node: one per node unless Slurm or Open MPI started one per
-    GPU (then a node's devices belong to several processes, ranks numbered node by node)."""
-    local = environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or environ.get("SLURM_NTASKS_PER_NODE")
-    if not local:
-        # Slurm always sets SLURM_TASKS_PER_NODE, e.g. "8(x16)" or "8,8"; the first node's count.
-        match = re.match(r"(\d+)", environ.get("SLURM_TASKS_PER_NODE", ""))
-        local = match.group(1) if match and int(environ.get("SLURM_NTASKS", "1")) > 1 else "1"
-    return max(int(local), 1) if str(local).isdigit() else 1
-
-
 def add_flags(parser) -> None:
     """The flags that join several processes without a cluster manager (launch.py, tools)."""
     parser.add_argument("--coordinator", metavar="HOST:PORT",

@@ -107,7 +107,7 @@ def _check_data(cfg) -> str:
     checked, and a warning for a vocabulary far larger than the tokenizer's."""
     prepared.check_dataset(cfg.data, cfg.model.vocab_size)
     prepared.check_eval(cfg.data, cfg.train.eval_every)
-    tok = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # a ConfigError if too small
+    tok = prepared.checked_tokenizer(cfg.data, cfg.model.vocab_size)  # a ConfigError if too small
     if cfg.data.source == "arrayrecord":
         checked = f"data: {cli.plural(len(cfg.data.mixture), 'prepared dataset')} checked"
         read = cfg.train.steps * cfg.train.batch_size * cfg.train.seq_len

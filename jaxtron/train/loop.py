@@ -42,12 +42,13 @@ from jaxtron.train.watchdog import Watchdog
 
 
 def train(cfg: Config, devices: list | None = None, started: float | None = None, *,
-          paths_checked: bool = False) -> list[dict]:
+          paths_checked: bool = False, hosts: doctor.Hosts | None = None) -> list[dict]:
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows.
     `started` (a time.time()) opens this attempt's goodput account: by default when its Python
     started (goodput.process_start), or when the run's previous attempt ended if later (an
     earlier call in this process). `paths_checked`: the caller ran check_paths (launch.py, before
-    the processes join)."""
+    the processes join). `hosts`: where the processes run, as the caller's preflight found them
+    (default: found here, a collective with several processes)."""
     run_dir = Path(cfg.run.dir)
     if not paths_checked:
         check_paths(cfg)  # a refused start writes nothing
@@ -57,6 +58,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     memory.limit_heaps()  # before the input, the state and the checkpoint threads allocate
     devices = jax.devices() if devices is None else devices
     setup, mesh = _set_up(cfg, devices)  # every check, before anything is allocated or compiled
+    hosts = doctor.Hosts.here() if hosts is None else hosts
     cfg = setup.cfg
     feed = _Input.of(cfg, mesh)  # checked against the model before run.dir is written
 
@@ -68,7 +70,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
         (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
-    _say_start(log, setup, devices, feed)
+    _say_start(log, setup, devices, hosts.per_host, feed)
     run = RunContext.begin(cfg, mesh, devices, log, feed, started)
     outcome = "done"
     try:
@@ -138,15 +140,11 @@ class _Input:
 
     @classmethod
     def of(cls, cfg: Config, mesh: Mesh) -> _Input:
-        data_lib.check_dataset(cfg.data, cfg.model.vocab_size)
-        prepared.check_eval(cfg.data, cfg.train.eval_every)
-        unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
         # Each process builds only the rows of the global batches its devices hold (of the
         # same packing plan on every process); global_batch gives each device its shard.
         rows = local_rows(mesh, cfg.train.batch_size, cfg.train.seq_len)
-        batches = data_lib.make_batches(cfg.data, cfg.train, cfg.model.vocab_size, rows)
-        evals = (data_lib.make_eval_batches(cfg.data, cfg.train, cfg.model.vocab_size)
-                 if cfg.train.eval_every else [])
+        batches, evals = data_lib.make_input(cfg.data, cfg.train, cfg.model.vocab_size, rows)
+        unused_vocab = prepared.unused_vocab(cfg.data, cfg.model)
         corpus = data_lib.corpus_summary(cfg.data, cfg.model.vocab_size)
         eval_short = data_lib.eval_warning(evals, cfg.train)
         unread = prepared.unread(cfg.data, cfg.train)  # the dry run's warnings, the run's too
@@ -154,7 +152,8 @@ class _Input:
         return cls(batches, evals, len(rows), corpus, warnings)
 
 
-def _say_start(log: metrics_lib.MetricsWriter, setup: Setup, devices: list, feed: _Input) -> None:
+def _say_start(log: metrics_lib.MetricsWriter, setup: Setup, devices: list, per_host: int,
+               feed: _Input) -> None:
     """What a start logs before the state: the run, its warnings, flags, mesh over the hosts,
     size, the `auto` choice, the kernel check, the pipeline and the input."""
     cfg, plan = setup.cfg, setup.plan
@@ -164,7 +163,6 @@ def _say_start(log: metrics_lib.MetricsWriter, setup: Setup, devices: list, feed
     log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
     shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
     log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
-    per_host = parallel.devices_per_host(devices) * distributed.processes_per_host()
     need = autofit.layout_need(cfg, len(devices), setup.usable)
     for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
         if not line.startswith("warning"):  # the preflight checks (jaxtron/train/doctor.py) warn
@@ -213,7 +211,7 @@ def check_paths(cfg: Config) -> None:
     c = cfg.checkpoint
     if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
         meta = weights.read_meta(restored := weights.locate(c.restore)[1])
-        if meta.get("layout") == weights.LAYERED:  # tools/convert_hf.py import's output
+        if meta.get("layout") == weights.LAYERED:  # jaxtron convert-hf import's output
             raise ConfigError(weights.imported_only(c.restore))
         at = meta.get("step", -1)
         if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
