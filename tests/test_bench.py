@@ -106,8 +106,8 @@ def test_bench_data_says_one_batch_and_that_it_is_too_few(capsys):
     assert bench_data.main([*small, "--batches", "1"]) == 0
     out, err = capsys.readouterr()
     assert "0 warm-up + 1 timed batch\n" in out and out.count("workers=0: ") == 1
-    assert err == ("bench_data.py: warning: --batches 1 is too few timed batches for a steady "
-                   "rate; ask for --batches 50 or more\n")
+    assert err.startswith("bench_data.py: warning: --batches 1 ") and err.count("\n") == 1, err
+    assert "--batches 50" in err, err
     assert bench_data.main([*small, "--batches", "50"]) == 0
     assert capsys.readouterr().err == ""
 

@@ -24,6 +24,8 @@ ROW = re.compile(r"^(\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+([\d.]+ [KMG]?i?B)\s+([\d.]+
 
 
 
+from conftest import assert_refused
+
 from jaxtron.commands import commbench as cb
 
 
@@ -143,8 +145,8 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 @pytest.mark.parametrize("args, message", [(["--iters", "0"], "--iters 0 must be at least 1"),
                                            (["--warmup", "-2"], "--warmup -2 must be at least 0")])
 def test_a_count_out_of_range_is_named(capsys, args, message):
-    assert cb.main(["mesh.fsdp=8", *args]) == 2
-    assert capsys.readouterr().err == f"commbench.py: error: {message}\n"
+    assert_refused(cb.main(["mesh.fsdp=8", *args]), capsys.readouterr().err, "commbench.py: error:",
+                   message)
 
 
 
@@ -214,7 +216,7 @@ def test_a_size_the_devices_cannot_hold_is_one_line(capsys, monkeypatch):
                                          "bytes.\nmore detail")
 
     monkeypatch.setattr(cb, "seconds_per_call", out_of_memory)
-    assert cb.main(["mesh.fsdp=8", "--ops", "all_reduce", "--sizes", "4KiB"]) == 2
-    assert capsys.readouterr().err == (
-        "commbench.py: error: --sizes 4 KiB: all_reduce over fsdp ran out of device memory "
-        "(RESOURCE_EXHAUSTED: Out of memory allocating 4294967296 bytes.); give smaller --sizes\n")
+    assert_refused(cb.main(["mesh.fsdp=8", "--ops", "all_reduce", "--sizes", "4KiB"]),
+                   capsys.readouterr().err, "--sizes 4 KiB", "all_reduce", "fsdp",
+                   "RESOURCE_EXHAUSTED: Out of memory allocating 4294967296 bytes.",
+                   "smaller --sizes")

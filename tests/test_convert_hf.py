@@ -36,6 +36,8 @@ from jaxtron.step import state as state_lib
 from jaxtron.step.optim import make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
+from conftest import assert_refused
+
 from jaxtron.commands import convert_hf
 
 RUN = ["train.seq_len=64", "train.batch_size=8", "train.eval_every=0", "run.tensorboard=false",
@@ -228,9 +230,7 @@ def test_importing_a_jaxtron_run_says_to_export_it(pipeline_run, tmp_path, capsy
     (step,) = weights.run_checkpoints(pipeline_run)[-1:]
     for source in (pipeline_run, pipeline_run / "checkpoints", step):
         err = _one_line(capsys, 2, "import", source, tmp_path / "out")
-        assert err == (f"convert_hf.py: error: {source} is a jaxtron run or checkpoint, not a "
-                       "Hugging Face model; to make one of it: jaxtron convert-hf export "
-                       f"{source} OUT\n")
+        assert_refused(2, err, str(source), f"jaxtron convert-hf export {source} OUT")
     assert not (tmp_path / "out").exists()
 
 
@@ -546,9 +546,7 @@ def test_an_export_into_a_checkpoints_directory_is_refused(tmp_path, capsys, sou
     before = sorted(tmp_path.rglob("*"))
     holder = (tmp_path / target.split("/checkpoints")[0] / "checkpoints").resolve()
     err = _one_line(capsys, 2, "export", tmp_path / source, tmp_path / target)
-    assert err == (f"convert_hf.py: error: {tmp_path / target} is inside the checkpoints directory "
-                   f"{holder}, whose old checkpoints a run deletes with what is in them; export "
-                   f"to a directory outside it, e.g. {holder.parent / 'hf'}\n")
+    assert_refused(2, err, str(tmp_path / target), str(holder), str(holder.parent / "hf"))
     assert sorted(tmp_path.rglob("*")) == before
     assert _convert("export", tmp_path / source, holder.parent / "hf") == 0
 
@@ -653,9 +651,8 @@ def test_of_two_imports_into_one_new_directory_the_second_is_refused(tmp_path, c
 
     monkeypatch.setattr(weights, "write_layers", meanwhile)
     err = _one_line(capsys, 2, "import", tmp_path / "hf", out)
-    assert others == [0] and err == (f"convert_hf.py: error: {out} was written by another "
-                                     "command meanwhile; it is kept as that one wrote it; choose "
-                                     "a new output directory\n")
+    assert others == [0]
+    assert_refused(2, err, str(out), "another command", "new output directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "imp"]
     text = (out / "config.yaml").read_text()
     assert ".partial" not in text and f"--config {out}/config.yaml" in text

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import assert_refused
 
 import launch
 from jaxtron import config
@@ -165,10 +166,9 @@ def test_no_readable_checkpoint_is_one_line_and_status_2(straight, tmp_path, cap
         rf"\(checkpoint 10: meta/metadata is missing; checkpoint 15: {DAMAGE['garbage'][1]}\); "
         "move them aside to start over, or set run.dir to a new directory\n",
         capsys.readouterr().err)
-    assert launch.main([*ARGS, "train.steps=15", f"run.dir={run_dir}"]) == 2
+    status = launch.main([*ARGS, "train.steps=15", f"run.dir={run_dir}"])
     out, err = capsys.readouterr()
-    assert err == (f"launch.py: error: none of the 2 checkpoints in {run_dir}/checkpoints is "
-                   "readable; move them aside to start over, or set run.dir to a new directory\n")
+    assert_refused(status, err, f"2 checkpoints in {run_dir}/checkpoints", "run.dir")
     assert re.search(rf"checkpoints/15 is unreadable \({DAMAGE['garbage'][1]}\)", out)
     assert "checkpoints/10 is unreadable (meta/metadata is missing)" in out
     assert files() == before and not (run_dir / "damaged_checkpoints").exists()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordWriter
+from conftest import assert_refused
 
 from jaxtron import data as data_lib
 from jaxtron.config import ConfigError, DataConfig, DatasetEntry, ModelConfig, TrainConfig
@@ -381,11 +382,9 @@ def test_the_dry_run_refuses_an_empty_val_split_as_the_run_would(datasets, capsy
 
     data = ["data.source=arrayrecord", f"data.mixture=[{{path: {datasets['c']}, weight: 1}}]",
             f"run.dir={tmp_path / 'run'}", "model.vocab_size=8192", "--dry-run"]
-    assert launch.main([*data, "train.eval_every=5"]) == 2
-    err = capsys.readouterr().err
-    assert err == (f"launch.py: error: data.mixture path {datasets['c']}: the val split is empty; "
-                   "set train.eval_every=0, or prepare the dataset again with a larger "
-                   "--val-fraction (with more documents: a plain text file is one)\n")
+    assert_refused(launch.main([*data, "train.eval_every=5"]), capsys.readouterr().err,
+                   f"data.mixture path {datasets['c']}", "val split", "train.eval_every=0",
+                   "--val-fraction")
     assert launch.main([*data, "train.eval_every=0"]) == 0
 
 

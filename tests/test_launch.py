@@ -748,11 +748,8 @@ def test_the_dry_run_refuses_a_run_dir_in_use_and_warns_of_an_inexact_resume(tmp
     run_dir = tmp_path / "run"
     lock = RunDirLock(run_dir)
     try:
-        assert launch.main(["--dry-run", f"run.dir={run_dir}"]) == 2
-        assert capsys.readouterr().err == (f"launch.py: error: run.dir {run_dir} is in use by "
-                                           f"another run (pid {os.getpid()} on host "
-                                           f"{socket.gethostname()}); wait for it or choose "
-                                           "another run.dir\n")
+        assert_refused(launch.main(["--dry-run", f"run.dir={run_dir}"]), capsys.readouterr().err,
+                       f"run.dir {run_dir}", f"pid {os.getpid()} on host {socket.gethostname()}")
     finally:
         lock.release()
     saved = config_lib.load([launch.DEFAULT_CONFIG], [f"run.dir={run_dir}"])
@@ -812,9 +809,8 @@ def test_an_import_restored_as_a_whole_state_is_refused_by_the_dry_run_too(tmp_p
         "step": 0, "layout": weights.LAYERED,
         "config": config.to_yaml(config.load(["configs/tiny.yaml"], []))}))
     for dry in (["--dry-run"], []):
-        assert launch.main([*dry, f"run.dir={tmp_path / 'run'}", "train.steps=2",
-                            f"checkpoint.restore={tmp_path / 'imp'}"]) == 2
-        assert capsys.readouterr().err == (
-            f"launch.py: error: checkpoint.restore={tmp_path / 'imp'} holds imported weights only "
-            "(no optimizer state or data position); add checkpoint.weights_only=true\n")
+        assert_refused(launch.main([*dry, f"run.dir={tmp_path / 'run'}", "train.steps=2",
+                                    f"checkpoint.restore={tmp_path / 'imp'}"]),
+                       capsys.readouterr().err, f"checkpoint.restore={tmp_path / 'imp'}",
+                       "checkpoint.weights_only=true")
     assert not (tmp_path / "run").exists()

@@ -12,6 +12,7 @@ from pathlib import Path
 import grain
 import numpy as np
 import pytest
+from conftest import assert_refused
 
 from jaxtron import config
 from jaxtron.checkpoint import LOCK_FILE, Checkpoints, CheckpointSaveError
@@ -174,10 +175,8 @@ def test_a_second_run_into_the_same_run_dir_is_refused_and_a_killed_ones_lock_bl
         before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()
                   if not p.name.endswith(".tmp")}
         second = _launch("train.steps=2", f"run.dir={run_dir}")
-        assert second.returncode == 2, second.stderr[-2000:]
-        assert second.stderr.strip() == (
-            f"launch.py: error: run.dir {run_dir} is in use by another run (pid {first.pid} on "
-            f"host {os.uname().nodename}); wait for it or choose another run.dir")
+        assert_refused(second.returncode, second.stderr, f"run.dir {run_dir}",
+                       f"pid {first.pid} on host {os.uname().nodename}")
         assert not second.stdout
         after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name in before}
         assert after.keys() == before.keys() and after["config.yaml"] == before["config.yaml"]
