@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.tree_util import Partial
 
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import attention as attention_lib
 from jaxtron.model import attention as kernels  # attention.py: the kernels behind one call
+from jaxtron.model import fp8
 from jaxtron.model import vocab
 from jaxtron.parallel import collective_matmul, constrain
 
@@ -51,6 +53,8 @@ def check(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
     attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
+    if cfg.fp8 not in fp8.MODES:
+        raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
 
 
 def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
@@ -130,11 +134,7 @@ class Attention(nnx.Module):
 
     def _projections(self, x_BTD) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q[B, T, N, H], k and v [B, T, K, H], heads split over tensor, sequence whole."""
-        names = ("wq", "wk", "wv")
-        if _overlapped(self.cfg):
-            q, k, v = collective_matmul.gather_matmuls(x_BTD, *map(self._weight, names))
-        else:
-            q, k, v = (jnp.einsum("btd,dnh->btnh", x_BTD, self._weight(n)) for n in names)
+        q, k, v = _column_parallel(self.cfg, x_BTD, self.wq, self.wk, self.wv)
         if self.cfg.qkv_bias:
             q, k, v = (y + self._weight(b) for y, b in zip((q, k, v), ("bq", "bk", "bv")))
         return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
@@ -169,9 +169,7 @@ class Attention(nnx.Module):
         """The heads' outputs projected back to the model width [B, T, D]."""
         out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)),
                                    "attn_out")
-        if _overlapped(self.cfg):
-            return collective_matmul.matmul_scatter(out_BTNH, self._weight("wo"))
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, self._weight("wo"))
+        return _row_parallel(self.cfg, out_BTNH, self.wo)
 
 
 def _gathered(param: nnx.Param, cfg: ModelConfig) -> jax.Array:
@@ -183,19 +181,72 @@ def _gathered(param: nnx.Param, cfg: ModelConfig) -> jax.Array:
     Not under remat=none: there the gathered copy would be kept for the backward, every layer's
     (llama2_7b as shipped: 74.1 GiB against 54.8)."""
     w = param[...].astype(cfg.dtype)
-    if cfg.remat == "none":
-        return w
-    axes = tuple(param.get_metadata().get("out_sharding") or ())
-    if len(axes) == w.ndim + 1 and axes[0] == "layers":
-        axes = axes[1:]  # one layer of the stack, inside the scan over layers
-    if len(axes) != w.ndim:
-        return w
-    return constrain(w, tuple(None if axis == "embed" else axis for axis in axes))
+    gathered = _gathered_axes(param, cfg)
+    return w if gathered is None else constrain(w, gathered)
+
+
+def _stored_axes(param: nnx.Param) -> tuple[str, ...] | None:
+    """A weight's logical axes as one layer holds it (inside the scan over layers)."""
+    axes, ndim = tuple(param.get_metadata().get("out_sharding") or ()), param[...].ndim
+    if len(axes) == ndim + 1 and axes[0] == "layers":
+        axes = axes[1:]
+    return axes if len(axes) == ndim else None
+
+
+def _gathered_axes(param: nnx.Param, cfg: ModelConfig) -> tuple[str | None, ...] | None:
+    """Where `_gathered` pins a weight: its axes with `embed` whole; None under remat=none."""
+    axes = _stored_axes(param)
+    if cfg.remat == "none" or axes is None:
+        return None
+    return tuple(None if axis == "embed" else axis for axis in axes)
+
+
+def _weights(cfg: ModelConfig, params) -> tuple[tuple[jax.Array, ...], tuple]:
+    """The layer's weights as its matmuls read them, and with model.fp8 their scales: gathered
+    in the compute dtype (`_gathered`), or quantized before their gather (`fp8.weight`)."""
+    if cfg.fp8 == "none":
+        return tuple(_gathered(p, cfg) for p in params), (None,) * len(params)
+    stored = [p[...] for p in params]
+    scales = tuple(fp8.scale(w) for w in stored)
+    return tuple(fp8.weight(w, s, cfg.dtype, _stored_axes(p), _gathered_axes(p, cfg))
+                 for p, w, s in zip(params, stored, scales)), scales
 
 
 def _overlapped(cfg: ModelConfig) -> bool:
     """Whether the tensor-parallel matmuls run as collective matmuls here."""
     return cfg.collective_matmul and collective_matmul.applies()
+
+
+def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, manual: tuple[str, ...]):
+    """One `dot(x, w, contract)` per weight, for products of x with each: `jnp.tensordot`, or
+    with model.fp8 an FP8 matmul with x's scale taken here over the whole of x and each weight's
+    (`_weights`); `manual`: the mesh axes the dots run inside a shard_map over, for the
+    backward's gradient scale."""
+    if cfg.fp8 == "none":
+        return [Partial(jnp.tensordot)] * len(w_scales)
+    x_scale, dot = fp8.scale(x), functools.partial(fp8.dot, grad_axes=manual)
+    return [Partial(dot, x_scale=x_scale, w_scale=s) for s in w_scales]
+
+
+def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, *params: nnx.Param):
+    """x[B, T, D] times each weight [D, ...] (q, k, v; gate, up): outputs [B, T, ...] with the
+    weights' split over tensor, overlapped with the sequence's all-gather when it applies."""
+    weights, scales = _weights(cfg, params)
+    if _overlapped(cfg):
+        dots = _dots(cfg, x_BTD, scales, (collective_matmul.AXIS,))
+        return collective_matmul.gather_matmuls(x_BTD, *weights, dots=dots)
+    return tuple(dot(x_BTD, w, 1) for dot, w in zip(_dots(cfg, x_BTD, scales, ()), weights))
+
+
+def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param) -> jax.Array:
+    """h[B, T, ...] times w[..., D] summed over the middle dimensions (o, down): [B, T, D], its
+    reduce-scatter over the sequence overlapped with the matmul when it applies."""
+    (w,), scales = _weights(cfg, (param,))
+    manual = (collective_matmul.AXIS,) if _overlapped(cfg) else ()
+    (dot,) = _dots(cfg, h, scales, manual)
+    if manual:
+        return collective_matmul.matmul_scatter(h, w, dot=dot)
+    return dot(h, w, h.ndim - 2)
 
 
 class MLP(nnx.Module):
@@ -209,16 +260,9 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        weights = (self.w_gate, self.w_up, self.w_down)
-        gate, up, down = (_gathered(w, self.cfg) for w in weights)
-        if _overlapped(self.cfg):
-            gate_BTF, up_BTF = collective_matmul.gather_matmuls(x_BTD, gate, up)
-        else:
-            gate_BTF, up_BTF = x_BTD @ gate, x_BTD @ up
+        gate_BTF, up_BTF = _column_parallel(self.cfg, x_BTD, self.w_gate, self.w_up)
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
-        if _overlapped(self.cfg):
-            return collective_matmul.matmul_scatter(h_BTF, down)
-        return h_BTF @ down
+        return _row_parallel(self.cfg, h_BTF, self.w_down)
 
 
 class Block(nnx.Module):

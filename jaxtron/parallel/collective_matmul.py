@@ -23,11 +23,17 @@ the weights as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import Partial
 
 AXIS = "tensor"
+# dot(x, w, contract) -> x's last `contract` dimensions against w's first (jnp.tensordot's), as
+# a pytree (a `Partial`): the arrays it holds (FP8 scales) enter the shard_map as its arguments
+Dot = Partial
 
 
 def applies() -> bool:
@@ -46,7 +52,7 @@ def _chunk(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
-def _gather_local(x_BtD, *weights):
+def _gather_local(dots, x_BtD, *weights):
     """Local view: x[B, T/n, D] (this device's chunk), weights [D, ...local out dims]."""
     n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     t = x_BtD.shape[1]
@@ -56,7 +62,7 @@ def _gather_local(x_BtD, *weights):
         # The chunk in hand came from device me + step: it is sequence chunk (me + step) % n.
         following = _shift_left(chunk, n) if step < n - 1 else None  # in flight meanwhile
         where = ((me + step) % n) * t
-        ys = [jnp.tensordot(chunk, w, axes=1) for w in weights]
+        ys = [dot(chunk, w, 1) for dot, w in zip(dots, weights)]
         # Tie the received chunk to this step's products: the next step's matmuls then follow
         # this step's, so XLA cannot merge them all into one matmul after the last permute.
         ys, chunk = jax.lax.optimization_barrier((ys, following))
@@ -64,37 +70,41 @@ def _gather_local(x_BtD, *weights):
     return tuple(outs)
 
 
-def _scatter_local(h_BT_, w):
+def _scatter_local(dot, h_BT_, w):
     """Local view: h[B, T, ...contracting, local] and w[...contracting, D] -> out[B, T/n, D]."""
     n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     t = h_BT_.shape[1] // n
     contract = h_BT_.ndim - 2
     # Device me's running sum at step s is for chunk me + 1 + s; after n - 1 moves left, the sum
     # that ends here is this device's own chunk, with every device's part added once.
-    total = jnp.tensordot(_chunk(h_BT_, (me + 1) % n, t), w, axes=contract)
+    total = dot(_chunk(h_BT_, (me + 1) % n, t), w, contract)
     for step in range(1, n):
         moving = _shift_left(total, n)  # in flight while this step's matmul runs
         # The chunk waits for the previous sum, so the matmuls stay one per step (unmerged).
         chunk, _ = jax.lax.optimization_barrier((_chunk(h_BT_, (me + 1 + step) % n, t), total))
-        total = moving + jnp.tensordot(chunk, w, axes=contract)
+        total = moving + dot(chunk, w, contract)
     return total
 
 
-def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array) -> tuple[jax.Array, ...]:
+def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | None = None
+                   ) -> tuple[jax.Array, ...]:
     """x[B, T_tensor, D] times each weight [D, X_tensor, ...] -> outputs [B, T, X_tensor, ...],
-    the all-gather of x over the sequence overlapped with the matmuls."""
+    the all-gather of x over the sequence overlapped with the matmuls. `dots`: how each weight's
+    chunk products are computed (`jnp.tensordot` unless given: the model's FP8 matmuls), their
+    arrays replicated over tensor."""
     w_specs = tuple(P(None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
     out_specs = tuple(P(None, None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
-    run = jax.shard_map(_gather_local, in_specs=(P(None, AXIS, None), *w_specs),
+    dots = dots or [Partial(jnp.tensordot)] * len(weights)
+    run = jax.shard_map(_gather_local, in_specs=(P(), P(None, AXIS, None), *w_specs),
                         out_specs=out_specs, axis_names={AXIS}, check_vma=False)
-    return run(x_BTD, *weights)
+    return run(list(dots), x_BTD, *weights)
 
 
-def matmul_scatter(h: jax.Array, w: jax.Array) -> jax.Array:
+def matmul_scatter(h: jax.Array, w: jax.Array, dot: Dot = Partial(jnp.tensordot)) -> jax.Array:
     """h[B, T, X_tensor, ...] times w[X_tensor, ..., D] summed over X -> out[B, T_tensor, D], the
-    reduce-scatter over the sequence overlapped with the matmuls."""
+    reduce-scatter over the sequence overlapped with the matmuls (chunk products by `dot`)."""
     h_spec = P(None, None, AXIS, *[None] * (h.ndim - 3))
     w_spec = P(AXIS, *[None] * (w.ndim - 1))
-    run = jax.shard_map(_scatter_local, in_specs=(h_spec, w_spec), out_specs=P(None, AXIS, None),
-                        axis_names={AXIS}, check_vma=False)
-    return run(h, w)
+    run = jax.shard_map(_scatter_local, in_specs=(P(), h_spec, w_spec),
+                        out_specs=P(None, AXIS, None), axis_names={AXIS}, check_vma=False)
+    return run(dot, h, w)

@@ -195,6 +195,8 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
                   "compiled_per_device": counted["matmul"] + counted["attention"],
                   "matmul_per_device": counted["matmul"],
                   "attention_per_device": counted["attention"],
+                  "fp8_matmul_per_device": counted["fp8"],
+                  "fp8_e5m2_matmul_per_device": counted["fp8_e5m2"],
                   "expected_matmul_per_device": flops.expected_matmul(cfg, tokens),
                   "six_n_tokens_per_device": round(6 * metrics.matmul_params(cfg.model) * tokens)},
         "collectives": rows,
@@ -288,7 +290,18 @@ def _flops_line(report: dict) -> str:
             f"{expected / 1e12:.1f} T the policy ({report['remat']}) implies "
             f"({compiled / max(expected, 1):.2f}x), 6*N*tokens {six_n / 1e12:.1f} T "
             f"({compiled / max(six_n, 1):.2f}x); attention kernels "
-            f"{counts['attention_per_device'] / 1e12:.1f} T")
+            f"{counts['attention_per_device'] / 1e12:.1f} T{_fp8_part(counts)}")
+
+
+def _fp8_part(counts: dict) -> str:
+    """The matmul FLOPs FP8 GEMMs carry (model.fp8), and those against e5m2 gradients."""
+    fp8 = counts.get("fp8_matmul_per_device", 0)
+    if not fp8:
+        return ""
+    share = fp8 / max(counts["matmul_per_device"], 1)
+    backward = counts.get("fp8_e5m2_matmul_per_device", 0) / fp8
+    return f"; FP8 GEMMs {fp8 / 1e12:.1f} T ({share:.0%} of the matmul flops, {backward:.0%} " \
+           "of them against e5m2 gradients)"
 
 
 def usable_on(gpu: str | None, cfg: Config, devices: list) -> tuple[int | None, str]:

@@ -38,14 +38,23 @@ RECOMPUTED = {
 
 
 def compiled(module: Module) -> dict[str, int]:
-    """FLOPs per device per step of the matmuls and of the cuDNN attention kernels, apart."""
-    totals = {"matmul": 0, "attention": 0}
+    """FLOPs per device per step of the matmuls and of the cuDNN attention kernels, apart; of
+    the matmuls, those with FP8 operands (`fp8`: an FP8 GEMM, model.fp8) and of those, the ones
+    with an e5m2 operand (`fp8_e5m2`: the backward's, against a gradient)."""
+    totals = {"matmul": 0, "attention": 0, "fp8": 0, "fp8_e5m2": 0}
     for comp, insts in module.computations.items():
         runs = module.executions.get(comp, 0)
         for inst in insts:
-            if runs and (flops := _flops(inst, module)):
-                kind = "attention" if hlo._target(inst).startswith("__cudnn$fmha") else "matmul"
-                totals[kind] += runs * flops
+            if not runs or not (flops := _flops(inst, module)):
+                continue
+            if hlo._target(inst).startswith("__cudnn$fmha"):
+                totals["attention"] += runs * flops
+                continue
+            totals["matmul"] += runs * flops
+            dtypes = [dtype for dtype, _ in _operand_shapes(inst, module)[:2]]
+            if all(dtype.startswith("f8") for dtype in dtypes):
+                totals["fp8"] += runs * flops
+                totals["fp8_e5m2"] += runs * flops * ("f8e5m2" in dtypes)
     return totals
 
 
