@@ -24,8 +24,7 @@ from jax.tree_util import Partial
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import attention as attention_lib
 from jaxtron.model import attention as kernels  # attention.py: the kernels behind one call
-from jaxtron.model import fp8
-from jaxtron.model import vocab
+from jaxtron.model import fp8, vocab
 from jaxtron.parallel import collective_matmul, constrain
 
 _policies = jax.checkpoint_policies
@@ -217,15 +216,18 @@ def _overlapped(cfg: ModelConfig) -> bool:
     return cfg.collective_matmul and collective_matmul.applies()
 
 
-def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, manual: tuple[str, ...]):
+def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple) -> list[Partial]:
     """One `dot(x, w, contract)` per weight, for products of x with each: `jnp.tensordot`, or
     with model.fp8 an FP8 matmul with x's scale taken here over the whole of x and each weight's
-    (`_weights`); `manual`: the mesh axes the dots run inside a shard_map over, for the
-    backward's gradient scale."""
+    (`_weights`)."""
     if cfg.fp8 == "none":
         return [Partial(jnp.tensordot)] * len(w_scales)
-    x_scale, dot = fp8.scale(x), functools.partial(fp8.dot, grad_axes=manual)
-    return [Partial(dot, x_scale=x_scale, w_scale=s) for s in w_scales]
+    x_scale = fp8.scale(x)
+    return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s) for s in w_scales]
+
+
+def _fp8_dot(x, w, contract, *, x_scale, w_scale):
+    return fp8.dot(x, w, contract, x_scale, w_scale)
 
 
 def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, *params: nnx.Param):
@@ -233,18 +235,16 @@ def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, *params: nnx.Param):
     weights' split over tensor, overlapped with the sequence's all-gather when it applies."""
     weights, scales = _weights(cfg, params)
     if _overlapped(cfg):
-        dots = _dots(cfg, x_BTD, scales, (collective_matmul.AXIS,))
-        return collective_matmul.gather_matmuls(x_BTD, *weights, dots=dots)
-    return tuple(dot(x_BTD, w, 1) for dot, w in zip(_dots(cfg, x_BTD, scales, ()), weights))
+        return collective_matmul.gather_matmuls(x_BTD, *weights, dots=_dots(cfg, x_BTD, scales))
+    return tuple(dot(x_BTD, w, 1) for dot, w in zip(_dots(cfg, x_BTD, scales), weights))
 
 
 def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param) -> jax.Array:
     """h[B, T, ...] times w[..., D] summed over the middle dimensions (o, down): [B, T, D], its
     reduce-scatter over the sequence overlapped with the matmul when it applies."""
     (w,), scales = _weights(cfg, (param,))
-    manual = (collective_matmul.AXIS,) if _overlapped(cfg) else ()
-    (dot,) = _dots(cfg, h, scales, manual)
-    if manual:
+    (dot,) = _dots(cfg, h, scales)
+    if _overlapped(cfg):
         return collective_matmul.matmul_scatter(h, w, dot=dot)
     return dot(h, w, h.ndim - 2)
 

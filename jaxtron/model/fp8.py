@@ -9,8 +9,7 @@ optimizer and every other op are unchanged.
 
 Scales (`scale`): amax / the format's largest value, so that the tensor's largest magnitude lands
 on the format's largest. `tensorwise` takes amax from the tensor at this step (the forward's x and
-w before their matmul, the gradient in the backward). Inside a `shard_map` the amax is completed
-with `pmax` over the manual axes (`grad_axes` for the backward's gradient).
+w before their matmul, the gradient in the backward).
 
 On a GPU, XLA compiles a `dot` of FP8 operands to an FP8 GEMM (a Triton GEMM fusion or cuBLASLt's
 FP8 matmul, whichever autotuning picks); on CPUs it runs the same rounding and multiplies in
@@ -21,7 +20,6 @@ operands: half the bytes of the compute dtype's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +31,9 @@ FORWARD = jnp.float8_e4m3fn  # weights and activations
 BACKWARD = jnp.float8_e5m2  # gradients
 
 
-def scale(x: jax.Array, fmt=FORWARD, axes: Sequence[str] = ()) -> jax.Array:
-    """float32 scalar s with max|x| / s = the format's largest value (1 for an all-zero x);
-    `axes`: manual mesh axes over which x is split (inside a shard_map)."""
+def scale(x: jax.Array, fmt=FORWARD) -> jax.Array:
+    """float32 scalar s with max|x| / s = the format's largest value (1 for an all-zero x)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    for axis in axes:
-        amax = jax.lax.pmax(amax, axis)
     largest = float(jnp.finfo(fmt).max)
     return jax.lax.stop_gradient(jnp.where(amax > 0, amax / largest, 1.0))
 
@@ -56,25 +51,29 @@ def _scaled_dot(a_q, b_q, s, contracting, dtype) -> jax.Array:
     return (out.astype(jnp.float32) * s).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 5))
-def _dot(x: jax.Array, w: jax.Array, contract: int, x_scale: jax.Array, w_scale: jax.Array,
-         grad_axes: tuple[str, ...]) -> jax.Array:
-    return _dot_fwd(x, w, contract, x_scale, w_scale, grad_axes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dot(x: jax.Array, w: jax.Array, contract: int, x_scale: jax.Array, w_scale: jax.Array
+        ) -> jax.Array:
+    """`jnp.tensordot(x, w, contract)` in FP8: x's last `contract` dimensions against w's first,
+    x and w quantized with the given scales (`scale`), the result in x's dtype. The backward
+    scales the gradient by its own amax, over the gradient as this program holds it: inside a
+    shard_map (the collective matmuls' steps) this device's chunk, with no collective."""
+    return _dot_fwd(x, w, contract, x_scale, w_scale)[0]
 
 
 def _contracting(x_ndim: int, contract: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(range(x_ndim - contract, x_ndim)), tuple(range(contract))
 
 
-def _dot_fwd(x, w, contract, x_scale, w_scale, grad_axes):
+def _dot_fwd(x, w, contract, x_scale, w_scale):
     x_q, w_q = quantize(x, x_scale, FORWARD), quantize(w, w_scale, FORWARD)
     y = _scaled_dot(x_q, w_q, x_scale * w_scale, _contracting(x.ndim, contract), x.dtype)
     return y, (x_q, w_q, x_scale, w_scale, jnp.zeros((), w.dtype))  # w's dtype, for dw
 
 
-def _dot_bwd(contract, grad_axes, residuals, g):
+def _dot_bwd(contract, residuals, g):
     x_q, w_q, x_scale, w_scale, w_like = residuals
-    g_scale = scale(g, BACKWARD, grad_axes)
+    g_scale = scale(g, BACKWARD)
     g_q = quantize(g, g_scale, BACKWARD)
     a = x_q.ndim - contract  # x[A..., K...], w[K..., N...], g[A..., N...]
     n = w_q.ndim - contract
@@ -85,15 +84,7 @@ def _dot_bwd(contract, grad_axes, residuals, g):
     return dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale)
 
 
-_dot.defvjp(_dot_fwd, _dot_bwd)
-
-
-def dot(x: jax.Array, w: jax.Array, contract: int, *, x_scale: jax.Array, w_scale: jax.Array,
-        grad_axes: tuple[str, ...] = ()) -> jax.Array:
-    """`jnp.tensordot(x, w, contract)` in FP8: x's last `contract` dimensions against w's first,
-    x and w quantized with the given scales (`scale`), the result in x's dtype; `grad_axes`: the
-    manual mesh axes it runs inside, over which the backward completes its gradient's amax."""
-    return _dot(x, w, contract, x_scale, w_scale, tuple(grad_axes))
+dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
