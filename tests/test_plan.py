@@ -59,6 +59,28 @@ def test_bubble_and_data_terms():
     assert parts["compute"] == pytest.approx(flops / (planner.ACHIEVABLE_TFLOPS["h100"] * 1e12))
 
 
+def test_fp8_projections_compute_faster_and_their_weights_travel_in_half_the_bytes():
+    """model.fp8: the projections' FLOPs at FP8_SPEEDUP (the LM head's and attention's not), the
+    fsdp gathers in one byte (2 of each microbatch's 3 weight transfers), the rest unchanged."""
+    mesh = _mesh(fsdp=8)
+    bf16, fp8 = (planner.step_time(planner.configure(cfg, mesh, "gpipe", 1, 1, "none"), mesh, 4,
+                                   "h100")
+                 for cfg in (_cfg("train.batch_size=64"),
+                             _cfg("train.batch_size=64", "model.fp8=tensorwise")))
+    m, tokens = _cfg().model, 64 * 256 / 8
+    projections = 6 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
+    saved = projections * (1 - 1 / planner.FP8_SPEEDUP)
+    assert bf16["compute"] - fp8["compute"] == pytest.approx(
+        saved / (planner.ACHIEVABLE_TFLOPS["h100"] * 1e12))
+    layer_bytes = (metrics.matmul_params(m) - m.d_model * m.vocab_size) * 2 * 7 / 8  # bf16
+    eta = planner.FSDP_OVERLAP
+    for parts, units in ((bf16, 3), (fp8, 2)):  # gather, gather, reduce-scatter
+        traffic = units * layer_bytes / (planner.NETWORK_GBPS * 1e9)  # 4 GPUs a node: across
+        assert parts["fsdp"] == pytest.approx(
+            traffic * (1 - eta) + max(0.0, traffic * eta - parts["compute"]))
+    assert fp8["data"] == bf16["data"]
+
+
 def test_fsdp_across_nodes_pays_the_network():
     """The same fsdp traffic costs NVLink time inside a node and network time across nodes."""
     cfg = _cfg("train.batch_size=64")

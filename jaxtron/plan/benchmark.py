@@ -68,12 +68,23 @@ SUITES = {
         Row("llama3_8b 16 layers seq 8192", "llama3_8b.yaml",  # half of it: 67.6 GiB of 71.2
             ("model.num_layers=16", "train.batch_size=1", "train.seq_len=8192", *FIXED,
              "model.remat=full"), 1.5),
+        # the same two programs with FP8 projections (model.fp8): their speed-up is the FP8 gain
+        Row("llama3_1b seq 4096 fp8", "llama3_1b.yaml",
+            ("train.batch_size=16", "train.seq_len=4096", *FIXED, "model.remat=full",
+             "model.fp8=tensorwise"), 1.5),
+        # 14 layers: at 16, 77.0 GiB (FP8's temporaries on one GPU, docs/performance.md)
+        Row("llama3_8b 14 layers seq 8192 fp8", "llama3_8b.yaml",
+            ("model.num_layers=14", "train.batch_size=1", "train.seq_len=8192", *FIXED,
+             "model.remat=full", "model.fp8=tensorwise"), 1.5),
     ), one_gpu=True),
     # The same harness on this machine's CPU devices, in seconds: what CI runs.
     "smoke": Suite("the local CPU devices", steps=3, warmup=1, rows=(
         Row("tiny seq 128", "tiny.yaml", ("train.batch_size=8", "train.seq_len=128"), 0.3),
         Row("tiny remat=full seq 256", "tiny.yaml",
             ("train.batch_size=8", "train.seq_len=256", "model.remat=full",
+             "model.num_layers=2"), 0.3),
+        Row("tiny fp8 seq 128", "tiny.yaml",
+            ("train.batch_size=8", "train.seq_len=128", "model.fp8=tensorwise",
              "model.num_layers=2"), 0.3),
     )),
 }
@@ -136,7 +147,8 @@ def measure(cfg: Config, steps: int, warmup: int, checks: bool = False) -> dict:
     stats = devices[0].memory_stats() or {}
     return {
         "tokens_per_sec": row["tokens_per_sec"], "tflops_per_device": row["tflops_per_device"],
-        "mfu": row["mfu"], "step_time": step_time,
+        "mfu": row["mfu"], "mfu_fp8": row["mfu_fp8"], "fp8": cfg.model.fp8,
+        "step_time": step_time,
         "step_time_spread": (max(times) - min(times)) / step_time,
         "step_time_min": min(times), "step_time_max": max(times),
         "peak_memory_bytes": stats.get("peak_bytes_in_use"),
@@ -251,6 +263,11 @@ def markdown(rows: list[dict], peer: bool) -> list[str]:
     return lines + [markdown_row(row, peer) for row in rows]
 
 
+def _fp8_mfu(row: dict) -> str:
+    """A model.fp8 row's MFU against the FP8 peak, beside the BF16 one."""
+    return "" if row.get("mfu_fp8") is None else f" ({row['mfu_fp8']:.1%} of FP8)"
+
+
 def markdown_row(row: dict, peer: bool) -> str:
     """One row of the markdown table; a failed row says why in its tokens/s cell."""
     if row.get("error"):
@@ -260,7 +277,7 @@ def markdown_row(row: dict, peer: bool) -> str:
         mfu = row.get("mfu")
         cells = [row["config"], f"{row['batch']} x {row['seq_len']}",
                  f"{row['tokens_per_sec']:,.0f}", _figure(row["tflops_per_device"]),
-                 "n/a" if mfu is None else f"{mfu:.1%}",
+                 "n/a" if mfu is None else f"{mfu:.1%}" + _fp8_mfu(row),
                  f"{row['step_time'] * 1000:.1f} ms, {row['step_time_spread']:.1%}",
                  "n/a" if peak is None else f"{peak / 2**30:.2f} GiB", row["attention"],
                  f"{row['compile_s']:.1f} s"]

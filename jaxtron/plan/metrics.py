@@ -6,7 +6,11 @@ Model FLOPs per token, for training (forward + backward = 3x forward):
                                     norms/biases
   + 6 * L * N * H * S               attention scores and weighted sum: 12*L*N*H*S, halved for causal
 MFU = achieved model FLOP/s per device / the device's dense BF16 peak. Remat recomputation is not
-counted (that would be hardware FLOPs), so MFU is comparable across remat policies.
+counted (that would be hardware FLOPs), so MFU is comparable across remat policies. With
+model.fp8 the same FLOPs are also given against the dense FP8 peak (`mfu_fp8`, twice the BF16 one
+on Hopper): MFU stays comparable with BF16 runs and peers' BF16 numbers, `mfu_fp8` says how far
+from the FP8 tensor cores' limit the run is (the LM head, attention and the elementwise work
+still run in BF16, so it cannot reach 1 even in principle).
 """
 
 from __future__ import annotations
@@ -37,8 +41,19 @@ PEAK_TFLOPS = (
     ("A100", 312.0),
 )
 
+# Dense FP8 tensor-core peaks in TFLOP/s (model.fp8): twice the BF16 ones; none on the A100.
+FP8_PEAK_TFLOPS = (
+    ("H100 PCIe", 1513.0),
+    ("H100 NVL", 1671.0),
+    ("H100", 1979.0),
+    ("H200", 1979.0),
+    ("H800", 1979.0),
+    ("GH200", 1979.0),
+    ("B200", 4500.0),
+)
+
 KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "tflops_per_device",
-        "mfu", "tokens", "host_memory_gib")
+        "mfu", "mfu_fp8", "tokens", "host_memory_gib")
 BAR_DROPS = ("ms", "lr", "grad_norm", "tok")  # what the progress bar drops first when narrow
 
 
@@ -55,9 +70,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(cfg) + attention
 
 
-def peak_tflops(device_kind: str) -> float | None:
-    """Dense BF16 peak of a device, or None when unknown (then MFU is reported as null)."""
-    for name, tflops in PEAK_TFLOPS:
+def peak_tflops(device_kind: str, fp8: bool = False) -> float | None:
+    """Dense BF16 (or FP8) peak of a device, or None when unknown (then MFU is reported as
+    null)."""
+    for name, tflops in FP8_PEAK_TFLOPS if fp8 else PEAK_TFLOPS:
         if name.lower() in device_kind.lower():
             return tflops
     return None
@@ -270,6 +286,8 @@ def terminal_shape(stream) -> tuple[int | None, int | None]:
 def format_row(row: dict) -> str:
     """One human-readable log line."""
     mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    if row.get("mfu_fp8") is not None:
+        mfu += f" ({100 * row['mfu_fp8']:.1f}% of the FP8 peak)"
     tflops = "n/a" if row["tflops_per_device"] is None else f"{row['tflops_per_device']:.2f}"
     return (
         f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
@@ -286,13 +304,14 @@ class StepCost:
     flops: float  # model FLOPs per step (flops_per_token x tokens)
     num_devices: int
     device_kind: str
+    fp8: bool = False  # model.fp8: MFU against the FP8 peak too
 
     @classmethod
     def of(cls, cfg: Config, devices: list) -> "StepCost":
         """The cost of one step of `cfg` over `devices`."""
         tokens = cfg.train.batch_size * cfg.train.seq_len
         flops = flops_per_token(cfg.model, cfg.train.seq_len) * tokens
-        return cls(tokens, flops, len(devices), devices[0].device_kind)
+        return cls(tokens, flops, len(devices), devices[0].device_kind, cfg.model.fp8 != "none")
 
 
 def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens: int) -> dict:
@@ -300,12 +319,13 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
     Python floats, non-finite kept as is. `tokens`: all the run has trained on by this step."""
     tflops = cost.flops / step_time / cost.num_devices / 1e12
     peak = peak_tflops(cost.device_kind)
+    fp8_peak = peak_tflops(cost.device_kind, fp8=True) if cost.fp8 else None
     return {
         "step": step, "loss": float(fetched["loss"]), "lr": float(fetched["lr"]),
         "grad_norm": float(fetched["grad_norm"]),
         "tokens_per_sec": cost.tokens / step_time, "step_time": step_time,
         "tflops_per_device": tflops, "mfu": None if peak is None else tflops / peak,
-        "tokens": tokens,
+        "mfu_fp8": None if fp8_peak is None else tflops / fp8_peak, "tokens": tokens,
         # this process's resident memory: a leak (one per save, per batch) shows as a rising line
         "host_memory_gib": round(process_bytes() / 2**30, 4),
     }
