@@ -68,11 +68,8 @@ SUITES = {
         Row("llama3_8b 16 layers seq 8192", "llama3_8b.yaml",  # half of it: 67.6 GiB of 71.2
             ("model.num_layers=16", "train.batch_size=1", "train.seq_len=8192", *FIXED,
              "model.remat=full"), 1.5),
-        # the same two programs with FP8 projections (model.fp8): their speed-up is the FP8 gain
-        Row("llama3_1b seq 4096 fp8", "llama3_1b.yaml",
-            ("train.batch_size=16", "train.seq_len=4096", *FIXED, "model.remat=full",
-             "model.fp8=tensorwise"), 1.5),
-        # 14 layers: at 16, 77.0 GiB (FP8's temporaries on one GPU, docs/performance.md)
+        # the row above with FP8 projections (model.fp8), its MFU against the row's the FP8 gain;
+        # 14 layers: at 16, 77.0 GiB (FP8's temporaries on one GPU, docs/parallelism.md)
         Row("llama3_8b 14 layers seq 8192 fp8", "llama3_8b.yaml",
             ("model.num_layers=14", "train.batch_size=1", "train.seq_len=8192", *FIXED,
              "model.remat=full", "model.fp8=tensorwise"), 1.5),
