@@ -212,7 +212,7 @@ def test_a_failure_is_said_in_one_line(stderr, said):
     (["--list"], "--list needs --suite (e.g. --suite gpu --list)"),
     (["--peer"], "--peer needs --suite (e.g. --suite gpu --peer)"),
     (["--rows", "1"], "--rows needs --suite (e.g. --suite gpu --rows 1,2)"),
-    (["--suite", "gpu", "--rows", "2,5"], "--rows 5: suite gpu has 4 rows (see --suite gpu --list)"),
+    (["--suite", "gpu", "--rows", "2,6"], "--rows 6: suite gpu has 5 rows (see --suite gpu --list)"),
     (["--suite", "gpu", "--rows", "0"], "argument --rows: '0' is not a list of row numbers from 1, "
                                         "such as 1,3"),
     (["--suite", "gpu", "--rows", "1,1"], "argument --rows: '1,1' is not a list of row numbers "

@@ -29,6 +29,8 @@ from jaxtron import config, model, parallel
 from jaxtron.config import MeshConfig
 from jaxtron.model import fp8
 from jaxtron.parallel import collective_matmul
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import make_plan
 from jaxtron.train.loop import train
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -221,3 +223,16 @@ def test_fp8_training_ends_within_2_percent_of_the_unquantized_loss(tmp_path):
 def test_an_unknown_fp8_mode_is_refused():
     with pytest.raises(config.ConfigError, match="model.fp8=e4m3 is not one of none, tensorwise"):
         model.check(tiny_config("model.fp8=e4m3").model)
+
+
+def test_fp8_keeps_no_state_of_its_own_so_checkpoints_and_exports_are_unchanged():
+    """tensorwise scales are taken at each step: the train state (what a checkpoint holds and
+    `jaxtron convert-hf export` reads) has the same arrays as without FP8, master weights in
+    float32."""
+    cfgs = [tiny_config(), tiny_config(FP8)]
+    plans = [make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), 1) for cfg in cfgs]
+    shapes = [jax.tree_util.tree_flatten_with_path(p.abstract)[0] for p in plans]
+    assert [(path, leaf.shape, leaf.dtype) for path, leaf in shapes[0]] == \
+        [(path, leaf.shape, leaf.dtype) for path, leaf in shapes[1]]
+    assert {leaf.dtype for leaf in jax.tree.leaves(plans[1].abstract["params"])} == {
+        np.dtype("float32")}

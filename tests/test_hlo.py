@@ -80,7 +80,45 @@ def test_kernels_and_matmul_flops():
     assert hlo.kernels(module) == {"__triton_gemm": 6, "__cublas$lt$matmul": 1}
     loop_dots = 6 * 2 * 64 * 16 * 32  # the Triton GEMM fusion's dot, six times
     cublas = 2 * 64 * 16 * 32  # out [64, 16], contracting a's dimension 1 (32)
-    assert flops.compiled(module) == {"matmul": loop_dots + cublas, "attention": 0}
+    assert flops.compiled(module) == {"matmul": loop_dots + cublas, "attention": 0, "fp8": 0,
+                                      "fp8_e5m2": 0}
+
+
+FP8_MODULE = """\
+HloModule jit_train_step, entry_computation_layout={()->()}
+
+%forward (p0: f8e4m3fn[64,32], p1: f8e4m3fn[32,16]) -> bf16[64,16] {
+  %p0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %p1 = f8e4m3fn[32,16]{0,1} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%backward (q0: f8e5m2[64,16], q1: f8e4m3fn[16,32]) -> bf16[64,32] {
+  %q0 = f8e5m2[64,16]{1,0} parameter(0)
+  %q1 = f8e4m3fn[16,32]{0,1} parameter(1)
+  ROOT %dot.2 = bf16[64,32]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f8e4m3fn[64,32], b: f8e4m3fn[32,16], g: f8e5m2[64,16], c: f8e4m3fn[16,32], x: bf16[64,32], y: bf16[32,16]) -> bf16[64,16] {
+  %a = f8e4m3fn[64,32]{1,0} parameter(0)
+  %b = f8e4m3fn[32,16]{0,1} parameter(1)
+  %g = f8e5m2[64,16]{1,0} parameter(2)
+  %c = f8e4m3fn[16,32]{0,1} parameter(3)
+  %x = bf16[64,32]{1,0} parameter(4)
+  %y = bf16[32,16]{1,0} parameter(5)
+  %f = bf16[64,16]{1,0} fusion(%a, %b), kind=kCustom, calls=%forward, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %d = bf16[64,32]{1,0} fusion(%g, %c), kind=kCustom, calls=%backward, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  ROOT %h = bf16[64,16]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_fp8_matmuls_are_those_with_fp8_operands_and_e5m2_the_backwards():
+    """model.fp8's GEMMs: a dot whose operands are all FP8 counts to `fp8`, one of them e5m2 (a
+    gradient) to `fp8_e5m2` too; the bf16 dot beside them to neither."""
+    each = 2 * 64 * 16 * 32  # the three dots have the same size
+    assert flops.compiled(hlo.parse(FP8_MODULE)) == {"matmul": 3 * each, "attention": 0,
+                                                     "fp8": 2 * each, "fp8_e5m2": each}
 
 
 def test_attention_kernels_are_counted_apart_from_matmuls():

@@ -80,9 +80,6 @@ SUITES = {
         Row("tiny remat=full seq 256", "tiny.yaml",
             ("train.batch_size=8", "train.seq_len=256", "model.remat=full",
              "model.num_layers=2"), 0.3),
-        Row("tiny fp8 seq 128", "tiny.yaml",
-            ("train.batch_size=8", "train.seq_len=128", "model.fp8=tensorwise",
-             "model.num_layers=2"), 0.3),
     )),
 }
 
