@@ -1,11 +1,12 @@
 """FP8 matmuls with per-tensor scales, for Hopper's FP8 tensor cores (`model.fp8`).
 
 A projection x[..., K] @ w[K, ...] in FP8: x and w are divided by a scale, clipped and rounded to
-float8_e4m3fn (3 mantissa bits, range +-448), multiplied as FP8 with a float32 result, and the
-product multiplied back by both scales. In the backward the incoming gradient is rounded the same
-way to float8_e5m2 (2 mantissa bits, range +-57344: gradients need range more than precision) and
-meets the FP8 operands the forward kept, in two more FP8 matmuls. The master weights, the
-optimizer and every other op are unchanged.
+float8_e4m3fn (3 mantissa bits, range +-448), multiplied as FP8 with a result in the compute
+dtype (what a remat policy that keeps matmul outputs keeps: a float32 one doubled those bytes),
+and the product multiplied back by both scales in float32. In the backward the incoming
+gradient is rounded the same way to float8_e5m2 (2 mantissa bits, range +-57344: gradients need
+range more than precision) and meets the FP8 operands the forward kept, in two more FP8 matmuls.
+The master weights, the optimizer and every other op are unchanged.
 
 Scales (`scale`): amax / the format's largest value, so that the tensor's largest magnitude lands
 on the format's largest. `tensorwise` takes amax from the tensor at this step (the forward's x and
