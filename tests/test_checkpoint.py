@@ -86,8 +86,8 @@ def _poison(monkeypatch, at, where="loss"):
 
     real_loss, real_input = step_lib.loss_sums, data_lib.make_input
 
-    def loss_sums(params, graphdef, batch, pipe=None, chunk=0):
-        total, count = real_loss(params, graphdef, batch, pipe, chunk)
+    def loss_sums(params, graphdef, batch, pipe=None, chunk=0, histories=None):
+        total, count = real_loss(params, graphdef, batch, pipe, chunk, histories)
         marked = batch["positions"][0, 0] < 0
         if where == "loss":
             return jnp.where(marked, jnp.nan, total), count

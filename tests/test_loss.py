@@ -138,14 +138,14 @@ def test_microbatched_mean_is_total_over_count(model_parts):
     graphdef, params = model_parts
     batch = _packed_batch()
     total, count = _loss_sums(model_parts, batch)
-    mean, grads = _jit_loss_and_grads(params, graphdef, batch, 2)
+    mean, grads, _ = _jit_loss_and_grads(params, graphdef, batch, 2)
     np.testing.assert_allclose(float(mean), total / count, rtol=RTOL)
     # The batch discriminates: the unweighted mean of the microbatch means (rows m::2) is off.
     losses, real = _token_losses(model_parts, batch), batch["segment_ids"] != 0
     means = [losses[m::2][real[m::2]].mean() for m in (0, 1)]
     assert abs(np.mean(means) / (total / count) - 1) > 100 * RTOL
     # And the gradient is the one-pass gradient, per array relative to its norm.
-    _, whole = _jit_loss_and_grads(params, graphdef, batch, 1)
+    _, whole, _ = _jit_loss_and_grads(params, graphdef, batch, 1)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(whole)):
         assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
 

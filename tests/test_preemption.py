@@ -82,6 +82,32 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, straight, kill_at):
     assert resumed == straight  # every step, the replayed ones included, bit for bit
 
 
+def _rows(run_dir: Path) -> dict[int, dict]:
+    """step -> the logged row without its timings; a rerun's rows replace the killed run's."""
+    timed = ("tokens_per_sec", "step_time", "tflops_per_device", "mfu", "mfu_fp8",
+             "host_memory_gib")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: {k: v for k, v in row.items() if k not in timed} for row in rows}
+
+
+def test_sigkill_then_rerun_is_bit_exact_with_fp8_delayed_scaling(tmp_path):
+    """model.fp8=delayed scales from amax histories in the train state: resumed from
+    checkpoint 2 with step 3 logged, steps 3..6 log the same losses and FP8 statistics bit for
+    bit (histories restarted empty, or not restored, change both from step 3 on)."""
+    delayed = ("train.steps=6", "checkpoint.every=2", "model.fp8=delayed", "model.fp8_history=3")
+    straight = tmp_path / "straight"
+    subprocess.run(_cmd(straight, *delayed), cwd=ROOT, check=True, capture_output=True,
+                   timeout=600)
+    run_dir = tmp_path / "run"
+    cmd = _cmd(run_dir, *delayed)
+    assert _run_until(cmd, run_dir, 3, signal.SIGKILL, saved=2) == -signal.SIGKILL
+    assert max(_saved_steps(run_dir)) < 6
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    resumed, want = _rows(run_dir), _rows(straight)
+    assert sorted(want) == list(range(1, 7)) and "fp8_amax_g" in want[6]
+    assert resumed == want
+
+
 # Kills the process inside Orbax's commit of checkpoint 6: its arrays and commit_success file are
 # written into the temporary directory, which has not yet been renamed to checkpoints/6.
 KILL_IN_THE_COMMIT = """

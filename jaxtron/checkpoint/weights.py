@@ -153,8 +153,17 @@ def model_changes(meta: dict, model: config_lib.ModelConfig) -> list[str]:
     except (KeyError, TypeError, ValueError, AttributeError):
         return []  # an older or foreign meta: the restore itself decides
     name = lambda key: "head_dim" if key == "head_size" else key
-    return [f"model.{name(k)}={getattr(saved, k)} -> {getattr(model, k)}" for k in SHAPED
-            if getattr(saved, k) != getattr(model, k)]
+    changed = [f"model.{name(k)}={getattr(saved, k)} -> {getattr(model, k)}" for k in SHAPED
+               if getattr(saved, k) != getattr(model, k)]
+    if _histories(saved) != _histories(model):  # model.fp8=delayed's amax histories
+        changed += [f"model.{k}={getattr(saved, k)} -> {getattr(model, k)}"
+                    for k in ("fp8", "fp8_history") if getattr(saved, k) != getattr(model, k)]
+    return changed
+
+
+def _histories(model: config_lib.ModelConfig) -> int:
+    """The FP8 amax history length a checkpoint of this model holds (0: none)."""
+    return model.fp8_history if model.fp8 == "delayed" else 0
 
 
 def config_of(meta: dict) -> config_lib.Config:
@@ -236,7 +245,7 @@ def read_params(path: str | Path) -> tuple[config_lib.Config, dict]:
     from jaxtron.model import abstract_model
 
     cfg, _, get = reader(path)
-    abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model)))
+    abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model), nnx.Param))
 
     def read(keys, leaf) -> np.ndarray:
         path = tuple(k.key for k in keys)

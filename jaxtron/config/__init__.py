@@ -56,10 +56,13 @@ class ModelConfig:
     # mesh.tensor > 1: overlap each tensor-parallel matmul with its all-gather / reduce-scatter
     # over the sequence (jaxtron/parallel/collective_matmul.py); nothing changes with mesh.tensor=1
     collective_matmul: bool = True
-    # none, or tensorwise: the layers' projections (q, k, v, o, gate, up, down) as FP8 matmuls,
-    # e4m3 forward and e5m2 gradients, scaled per tensor (jaxtron/model/fp8.py); the LM head,
-    # embedding and attention stay in the compute dtype
+    # none, tensorwise or delayed: the layers' projections (q, k, v, o, gate, up, down) as FP8
+    # matmuls, e4m3 forward and e5m2 gradients, scaled per tensor by its amax at this step
+    # (tensorwise) or over the last fp8_history steps (delayed; the histories are train state,
+    # checkpointed) (jaxtron/model/fp8.py); the LM head, embedding and attention stay in the
+    # compute dtype
     fp8: str = "none"
+    fp8_history: int = 1024
 
     @property
     def head_size(self) -> int:

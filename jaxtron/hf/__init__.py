@@ -37,7 +37,7 @@ from jaxtron.hf.mapping import (
     hf_layout,
     hf_to_params,
 )
-from jaxtron.model import abstract_model
+from jaxtron.model import abstract_model, in_compute_dtype
 
 INDEX = "model.safetensors.index.json"
 GENERATION = "generation_config.json"  # what transformers' generate() reads before config.json
@@ -187,7 +187,7 @@ def logits(cfg: ModelConfig, params: dict, tokens) -> np.ndarray:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(cfg: ModelConfig, params, tokens, positions, segment_ids):
-    graphdef = nnx.graphdef(abstract_model(cfg))
+    graphdef = nnx.graphdef(abstract_model(in_compute_dtype(cfg)))
     model = nnx.merge(graphdef, params)
     return model(tokens, positions, segment_ids)
 

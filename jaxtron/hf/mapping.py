@@ -79,7 +79,7 @@ def _hf_names(pattern: str, num_layers: int) -> list[str]:
 @functools.lru_cache(maxsize=8)
 def expected_shapes(cfg: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
     """Our param paths and shapes for `cfg` (layers stacked), without allocating anything."""
-    pure = nnx.to_pure_dict(nnx.state(abstract_model(cfg)))
+    pure = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
     leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in leaves}
 

@@ -11,6 +11,7 @@ V vocab, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable
@@ -54,6 +55,9 @@ def check(cfg: ModelConfig) -> None:
     attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
     if cfg.fp8 not in fp8.MODES:
         raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
+    if cfg.fp8_history < 1:
+        raise ConfigError(f"model.fp8_history={cfg.fp8_history} must be at least 1 (steps of "
+                          "amax history under model.fp8=delayed)")
 
 
 def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
@@ -127,13 +131,16 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
             self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
             self.bv = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+        for name, value in _histories(cfg, 2, 4).items():  # inputs of q, k, v and of o
+            setattr(self, name, value)
 
     def _weight(self, name: str) -> jax.Array:
         return _gathered(getattr(self, name), self.cfg)
 
     def _projections(self, x_BTD) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q[B, T, N, H], k and v [B, T, K, H], heads split over tensor, sequence whole."""
-        q, k, v = _column_parallel(self.cfg, x_BTD, self.wq, self.wk, self.wv)
+        q, k, v = _column_parallel(self.cfg, x_BTD, (self.wq, self.wk, self.wv),
+                                   _sites(self, 0, range(3)))
         if self.cfg.qkv_bias:
             q, k, v = (y + self._weight(b) for y, b in zip((q, k, v), ("bq", "bk", "bv")))
         return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
@@ -168,7 +175,7 @@ class Attention(nnx.Module):
         """The heads' outputs projected back to the model width [B, T, D]."""
         out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)),
                                    "attn_out")
-        return _row_parallel(self.cfg, out_BTNH, self.wo)
+        return _row_parallel(self.cfg, out_BTNH, self.wo, _sites(self, 1, range(3, 4)))
 
 
 def _gathered(param: nnx.Param, cfg: ModelConfig) -> jax.Array:
@@ -200,13 +207,18 @@ def _gathered_axes(param: nnx.Param, cfg: ModelConfig) -> tuple[str | None, ...]
     return tuple(None if axis == "embed" else axis for axis in axes)
 
 
-def _weights(cfg: ModelConfig, params) -> tuple[tuple[jax.Array, ...], tuple]:
+def _weights(cfg: ModelConfig, params, sites: fp8.Sites | None = None
+             ) -> tuple[tuple[jax.Array, ...], tuple]:
     """The layer's weights as its matmuls read them, and with model.fp8 their scales: gathered
-    in the compute dtype (`_gathered`), or quantized before their gather (`fp8.weight`)."""
+    in the compute dtype (`_gathered`), or quantized before their gather (`fp8.weight`), each
+    stored weight's amax observed into its history (`sites`)."""
     if cfg.fp8 == "none":
         return tuple(_gathered(p, cfg) for p in params), (None,) * len(params)
-    stored = [p[...] for p in params]
-    scales = tuple(fp8.scale(w) for w in stored)
+    stored = [fp8.observe(p[...], h) for p, h in zip(params, sites.w)]
+    if cfg.fp8 == "delayed":
+        scales = tuple(fp8.history_scale(h, w) for w, h in zip(stored, sites.w))
+    else:
+        scales = tuple(fp8.scale(w) for w in stored)
     return tuple(fp8.weight(w, s, cfg.dtype, _stored_axes(p), _gathered_axes(p, cfg))
                  for p, w, s in zip(params, stored, scales)), scales
 
@@ -216,37 +228,80 @@ def _overlapped(cfg: ModelConfig) -> bool:
     return cfg.collective_matmul and collective_matmul.applies()
 
 
-def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple) -> list[Partial]:
+def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, sites: fp8.Sites | None = None
+          ) -> list[Partial]:
     """One `dot(x, w, contract)` per weight, for products of x with each: `jnp.tensordot`, or
-    with model.fp8 an FP8 matmul with x's scale taken here over the whole of x and each weight's
-    (`_weights`)."""
+    with model.fp8 an FP8 matmul with x's scale taken here over the whole of x (tensorwise) or
+    from its history (delayed), and each weight's (`_weights`)."""
     if cfg.fp8 == "none":
         return [Partial(jnp.tensordot)] * len(w_scales)
-    x_scale = fp8.scale(x)
-    return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s) for s in w_scales]
+    if cfg.fp8 == "tensorwise":
+        return [Partial(_fp8_dot, x_scale=fp8.scale(x), w_scale=s) for s in w_scales]
+    x_scale = fp8.history_scale(sites.x, x)
+    return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s,
+                    g_scale=fp8.history_scale(h, None, fp8.BACKWARD))
+            for s, h in zip(w_scales, sites.g)]
 
 
-def _fp8_dot(x, w, contract, *, x_scale, w_scale):
-    return fp8.dot(x, w, contract, x_scale, w_scale)
+def _fp8_dot(x, w, contract, *, x_scale, w_scale, g_scale=None):
+    return fp8.dot(x, w, contract, x_scale, w_scale, g_scale)
 
 
-def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, *params: nnx.Param):
+def _observed(sites: fp8.Sites | None, x: jax.Array) -> jax.Array:
+    """x with its amax observed into the input's history (model.fp8), else x."""
+    return x if sites is None else fp8.observe(x, sites.x)
+
+
+def _gradients_observed(sites: fp8.Sites | None, outputs: tuple) -> tuple:
+    """The projections' outputs with their gradients' amaxes observed (model.fp8)."""
+    if sites is None:
+        return outputs
+    return tuple(fp8.observe_grad(y, h) for y, h in zip(outputs, sites.g))
+
+
+def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, params, sites: fp8.Sites | None):
     """x[B, T, D] times each weight [D, ...] (q, k, v; gate, up): outputs [B, T, ...] with the
     weights' split over tensor, overlapped with the sequence's all-gather when it applies."""
-    weights, scales = _weights(cfg, params)
+    weights, scales = _weights(cfg, params, sites)
+    x_BTD = _observed(sites, x_BTD)
+    dots = _dots(cfg, x_BTD, scales, sites)
     if _overlapped(cfg):
-        return collective_matmul.gather_matmuls(x_BTD, *weights, dots=_dots(cfg, x_BTD, scales))
-    return tuple(dot(x_BTD, w, 1) for dot, w in zip(_dots(cfg, x_BTD, scales), weights))
+        outputs = collective_matmul.gather_matmuls(x_BTD, *weights, dots=dots)
+    else:
+        outputs = tuple(dot(x_BTD, w, 1) for dot, w in zip(dots, weights))
+    return _gradients_observed(sites, outputs)
 
 
-def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param) -> jax.Array:
+def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param,
+                  sites: fp8.Sites | None) -> jax.Array:
     """h[B, T, ...] times w[..., D] summed over the middle dimensions (o, down): [B, T, D], its
     reduce-scatter over the sequence overlapped with the matmul when it applies."""
-    (w,), scales = _weights(cfg, (param,))
-    (dot,) = _dots(cfg, h, scales)
+    (w,), scales = _weights(cfg, (param,), sites)
+    h = _observed(sites, h)
+    (dot,) = _dots(cfg, h, scales, sites)
     if _overlapped(cfg):
-        return collective_matmul.matmul_scatter(h, w, dot=dot)
-    return dot(h, w, h.ndim - 2)
+        y = collective_matmul.matmul_scatter(h, w, dot=dot)
+    else:
+        y = dot(h, w, h.ndim - 2)
+    return _gradients_observed(sites, (y,))[0]
+
+
+def _histories(cfg: ModelConfig, inputs: int, weights: int) -> dict[str, fp8.History]:
+    """A module's FP8 amax histories (model.fp8): its matmuls' inputs, weights and gradients."""
+    if cfg.fp8 == "none":
+        return {}
+    slots = fp8.history_length(cfg.fp8, cfg.fp8_history)
+    make = lambda rows: fp8.History(jnp.zeros((rows, slots), jnp.float32),
+                                    out_sharding=(None, None), eager_sharding=False)
+    return {"fp8_x": make(inputs), "fp8_w": make(weights), "fp8_g": make(weights)}
+
+
+def _sites(module: nnx.Module, x_row: int, w_rows: range) -> fp8.Sites | None:
+    """The histories of the projections that read input `x_row`, weights `w_rows`."""
+    if module.cfg.fp8 == "none":
+        return None
+    x, w, g = module.fp8_x[...], module.fp8_w[...], module.fp8_g[...]
+    return fp8.Sites(x[x_row], tuple(w[i] for i in w_rows), tuple(g[i] for i in w_rows))
 
 
 class MLP(nnx.Module):
@@ -258,11 +313,14 @@ class MLP(nnx.Module):
         self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
+        for name, value in _histories(cfg, 2, 3).items():  # inputs of gate, up and of down
+            setattr(self, name, value)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        gate_BTF, up_BTF = _column_parallel(self.cfg, x_BTD, self.w_gate, self.w_up)
+        gate_BTF, up_BTF = _column_parallel(self.cfg, x_BTD, (self.w_gate, self.w_up),
+                                            _sites(self, 0, range(2)))
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
-        return _row_parallel(self.cfg, h_BTF, self.w_down)
+        return _row_parallel(self.cfg, h_BTF, self.w_down, _sites(self, 1, range(2, 3)))
 
 
 class Block(nnx.Module):
@@ -405,6 +463,12 @@ def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
         x_BTD = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))[0]
     return x_BTD
+
+
+def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:
+    """The same model with its matmuls in the compute dtype (model.fp8=none), as generation and
+    the Hugging Face forward run it: the master weights and nothing else, no FP8 histories."""
+    return dataclasses.replace(cfg, fp8="none")
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

@@ -10,7 +10,18 @@ The master weights, the optimizer and every other op are unchanged.
 
 Scales (`scale`): amax / the format's largest value, so that the tensor's largest magnitude lands
 on the format's largest. `tensorwise` takes amax from the tensor at this step (the forward's x and
-w before their matmul, the gradient in the backward).
+w before their matmul, the gradient in the backward). `delayed` takes the largest amax of the
+same tensor over the last `model.fp8_history` steps (`History`, in the train state): no reduction
+over the tensor has to finish before its matmul starts, and a tensor larger than its history
+saturates at the format's largest value until the history catches up (TransformerEngine's
+delayed scaling, with its "max" rule).
+
+Observing amaxes (`observe`, `observe_grad`): each projection's x, w and gradient amax leaves the
+step as the gradient of its history, with its amax in slot 0 and zeros elsewhere, so that the
+forward's and the backward's amaxes come out of one `jax.grad` with the weights' gradients, per
+layer under the scan over layers and under remat. The train step shifts the histories by one
+(`advance`) and logs the statistics (`statistics`), for `tensorwise` too (its histories are one
+slot long, not kept in the state).
 
 On a GPU, XLA compiles a `dot` of FP8 operands to an FP8 GEMM (a Triton GEMM fusion or cuBLASLt's
 FP8 matmul, whichever autotuning picks); on CPUs it runs the same rounding and multiplies in
@@ -21,13 +32,15 @@ operands: half the bytes of the compute dtype's.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxtron.parallel import constrain
 
-MODES = ("none", "tensorwise")
+MODES = ("none", "tensorwise", "delayed")
 FORWARD = jnp.float8_e4m3fn  # weights and activations
 BACKWARD = jnp.float8_e5m2  # gradients
 
@@ -37,6 +50,16 @@ def scale(x: jax.Array, fmt=FORWARD) -> jax.Array:
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     largest = float(jnp.finfo(fmt).max)
     return jax.lax.stop_gradient(jnp.where(amax > 0, amax / largest, 1.0))
+
+
+def history_scale(history: jax.Array, x: jax.Array | None, fmt=FORWARD) -> jax.Array:
+    """The delayed scale of x: the largest amax in its history [H] / the format's largest value;
+    while the history is all zeros (a run's first step) x's own (`scale`), or with x None 0 (for
+    `dot`'s g_scale: the gradient's own)."""
+    amax = jnp.max(jax.lax.stop_gradient(history))
+    largest = float(jnp.finfo(fmt).max)
+    own = jnp.zeros((), jnp.float32) if x is None else scale(x, fmt)
+    return jax.lax.stop_gradient(jnp.where(amax > 0, amax / largest, own))
 
 
 def quantize(x: jax.Array, s: jax.Array, fmt) -> jax.Array:
@@ -53,28 +76,31 @@ def _scaled_dot(a_q, b_q, s, contracting, dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dot(x: jax.Array, w: jax.Array, contract: int, x_scale: jax.Array, w_scale: jax.Array
-        ) -> jax.Array:
+def dot(x: jax.Array, w: jax.Array, contract: int, x_scale: jax.Array, w_scale: jax.Array,
+        g_scale: jax.Array | None = None) -> jax.Array:
     """`jnp.tensordot(x, w, contract)` in FP8: x's last `contract` dimensions against w's first,
     x and w quantized with the given scales (`scale`), the result in x's dtype. The backward
-    scales the gradient by its own amax, over the gradient as this program holds it: inside a
-    shard_map (the collective matmuls' steps) this device's chunk, with no collective."""
-    return _dot_fwd(x, w, contract, x_scale, w_scale)[0]
+    scales the gradient by `g_scale`, or where that is None or 0 by the gradient's own amax,
+    over the gradient as this program holds it: inside a shard_map (the collective matmuls'
+    steps) this device's chunk, with no collective."""
+    return _dot_fwd(x, w, contract, x_scale, w_scale, g_scale)[0]
 
 
 def _contracting(x_ndim: int, contract: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(range(x_ndim - contract, x_ndim)), tuple(range(contract))
 
 
-def _dot_fwd(x, w, contract, x_scale, w_scale):
+def _dot_fwd(x, w, contract, x_scale, w_scale, g_scale):
     x_q, w_q = quantize(x, x_scale, FORWARD), quantize(w, w_scale, FORWARD)
     y = _scaled_dot(x_q, w_q, x_scale * w_scale, _contracting(x.ndim, contract), x.dtype)
-    return y, (x_q, w_q, x_scale, w_scale, jnp.zeros((), w.dtype))  # w's dtype, for dw
+    # w's dtype, for dw; a zero g_scale, the gradient's own amax
+    given = jnp.zeros((), jnp.float32) if g_scale is None else g_scale
+    return y, (x_q, w_q, x_scale, w_scale, given, jnp.zeros((), w.dtype))
 
 
 def _dot_bwd(contract, residuals, g):
-    x_q, w_q, x_scale, w_scale, w_like = residuals
-    g_scale = scale(g, BACKWARD)
+    x_q, w_q, x_scale, w_scale, given, w_like = residuals
+    g_scale = jnp.where(given > 0, given, scale(g, BACKWARD))
     g_q = quantize(g, g_scale, BACKWARD)
     a = x_q.ndim - contract  # x[A..., K...], w[K..., N...], g[A..., N...]
     n = w_q.ndim - contract
@@ -82,7 +108,7 @@ def _dot_bwd(contract, residuals, g):
     dx = _scaled_dot(g_q, w_q, g_scale * w_scale,
                      (tuple(range(a, a + n)), tuple(range(contract, contract + n))), g.dtype)
     dw = _scaled_dot(x_q, g_q, x_scale * g_scale, (tuple(range(a)), tuple(range(a))), w_like.dtype)
-    return dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale)
+    return dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale), jnp.zeros_like(given)
 
 
 dot.defvjp(_dot_fwd, _dot_bwd)
@@ -117,3 +143,104 @@ def weight(w: jax.Array, w_scale: jax.Array, dtype, stored: tuple[str, ...] | No
     so that `dot` quantizes it again exactly). Its gradient passes straight through, pinned to
     `stored` (the reduce-scatter's layout)."""
     return _weight(w, w_scale, jnp.dtype(dtype), stored, gathered)
+
+
+class Sites(NamedTuple):
+    """The histories of one group of projections that read the same input: the input's [H],
+    and per weight the weight's and its output gradient's."""
+
+    x: jax.Array
+    w: tuple[jax.Array, ...]
+    g: tuple[jax.Array, ...]
+
+
+class History(nnx.Variable):
+    """Amax histories of a layer's FP8 tensors, [tensors, H] with the newest in slot 0: the
+    train state's "fp8" under model.fp8=delayed (H = model.fp8_history), a one-slot tree of
+    zeros each step under tensorwise (where they only carry the amaxes out for the metrics)."""
+
+
+def history_length(mode: str, length: int) -> int:
+    """Slots per history: `length` (model.fp8_history) for delayed, 1 for tensorwise."""
+    return length if mode == "delayed" else 1
+
+
+def _observation(history: jax.Array, amax: jax.Array) -> jax.Array:
+    return jnp.zeros_like(history).at[0].set(amax.astype(history.dtype))
+
+
+@jax.custom_vjp
+def observe(x: jax.Array, history: jax.Array) -> jax.Array:
+    """x unchanged; the gradient with respect to `history` [H] is x's amax in slot 0."""
+    return x
+
+
+def _observe_fwd(x, history):
+    return x, (jnp.max(jnp.abs(x)).astype(jnp.float32), history)
+
+
+def _observe_bwd(residuals, g):
+    amax, history = residuals
+    return g, _observation(history, amax)
+
+
+observe.defvjp(_observe_fwd, _observe_bwd)
+
+
+@jax.custom_vjp
+def observe_grad(y: jax.Array, history: jax.Array) -> jax.Array:
+    """y unchanged; the gradient with respect to `history` [H] is the amax of y's gradient in
+    slot 0."""
+    return y
+
+
+def _observe_grad_fwd(y, history):
+    return y, history
+
+
+def _observe_grad_bwd(history, g):
+    return g, _observation(history, jnp.max(jnp.abs(g)))
+
+
+observe_grad.defvjp(_observe_grad_fwd, _observe_grad_bwd)
+
+
+def combine(a, b):
+    """Two microbatches' observations (amax trees) as one: the larger amax of each tensor."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def advance(histories, observed):
+    """The histories one step on: each tensor's amax of this step (`observe`'s gradient) in slot
+    0, the older ones shifted back, the oldest dropped."""
+    return jax.tree.map(lambda h, o: jnp.concatenate([o[..., :1], h[..., :-1]], axis=-1),
+                        histories, observed)
+
+
+KINDS = ("x", "w", "g")  # the History variables' names end in these: inputs, weights, gradients
+
+
+def statistics(histories, observed) -> dict[str, jax.Array]:
+    """Per kind (inputs x, weights w, gradients g), over every projection of every layer: the
+    largest amax this step, the largest and the smallest scale the step's matmuls could use
+    (from the histories before this step; under tensorwise the amaxes' own), and the share of
+    tensors whose amax passed their scale's range (values clipped; 0 under tensorwise)."""
+    flat = jax.tree_util.tree_flatten_with_path(histories)[0]
+    seen = jax.tree.leaves(observed)
+    out = {}
+    for kind in KINDS:
+        fmt = BACKWARD if kind == "g" else FORWARD
+        largest = float(jnp.finfo(fmt).max)
+        pairs = [(h, o) for (path, h), o in zip(flat, seen)
+                 if str(getattr(path[-1], "key", path[-1])).endswith("_" + kind)]
+        if not pairs:
+            continue
+        amax = jnp.concatenate([o[..., 0].reshape(-1) for _, o in pairs])
+        held = jnp.concatenate([jnp.max(h, axis=-1).reshape(-1) for h, _ in pairs])
+        bound = jnp.where(held > 0, held, amax)  # an empty history: the amax's own scale
+        scales = jnp.where(bound > 0, bound / largest, 1.0)
+        out[f"fp8_amax_{kind}"] = jnp.max(amax)
+        out[f"fp8_scale_max_{kind}"] = jnp.max(scales)
+        out[f"fp8_scale_min_{kind}"] = jnp.min(scales)
+        out[f"fp8_clipped_{kind}"] = jnp.mean((amax > bound).astype(jnp.float32))
+    return out

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.model import abstract_model, init_cache
+from jaxtron.model import abstract_model, in_compute_dtype, init_cache
 
 
 class Sampling(NamedTuple):
@@ -127,7 +127,7 @@ def pick(logits_V: jax.Array, key: jax.Array, knobs: Sampling) -> jax.Array:
 def _continue(cfg: ModelConfig, params: dict, prompt_1T: jax.Array, max_new: int,
               knobs: Sampling, key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(ids [max_new], how many of them were generated): prefill, then one token per step."""
-    model = nnx.merge(nnx.graphdef(abstract_model(cfg)), params)
+    model = nnx.merge(nnx.graphdef(abstract_model(in_compute_dtype(cfg))), params)
     t = prompt_1T.shape[1]
     # Every token but the last generated one is fed back, so that many slots.
     cache = init_cache(cfg, 1, t + max_new - 1)

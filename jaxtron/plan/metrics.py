@@ -150,7 +150,7 @@ class MetricsWriter:
             print(line, flush=True)
 
     def write(self, row: dict) -> None:
-        """Record one logged step; `row` has exactly KEYS."""
+        """Record one logged step; `row` has KEYS (make_row), and with model.fp8 its statistics."""
         if not self.is_main:
             return
         self.jsonl.write(json.dumps(row) + "\n")
@@ -315,8 +315,9 @@ class StepCost:
 
 
 def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens: int) -> dict:
-    """The logged metrics of one step from its fetched {loss, lr, grad_norm}; floats are plain
-    Python floats, non-finite kept as is. `tokens`: all the run has trained on by this step."""
+    """The logged metrics of one step from its fetched {loss, lr, grad_norm[, fp8_...]}: KEYS,
+    and with model.fp8 the FP8 statistics; floats are plain Python floats, non-finite kept as
+    is. `tokens`: all the run has trained on by this step."""
     tflops = cost.flops / step_time / cost.num_devices / 1e12
     peak = peak_tflops(cost.device_kind)
     fp8_peak = peak_tflops(cost.device_kind, fp8=True) if cost.fp8 else None
@@ -328,6 +329,8 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
         "mfu_fp8": None if fp8_peak is None else tflops / fp8_peak, "tokens": tokens,
         # this process's resident memory: a leak (one per save, per batch) shows as a rising line
         "host_memory_gib": round(process_bytes() / 2**30, 4),
+        # model.fp8: the amax and scale statistics of the step (jaxtron/model/fp8.py statistics)
+        **{key: float(value) for key, value in fetched.items() if key.startswith("fp8_")},
     }
 
 

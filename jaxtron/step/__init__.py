@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtron import parallel
 from jaxtron.config import Config
 from jaxtron.data.rows import local_rows
-from jaxtron.model import vocab
+from jaxtron.model import fp8, vocab
 from jaxtron.parallel import pipeline
 from jaxtron.step.optim import lr_schedule, schedule_count
 from jaxtron.step.state import Plan
@@ -29,14 +29,15 @@ BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
 
 
 def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline | None = None,
-              chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+              chunk: int = 0, histories: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
 
     With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions
     (jaxtron/model/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
     Under a mesh the head is gathered in the compute dtype and its gradient leaves by one
-    reduce-scatter; without one the compiler partitions plain ops. Same value and gradient."""
-    model = nnx.merge(graphdef, params)
+    reduce-scatter; without one the compiler partitions plain ops. Same value and gradient.
+    `histories`: the FP8 amax histories the model reads (model.fp8; jaxtron/model/fp8.py)."""
+    model = nnx.merge(graphdef, params, *([] if histories is None else [histories]))
     run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
     x_BTD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
     mask_BT = batch["segment_ids"] != 0
@@ -49,13 +50,20 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
 
 
 def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
-                   pipe: pipeline.Pipeline | None = None, chunk: int = 0):
-    """Mean loss and its gradient; with microbatches > 1, summed over microbatches in a scan
-    (each one a pass through the pipeline when `pipe` is set)."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_sums, pipe=pipe, chunk=chunk),
-                                 has_aux=True)
+                   pipe: pipeline.Pipeline | None = None, chunk: int = 0,
+                   histories: dict | None = None):
+    """(mean loss, its gradient, the FP8 amaxes observed): with microbatches > 1 the losses and
+    gradients summed over microbatches in a scan (each one a pass through the pipeline when
+    `pipe` is set), the amaxes the larger of each. The amaxes (`fp8.observe`) are the gradient
+    with respect to `histories`; None without them."""
+    def grad_fn(micro):
+        fn = functools.partial(loss_sums, graphdef=graphdef, batch=micro, pipe=pipe, chunk=chunk)
+        (part, n), (g, seen) = jax.value_and_grad(
+            lambda p, h: fn(p, histories=h), argnums=(0, 1), has_aux=True)(params, histories)
+        return part, n, g, seen
+
     if microbatches == 1:
-        (total, count), grads = grad_fn(params, graphdef, batch)
+        total, count, grads, observed = grad_fn(batch)
     else:
         # Row i*M + m goes to microbatch m: every device keeps its own rows, nothing moves.
         def split(x_BT):
@@ -64,24 +72,43 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
             return parallel.constrain(x, (None, "act_batch", None))
 
         def accumulate(carry, micro):
-            (part, n), g = grad_fn(params, graphdef, micro)
-            return jax.tree.map(jnp.add, carry, (part, n, g)), None
+            part, n, g, seen = grad_fn(micro)
+            total, count, grads, observed = carry
+            return (total + part, count + n, jax.tree.map(jnp.add, grads, g),
+                    fp8.combine(observed, seen)), None
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
-                 jax.tree.map(jnp.zeros_like, params))
-        (total, count, grads), _ = jax.lax.scan(accumulate, zeros, jax.tree.map(split, batch))
+                 jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, histories))
+        (total, count, grads, observed), _ = jax.lax.scan(accumulate, zeros,
+                                                          jax.tree.map(split, batch))
     count = jnp.maximum(count, 1).astype(jnp.float32)
-    return total / count, jax.tree.map(lambda g: g / count, grads)
+    return total / count, jax.tree.map(lambda g: g / count, grads), observed
+
+
+def empty_histories(histories: dict) -> dict | None:
+    """Zeros of the plan's FP8 amax histories (Plan.histories), None without FP8: what a step
+    reads under tensorwise (the amaxes' way out), and where scales come from each tensor's own
+    amax."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), histories) if histories else None
+
+
+def _histories_in(state: dict, histories: dict) -> dict | None:
+    """The FP8 amax histories a step reads: the state's (model.fp8=delayed), else empty ones."""
+    return state["fp8"] if "fp8" in state else empty_histories(histories)
 
 
 def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
-               pipe: pipeline.Pipeline | None = None, chunk: int = 0):
+               pipe: pipeline.Pipeline | None = None, chunk: int = 0,
+               histories: dict | None = None):
     """One optimizer update. Pure: the caller jits it once and donates `state`.
 
-    A non-finite loss or gradient leaves params and optimizer state as they were and counts the
-    skip in `nonfinite` (consecutive skips); the host decides whether to go on.
+    A non-finite loss or gradient leaves params and optimizer state (and FP8 histories) as they
+    were and counts the skip in `nonfinite` (consecutive skips); the host decides whether to go
+    on. `histories`: the plan's abstract FP8 amax histories (Plan.histories).
     """
-    loss, grads = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe, chunk)
+    seen_by = _histories_in(state, histories)
+    loss, grads, observed = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe,
+                                           chunk, seen_by)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -92,10 +119,14 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
         "step": state["step"] + 1,
         "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
     }
+    if "fp8" in state:
+        new_state["fp8"] = keep(fp8.advance(state["fp8"], observed), state["fp8"])
     # The rate optax applied: its schedule counts applied updates, so skipped steps do not count.
     lr = schedule(schedule_count(state["opt_state"]))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                "nonfinite": new_state["nonfinite"]}
+    if observed is not None and pipe is None:  # a pipeline sums the amaxes over its iterations
+        metrics.update(fp8.statistics(seen_by, observed))
     return new_state, metrics
 
 
@@ -104,7 +135,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
     step_fn = functools.partial(
         train_step, graphdef=plan.graphdef, tx=tx,
         schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
-        pipe=plan.pipe, chunk=cfg.train.loss_chunk,
+        pipe=plan.pipe, chunk=cfg.train.loss_chunk, histories=plan.histories,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
@@ -118,11 +149,13 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
 
 
 def compile_eval(plan: Plan, mesh: Mesh, chunk: int = 0):
-    """Summed loss and token count of one batch under the current params (no update)."""
+    """Summed loss and token count of one batch under the current params (no update). With
+    model.fp8 the matmuls scale by each tensor's amax of this batch (empty histories)."""
     fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe, chunk=chunk)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
     return jax.jit(
-        lambda params, batch: fn(params, batch=batch),
+        lambda params, batch: fn(params, batch=batch,
+                                 histories=empty_histories(plan.histories)),
         in_shardings=(parallel.named(plan.specs["params"], mesh),
                       {k: batch_sharding for k in BATCH_KEYS}),
         out_shardings=NamedSharding(mesh, P()),

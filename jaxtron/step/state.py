@@ -1,8 +1,9 @@
 """The train state: the plan (shapes, shardings, sizes) known before anything is allocated, the
 state born sharded, and its restore from a checkpoint into this run's shardings and layer order.
 
-The state is a plain dict pytree {params, opt_state, step, nonfinite}; params are the model's NNX
-state as a pure dict, merged with a static graphdef inside the jitted step.
+The state is a plain dict pytree {params, opt_state, step, nonfinite}, with model.fp8=delayed
+also {fp8}: the projections' amax histories (jaxtron/model/fp8.py). params (and fp8) are the
+model's NNX state as pure dicts, merged with a static graphdef inside the jitted step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jaxtron import data, parallel
 from jaxtron import model as model_lib
 from jaxtron.checkpoint import Checkpoints, restore_from, weights
 from jaxtron.config import Config, ConfigError
-from jaxtron.model import Transformer, abstract_model, count_params
+from jaxtron.model import Transformer, abstract_model, count_params, fp8
 from jaxtron.parallel import pipeline
 from jaxtron.step.optim import schedule_jump
 
@@ -33,13 +34,16 @@ class Plan:
     """Everything known before allocating: structure, shardings, sizes."""
 
     graphdef: Any
-    abstract: dict  # {params, opt_state, step} of ShapeDtypeStructs
+    abstract: dict  # {params, opt_state, step, nonfinite[, fp8]} of ShapeDtypeStructs
     specs: dict  # the same tree of mesh PartitionSpecs
     mesh_sizes: dict[str, int]
     num_params: int
     pipe: pipeline.Pipeline | None  # the layers' pipeline over mesh.stage, None for one stage
     accumulation: int  # sequential gradient-accumulation steps: microbatches, or pipeline passes
     layer_order: np.ndarray  # stored index -> model layer (pipeline.layer_order)
+    # The FP8 amax histories the model reads (model.fp8 != none; else empty), whether or not
+    # they are train state (delayed) or zeros each step (tensorwise): ShapeDtypeStructs
+    histories: dict
 
     def bytes_per_device(self, part: str) -> int:
         return parallel.bytes_per_device(self.abstract[part], self.specs[part], self.mesh_sizes)
@@ -56,8 +60,14 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     pipeline.check(cfg, sizes["stage"])
     parallel.check_layout(cfg, sizes)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg.model))
+    if cfg.model.fp8 == "delayed" and sizes["stage"] > 1:
+        raise ConfigError("model.fp8=delayed does not run under a pipeline (mesh.stage="
+                          f"{sizes['stage']}): its amax histories would be summed over the "
+                          "pipeline's iterations; use model.fp8=tensorwise")
+    graphdef, abstract_state, history_state = nnx.split(abstract_model(cfg.model), nnx.Param,
+                                                        fp8.History)
     params = nnx.to_pure_dict(abstract_state)
+    histories = nnx.to_pure_dict(history_state)
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
     parallel.check_divisible(params, param_specs, sizes, cfg.model)
     opt_state = jax.eval_shape(tx.init, params)
@@ -68,35 +78,44 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     abstract = {"params": params, "opt_state": opt_state, "step": scalar, "nonfinite": scalar}
     specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "nonfinite": P()}
+    if cfg.model.fp8 == "delayed":  # small ([layers, tensors, history]): replicated
+        abstract["fp8"], specs["fp8"] = histories, jax.tree.map(lambda _: P(), histories)
     pipe = pipeline.from_config(cfg, sizes["stage"])
     accumulation = cfg.pipeline.passes if pipe else cfg.train.microbatches
     return Plan(graphdef, abstract, specs, sizes, count_params(params), pipe, accumulation,
-                pipeline.config_order(cfg, sizes["stage"]))
+                pipeline.config_order(cfg, sizes["stage"]), histories)
 
 
 def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: Mesh) -> dict:
     """Initialise the state directly into its shardings: no full copy on any one device."""
 
     def init() -> dict:
-        params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, nnx.Rngs(cfg.train.seed))))
+        model = Transformer(cfg.model, nnx.Rngs(cfg.train.seed))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         model_order = np.arange(cfg.model.num_layers)
         params["layers"] = pipeline.reorder(params["layers"], model_order, plan.layer_order)
-        return fresh_state(params, tx)
+        return fresh_state(params, tx, plan.abstract.get("fp8"))
 
     return jax.jit(init, out_shardings=parallel.named(plan.specs, mesh))()
 
 
-def fresh_state(params: dict, tx: optax.GradientTransformation) -> dict:
-    """The train state around `params`: new optimizer state, step 0."""
+def fresh_state(params: dict, tx: optax.GradientTransformation, histories: dict | None = None
+                ) -> dict:
+    """The train state around `params`: new optimizer state, step 0, and with `histories` (the
+    abstract FP8 amax histories of model.fp8=delayed) empty ones."""
     zero = jnp.zeros((), jnp.int32)
-    return {"params": params, "opt_state": tx.init(params), "step": zero, "nonfinite": zero}
+    state = {"params": params, "opt_state": tx.init(params), "step": zero, "nonfinite": zero}
+    if histories is not None:
+        state["fp8"] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), histories)
+    return state
 
 
-def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings: dict) -> dict:
+def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings: dict,
+                       histories: dict | None = None) -> dict:
     """fresh_state on restored params, in `shardings`; the params are donated, so the state takes
     over their buffers instead of holding a second copy."""
-    return jax.jit(functools.partial(fresh_state, tx=tx), out_shardings=shardings,
-                   donate_argnums=0)(params)
+    return jax.jit(functools.partial(fresh_state, tx=tx, histories=histories),
+                   out_shardings=shardings, donate_argnums=0)(params)
 
 
 RESTORE_UNUSED = ("checkpoint.restore={} is not used: run.dir has checkpoints of its own, which "
@@ -136,7 +155,7 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
                                cfg.checkpoint.weights_only, cfg.model)
     if cfg.checkpoint.weights_only:
         params = in_layer_order(state, meta, plan, tx, shardings, info)["params"]
-        state = fresh_state_around(params, tx, shardings)
+        state = fresh_state_around(params, tx, shardings, plan.abstract.get("fp8"))
         info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
         return state, 0, 0
     state = in_layer_order(state, meta, plan, tx, shardings, info)
