@@ -211,14 +211,12 @@ def _weights(cfg: ModelConfig, params, sites: fp8.Sites | None = None
              ) -> tuple[tuple[jax.Array, ...], tuple]:
     """The layer's weights as its matmuls read them, and with model.fp8 their scales: gathered
     in the compute dtype (`_gathered`), or quantized before their gather (`fp8.weight`), each
-    stored weight's amax observed into its history (`sites`)."""
+    stored weight's amax observed into its history (`sites`, `fp8.observed_scale`)."""
     if cfg.fp8 == "none":
         return tuple(_gathered(p, cfg) for p in params), (None,) * len(params)
-    stored = [fp8.observe(p[...], h) for p, h in zip(params, sites.w)]
-    if cfg.fp8 == "delayed":
-        scales = tuple(fp8.history_scale(h, w) for w, h in zip(stored, sites.w))
-    else:
-        scales = tuple(fp8.scale(w) for w in stored)
+    stored = [p[...] for p in params]
+    delayed = cfg.fp8 == "delayed"
+    scales = tuple(fp8.observed_scale(w, h, delayed) for w, h in zip(stored, sites.w))
     return tuple(fp8.weight(w, s, cfg.dtype, _stored_axes(p), _gathered_axes(p, cfg))
                  for p, w, s in zip(params, stored, scales)), scales
 
@@ -235,9 +233,9 @@ def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, sites: fp8.Sites | No
     from its history (delayed), and each weight's (`_weights`)."""
     if cfg.fp8 == "none":
         return [Partial(jnp.tensordot)] * len(w_scales)
+    x_scale = fp8.observed_scale(x, sites.x, cfg.fp8 == "delayed")
     if cfg.fp8 == "tensorwise":
-        return [Partial(_fp8_dot, x_scale=fp8.scale(x), w_scale=s) for s in w_scales]
-    x_scale = fp8.history_scale(sites.x, x)
+        return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s) for s in w_scales]
     return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s,
                     g_scale=fp8.history_scale(h, None, fp8.BACKWARD))
             for s, h in zip(w_scales, sites.g)]
@@ -245,11 +243,6 @@ def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, sites: fp8.Sites | No
 
 def _fp8_dot(x, w, contract, *, x_scale, w_scale, g_scale=None):
     return fp8.dot(x, w, contract, x_scale, w_scale, g_scale)
-
-
-def _observed(sites: fp8.Sites | None, x: jax.Array) -> jax.Array:
-    """x with its amax observed into the input's history (model.fp8), else x."""
-    return x if sites is None else fp8.observe(x, sites.x)
 
 
 def _gradients_observed(sites: fp8.Sites | None, outputs: tuple) -> tuple:
@@ -263,7 +256,6 @@ def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, params, sites: fp8.Site
     """x[B, T, D] times each weight [D, ...] (q, k, v; gate, up): outputs [B, T, ...] with the
     weights' split over tensor, overlapped with the sequence's all-gather when it applies."""
     weights, scales = _weights(cfg, params, sites)
-    x_BTD = _observed(sites, x_BTD)
     dots = _dots(cfg, x_BTD, scales, sites)
     if _overlapped(cfg):
         outputs = collective_matmul.gather_matmuls(x_BTD, *weights, dots=dots)
@@ -277,7 +269,6 @@ def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param,
     """h[B, T, ...] times w[..., D] summed over the middle dimensions (o, down): [B, T, D], its
     reduce-scatter over the sequence overlapped with the matmul when it applies."""
     (w,), scales = _weights(cfg, (param,), sites)
-    h = _observed(sites, h)
     (dot,) = _dots(cfg, h, scales, sites)
     if _overlapped(cfg):
         y = collective_matmul.matmul_scatter(h, w, dot=dot)

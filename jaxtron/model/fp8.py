@@ -16,12 +16,12 @@ over the tensor has to finish before its matmul starts, and a tensor larger than
 saturates at the format's largest value until the history catches up (TransformerEngine's
 delayed scaling, with its "max" rule).
 
-Observing amaxes (`observe`, `observe_grad`): each projection's x, w and gradient amax leaves the
-step as the gradient of its history, with its amax in slot 0 and zeros elsewhere, so that the
-forward's and the backward's amaxes come out of one `jax.grad` with the weights' gradients, per
-layer under the scan over layers and under remat. The train step shifts the histories by one
-(`advance`) and logs the statistics (`statistics`), for `tensorwise` too (its histories are one
-slot long, not kept in the state).
+Observing amaxes (`observed_scale`, `observe_grad`): each projection's x, w and gradient amax
+leaves the step as the gradient of its history, with its amax in slot 0 and zeros elsewhere, so
+that the forward's and the backward's amaxes come out of one `jax.grad` with the weights'
+gradients, per layer under the scan over layers and under remat. The train step shifts the
+histories by one (`advance`) and logs the statistics (`statistics`), for `tensorwise` too (its
+histories are one slot long, not kept in the state).
 
 On a GPU, XLA compiles a `dot` of FP8 operands to an FP8 GEMM (a Triton GEMM fusion or cuBLASLt's
 FP8 matmul, whichever autotuning picks); on CPUs it runs the same rounding and multiplies in
@@ -169,22 +169,29 @@ def _observation(history: jax.Array, amax: jax.Array) -> jax.Array:
     return jnp.zeros_like(history).at[0].set(amax.astype(history.dtype))
 
 
-@jax.custom_vjp
-def observe(x: jax.Array, history: jax.Array) -> jax.Array:
-    """x unchanged; the gradient with respect to `history` [H] is x's amax in slot 0."""
-    return x
+def observed_scale(x: jax.Array, history: jax.Array, delayed: bool) -> jax.Array:
+    """The e4m3 scale of x: its own (`scale`), or with `delayed` its history's
+    (`history_scale`). The gradient with respect to `history` [H] is x's amax in slot 0 (how the
+    amax leaves the step); x gets none, as from a scale anywhere."""
+    return _observed_scale(jax.lax.stop_gradient(x), history, delayed)
 
 
-def _observe_fwd(x, history):
-    return x, (jnp.max(jnp.abs(x)).astype(jnp.float32), history)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _observed_scale(x, history, delayed):
+    return _observed_scale_fwd(x, history, delayed)[0]
 
 
-def _observe_bwd(residuals, g):
+def _observed_scale_fwd(x, history, delayed):
+    s = history_scale(history, x) if delayed else scale(x)
+    return s, (jnp.max(jnp.abs(x)).astype(jnp.float32), history)
+
+
+def _observed_scale_bwd(delayed, residuals, g):
     amax, history = residuals
-    return g, _observation(history, amax)
+    return None, _observation(history, amax)
 
 
-observe.defvjp(_observe_fwd, _observe_bwd)
+_observed_scale.defvjp(_observed_scale_fwd, _observed_scale_bwd)
 
 
 @jax.custom_vjp
@@ -211,8 +218,9 @@ def combine(a, b):
 
 
 def advance(histories, observed):
-    """The histories one step on: each tensor's amax of this step (`observe`'s gradient) in slot
-    0, the older ones shifted back, the oldest dropped."""
+    """The histories one step on: each tensor's amax of this step (the gradient of
+    `observed_scale` and `observe_grad`) in slot 0, the older ones shifted back, the oldest
+    dropped."""
     return jax.tree.map(lambda h, o: jnp.concatenate([o[..., :1], h[..., :-1]], axis=-1),
                         histories, observed)
 

@@ -54,12 +54,17 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
                    histories: dict | None = None):
     """(mean loss, its gradient, the FP8 amaxes observed): with microbatches > 1 the losses and
     gradients summed over microbatches in a scan (each one a pass through the pipeline when
-    `pipe` is set), the amaxes the larger of each. The amaxes (`fp8.observe`) are the gradient
-    with respect to `histories`; None without them."""
+    `pipe` is set), the amaxes the larger of each. The amaxes (`fp8.observed_scale`,
+    `observe_grad`) are the gradient with respect to `histories`; None without them, and under
+    a pipeline, whose iterations would add them up."""
+    observe = histories is not None and pipe is None
+
     def grad_fn(micro):
         fn = functools.partial(loss_sums, graphdef=graphdef, batch=micro, pipe=pipe, chunk=chunk)
-        (part, n), (g, seen) = jax.value_and_grad(
-            lambda p, h: fn(p, histories=h), argnums=(0, 1), has_aux=True)(params, histories)
+        (part, n), grads = jax.value_and_grad(
+            lambda p, h: fn(p, histories=h), argnums=(0, 1) if observe else 0,
+            has_aux=True)(params, histories)
+        g, seen = grads if observe else (grads, None)
         return part, n, g, seen
 
     if microbatches == 1:
@@ -78,7 +83,8 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
                     fp8.combine(observed, seen)), None
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
-                 jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, histories))
+                 jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(jnp.zeros_like, histories) if observe else None)
         (total, count, grads, observed), _ = jax.lax.scan(accumulate, zeros,
                                                           jax.tree.map(split, batch))
     count = jnp.maximum(count, 1).astype(jnp.float32)
@@ -125,7 +131,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
     lr = schedule(schedule_count(state["opt_state"]))
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                "nonfinite": new_state["nonfinite"]}
-    if observed is not None and pipe is None:  # a pipeline sums the amaxes over its iterations
+    if observed is not None:
         metrics.update(fp8.statistics(seen_by, observed))
     return new_state, metrics
 
