@@ -221,7 +221,7 @@ def test_a_signal_before_or_after_the_work_is_one_line(tmp_path, sig, when, stat
     assert (run.returncode, run.stdout, run.stderr) == (status, "", line)
 
 
-@pytest.mark.parametrize("delay", [0.3, 0.8])
+@pytest.mark.parametrize("delay", [0.3, pytest.param(0.8, marks=pytest.mark.slow)])
 def test_ctrl_c_while_a_tool_imports_jax_is_one_line(delay):
     """plan.py imports jax at its top, for about two seconds; Ctrl-C there is its one line."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "plan.py"), "--config",

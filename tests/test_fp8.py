@@ -178,9 +178,10 @@ def test_fp8_on_a_mesh_is_fp8_on_one_device(tmp_path, one_device, mesh, extra):
     _assert_close(_gradients(tmp_path, jax.devices(), mesh, FP8, *extra), one_device)
 
 
-@pytest.mark.parametrize("mesh,microbatches", [({"stage": 2, "fsdp": 4}, 4),
-                                                ({"data": 2, "fsdp": 4}, 2)],
-                         ids=["stage=2,fsdp=4", "data=2,fsdp=4"])
+@pytest.mark.parametrize("mesh,microbatches", [
+    ({"stage": 2, "fsdp": 4}, 4),
+    pytest.param({"data": 2, "fsdp": 4}, 2, marks=pytest.mark.slow)],  # CI's time
+    ids=["stage=2,fsdp=4", "data=2,fsdp=4"])
 def test_fp8_with_microbatches_on_a_mesh_is_fp8_on_one_device(tmp_path, mesh, microbatches):
     """A pipeline and gradient accumulation both scale per microbatch: one device with the same
     microbatches is their reference."""
@@ -347,7 +348,7 @@ def test_delayed_histories_over_microbatches_take_the_largest_amax(tmp_path, del
 
 
 @pytest.mark.parametrize("mesh,extra", [
-    ({"fsdp": 8}, ()),
+    pytest.param({"fsdp": 8}, (), marks=pytest.mark.slow),  # CI's time
     ({"tensor": 2, "fsdp": 4}, ()),  # collective matmuls: the gradient's scale from its history
 ], ids=["fsdp=8", "tensor=2,fsdp=4,collective"])
 def test_delayed_on_a_mesh_is_delayed_on_one_device(tmp_path, delayed_steps, mesh, extra):

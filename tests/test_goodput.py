@@ -127,6 +127,7 @@ def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
     assert board["goodput/goodput"][-1] == (STEPS, pytest.approx(summary["goodput"], rel=1e-6))
 
 
+@pytest.mark.slow  # CI's time (the preempted one above runs); `pytest -m slow` runs it
 def test_killed_then_resumed_run_accounts_both_attempts(tmp_path):
     """A run killed by SIGKILL (no exit code runs) still has its account in goodput.json, as of
     its last log row, marked "killed" by the next attempt; resumed from checkpoint 4 (the later

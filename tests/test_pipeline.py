@@ -3,9 +3,11 @@
 A small 8-layer model, 3 AdamW steps on a fixed random batch, then the gradient at the third
 step's parameters. Layers stored in stage order (circular) are put back in model order before
 comparing. Asserted: losses within 2e-6 relative; each gradient array within 1e-5 of the
-reference's norm at the start and 1e-4 after 3 steps (Adam's first steps amplify fp32 rounding
-differences of near-zero gradients into the parameters). Measured over all 16 cases: losses
-<= 4.5e-7, gradients <= 6.3e-7 at the start and <= 4.8e-5 after 3 steps (tensor=2 the largest).
+reference's norm at the start and 2.5e-4 after 3 steps (Adam's first steps amplify fp32
+rounding differences of near-zero gradients into the parameters). Measured over all 16 cases:
+losses <= 4.5e-7, gradients <= 6.3e-7 at the start and <= 4.8e-5 after 3 steps (tensor=2 the
+largest); on an AMD EPYC host, whose CPU kernels sum in another order, the embedding's 1.1e-4
+after 3 steps (stage=2, data=2, fsdp=2).
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def _check(cfg: config.Config, devices: int, remat: str) -> None:
     assert losses[-1] < losses[0] - 0.1  # it is training, not just agreeing
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
     _assert_close_grads(first, ref_first, 1e-5)
-    _assert_close_grads(last, ref_last, 1e-4)
+    _assert_close_grads(last, ref_last, 2.5e-4)
 
 
 LAYOUTS = [  # (mesh overrides, devices)
@@ -238,7 +240,7 @@ def _attend_bwd(residuals, g):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.slow), "full"])
 def test_cudnn_path_in_the_stages_matches_one_device(monkeypatch, remat):
     """The stages' cuDNN path (attention.cudnn_attention: a shard_map over fsdp and tensor around
     the sealed kernel) with a CPU kernel in cuDNN's place: XLA attention behind a custom_vjp that,

@@ -185,8 +185,9 @@ def test_remat_names_may_have_spaces_around_commas(capsys):
 
 
 @pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"), reason="a GPU: cuda starts here")
-@pytest.mark.parametrize("command", [[str(ROOT / "tools" / "plan.py")],
-                                     ["-m", "jaxtron.commands", "plan"]])  # `jaxtron plan`
+@pytest.mark.parametrize("command", [  # `jaxtron plan` with `-m slow`: CI's time
+    [str(ROOT / "tools" / "plan.py")],
+    pytest.param(["-m", "jaxtron.commands", "plan"], marks=pytest.mark.slow)])
 def test_plan_computes_on_the_cpu_whatever_jax_platforms_says(command):
     """JAX_PLATFORMS=cuda without a GPU was an AssertionError traceback from jax: the plan only
     estimates GPUs elsewhere, so it uses this machine's CPU, and --verify compiles for them."""
