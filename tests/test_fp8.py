@@ -387,3 +387,47 @@ def test_delayed_is_refused_under_a_pipeline_and_between_fp8_modes():
     assert weights.model_changes(saved, tiny_config("model.fp8=none").model) == []
     with pytest.raises(config.ConfigError, match="model.fp8_history=0 must be at least 1"):
         model.check(tiny_config("model.fp8=delayed", "model.fp8_history=0").model)
+
+
+def test_a_delayed_run_exports_its_master_weights_and_generates_from_them(tmp_path):
+    """A checkpoint of model.fp8=delayed holds the histories beside the params; the export
+    writes the float32 master weights alone, and generation reads them in the compute dtype."""
+    from jaxtron.commands import convert_hf
+    from jaxtron.hf import read_tensors
+    from jaxtron.model import generate
+
+    run = tmp_path / "run"
+    train(tiny_config(*DELAYED, "train.steps=2", "train.eval_every=0", "mesh.fsdp=1",
+                      run_dir=run), devices=jax.devices()[:1])
+    cfg, params = weights.read_params(run)
+    assert cfg.model.fp8 == "delayed" and "fp8_x" not in params["layers"]["attn"]
+    assert convert_hf.main(["export", str(run), str(tmp_path / "hf")]) == 0
+    tensors = read_tensors(tmp_path / "hf")
+    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], params["embed"])
+    np.testing.assert_array_equal(tensors["model.layers.1.self_attn.q_proj.weight"].T,
+                                  params["layers"]["attn"]["wq"][1].reshape(
+                                      cfg.model.d_model, -1))
+    assert len(generate.generate(cfg.model, params, [1, 40, 41], 3)) == 3
+
+
+def test_a_nonfinite_step_keeps_the_histories(delayed_steps):
+    """A NaN in the weights makes the step non-finite: params, optimizer state and the FP8
+    histories stay as they were."""
+    cfg, (_, state, _), _, _ = delayed_steps
+    poisoned = jax.tree.map(np.copy, state)
+    poisoned["params"]["embed"][0, 0] = np.nan
+    _, after, metrics = _one_step(cfg, jax.devices()[:1], poisoned)
+    assert int(metrics["nonfinite"]) == 1
+    for a, b in zip(jax.tree.leaves(after["fp8"]), jax.tree.leaves(state["fp8"])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("remat", ["save_dots", "full"])
+def test_delayed_under_remat_is_delayed_without(tmp_path, delayed_steps, remat):
+    """From step 1's state, step 2 under a remat policy: the same update and histories, bit for
+    bit (the amaxes are observed in the recomputed forward as in the first)."""
+    cfg, (_, state, _), (_, want, _), _ = delayed_steps
+    rematted = tiny_config(*DELAYED, "mesh.fsdp=1", f"model.remat={remat}", run_dir=tmp_path)
+    _, got, _ = _one_step(rematted, jax.devices()[:1], state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
