@@ -169,6 +169,7 @@ def jax_leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # CI's time: the moved-aside test below skips a damaged latest one too
 def test_damaged_latest_checkpoint_is_skipped(tmp_path, capsys):
     run_dir = tmp_path / "run"
     straight = train(_cfg(run_dir, "checkpoint.keep=3"))  # checkpoints 2, 4, 6

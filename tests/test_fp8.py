@@ -422,7 +422,7 @@ def test_a_nonfinite_step_keeps_the_histories(delayed_steps):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("remat", ["save_dots", "full"])
+@pytest.mark.parametrize("remat", [pytest.param("save_dots", marks=pytest.mark.slow), "full"])
 def test_delayed_under_remat_is_delayed_without(tmp_path, delayed_steps, remat):
     """From step 1's state, step 2 under a remat policy: the same update and histories, bit for
     bit (the amaxes are observed in the recomputed forward as in the first)."""

@@ -74,6 +74,7 @@ def test_a_resumed_attempt_replaces_the_rows_of_the_steps_it_redoes(tmp_path, ca
     capsys.readouterr()
 
 
+@pytest.mark.slow  # CI's time: the resumed attempt above replaces rows the same way
 def test_killed_and_resumed_run_logs_each_step_once(tmp_path):
     """The real launch.py, killed after a checkpoint and run again: every file's steps strictly
     increase, and the rows up to the restored step are the killed attempt's, byte for byte."""

@@ -131,7 +131,7 @@ class Attention(nnx.Module):
             self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
             self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
             self.bv = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
-        for name, value in _histories(cfg, 2, 4).items():  # inputs of q, k, v and of o
+        for name, value in fp8.histories(cfg.fp8, cfg.fp8_history, 2, 4).items():  # q/k/v, o
             setattr(self, name, value)
 
     def _weight(self, name: str) -> jax.Array:
@@ -140,7 +140,7 @@ class Attention(nnx.Module):
     def _projections(self, x_BTD) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q[B, T, N, H], k and v [B, T, K, H], heads split over tensor, sequence whole."""
         q, k, v = _column_parallel(self.cfg, x_BTD, (self.wq, self.wk, self.wv),
-                                   _sites(self, 0, range(3)))
+                                   fp8.sites(self, 0, range(3)))
         if self.cfg.qkv_bias:
             q, k, v = (y + self._weight(b) for y, b in zip((q, k, v), ("bq", "bk", "bv")))
         return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
@@ -175,7 +175,7 @@ class Attention(nnx.Module):
         """The heads' outputs projected back to the model width [B, T, D]."""
         out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)),
                                    "attn_out")
-        return _row_parallel(self.cfg, out_BTNH, self.wo, _sites(self, 1, range(3, 4)))
+        return _row_parallel(self.cfg, out_BTNH, self.wo, fp8.sites(self, 1, range(3, 4)))
 
 
 def _gathered(param: nnx.Param, cfg: ModelConfig) -> jax.Array:
@@ -235,21 +235,9 @@ def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, sites: fp8.Sites | No
         return [Partial(jnp.tensordot)] * len(w_scales)
     x_scale = fp8.observed_scale(x, sites.x, cfg.fp8 == "delayed")
     if cfg.fp8 == "tensorwise":
-        return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s) for s in w_scales]
-    return [Partial(_fp8_dot, x_scale=x_scale, w_scale=s,
-                    g_scale=fp8.history_scale(h, None, fp8.BACKWARD))
+        return [fp8.bound_dot(x_scale, s) for s in w_scales]
+    return [fp8.bound_dot(x_scale, s, fp8.history_scale(h, None, fp8.BACKWARD))
             for s, h in zip(w_scales, sites.g)]
-
-
-def _fp8_dot(x, w, contract, *, x_scale, w_scale, g_scale=None):
-    return fp8.dot(x, w, contract, x_scale, w_scale, g_scale)
-
-
-def _gradients_observed(sites: fp8.Sites | None, outputs: tuple) -> tuple:
-    """The projections' outputs with their gradients' amaxes observed (model.fp8)."""
-    if sites is None:
-        return outputs
-    return tuple(fp8.observe_grad(y, h) for y, h in zip(outputs, sites.g))
 
 
 def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, params, sites: fp8.Sites | None):
@@ -261,7 +249,7 @@ def _column_parallel(cfg: ModelConfig, x_BTD: jax.Array, params, sites: fp8.Site
         outputs = collective_matmul.gather_matmuls(x_BTD, *weights, dots=dots)
     else:
         outputs = tuple(dot(x_BTD, w, 1) for dot, w in zip(dots, weights))
-    return _gradients_observed(sites, outputs)
+    return fp8.observe_outputs(sites, outputs)
 
 
 def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param,
@@ -274,25 +262,7 @@ def _row_parallel(cfg: ModelConfig, h: jax.Array, param: nnx.Param,
         y = collective_matmul.matmul_scatter(h, w, dot=dot)
     else:
         y = dot(h, w, h.ndim - 2)
-    return _gradients_observed(sites, (y,))[0]
-
-
-def _histories(cfg: ModelConfig, inputs: int, weights: int) -> dict[str, fp8.History]:
-    """A module's FP8 amax histories (model.fp8): its matmuls' inputs, weights and gradients."""
-    if cfg.fp8 == "none":
-        return {}
-    slots = fp8.history_length(cfg.fp8, cfg.fp8_history)
-    make = lambda rows: fp8.History(jnp.zeros((rows, slots), jnp.float32),
-                                    out_sharding=(None, None), eager_sharding=False)
-    return {"fp8_x": make(inputs), "fp8_w": make(weights), "fp8_g": make(weights)}
-
-
-def _sites(module: nnx.Module, x_row: int, w_rows: range) -> fp8.Sites | None:
-    """The histories of the projections that read input `x_row`, weights `w_rows`."""
-    if module.cfg.fp8 == "none":
-        return None
-    x, w, g = module.fp8_x[...], module.fp8_w[...], module.fp8_g[...]
-    return fp8.Sites(x[x_row], tuple(w[i] for i in w_rows), tuple(g[i] for i in w_rows))
+    return fp8.observe_outputs(sites, (y,))[0]
 
 
 class MLP(nnx.Module):
@@ -304,14 +274,14 @@ class MLP(nnx.Module):
         self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
-        for name, value in _histories(cfg, 2, 3).items():  # inputs of gate, up and of down
+        for name, value in fp8.histories(cfg.fp8, cfg.fp8_history, 2, 3).items():  # gate/up, down
             setattr(self, name, value)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         gate_BTF, up_BTF = _column_parallel(self.cfg, x_BTD, (self.w_gate, self.w_up),
-                                            _sites(self, 0, range(2)))
+                                            fp8.sites(self, 0, range(2)))
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
-        return _row_parallel(self.cfg, h_BTF, self.w_down, _sites(self, 1, range(2, 3)))
+        return _row_parallel(self.cfg, h_BTF, self.w_down, fp8.sites(self, 1, range(2, 3)))
 
 
 class Block(nnx.Module):

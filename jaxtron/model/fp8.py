@@ -37,6 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.tree_util import Partial
 
 from jaxtron.parallel import constrain
 
@@ -160,9 +161,45 @@ class History(nnx.Variable):
     zeros each step under tensorwise (where they only carry the amaxes out for the metrics)."""
 
 
-def history_length(mode: str, length: int) -> int:
-    """Slots per history: `length` (model.fp8_history) for delayed, 1 for tensorwise."""
-    return length if mode == "delayed" else 1
+def histories(mode: str, length: int, inputs: int, weights: int) -> dict[str, History]:
+    """A module's amax histories under model.fp8=`mode` (none: none): its matmuls' `inputs`,
+    `weights` and their output gradients, `length` (model.fp8_history) slots each under
+    delayed, one under tensorwise. The module holds them as attributes fp8_x, fp8_w, fp8_g."""
+    if mode == "none":
+        return {}
+    slots = length if mode == "delayed" else 1
+    make = lambda rows: History(jnp.zeros((rows, slots), jnp.float32),
+                                out_sharding=(None, None), eager_sharding=False)
+    return {"fp8_x": make(inputs), "fp8_w": make(weights), "fp8_g": make(weights)}
+
+
+def sites(module: nnx.Module, x_row: int, w_rows: range) -> Sites | None:
+    """The histories (`histories`) of a module's projections that read input `x_row` with
+    weights `w_rows`; None without FP8."""
+    if not hasattr(module, "fp8_x"):
+        return None
+    x, w, g = module.fp8_x[...], module.fp8_w[...], module.fp8_g[...]
+    return Sites(x[x_row], tuple(w[i] for i in w_rows), tuple(g[i] for i in w_rows))
+
+
+def bound_dot(x_scale: jax.Array, w_scale: jax.Array, g_scale: jax.Array | None = None
+              ) -> Partial:
+    """`dot(x, w, contract)` with its scales bound, as a pytree a collective matmul carries
+    into its shard_map."""
+    if g_scale is None:
+        return Partial(_bound_dot, x_scale=x_scale, w_scale=w_scale)
+    return Partial(_bound_dot, x_scale=x_scale, w_scale=w_scale, g_scale=g_scale)
+
+
+def _bound_dot(x, w, contract, *, x_scale, w_scale, g_scale=None):
+    return dot(x, w, contract, x_scale, w_scale, g_scale)
+
+
+def observe_outputs(sites: Sites | None, outputs: tuple) -> tuple:
+    """Projections' outputs with their gradients' amaxes observed (`observe_grad`)."""
+    if sites is None:
+        return outputs
+    return tuple(observe_grad(y, h) for y, h in zip(outputs, sites.g))
 
 
 def _observation(history: jax.Array, amax: jax.Array) -> jax.Array:
