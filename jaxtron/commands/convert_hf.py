@@ -261,7 +261,7 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     """A checkpoint (any mesh, any pipeline layout) -> HF directory."""
     cfg, meta, get = weights.reader(source)
     _, step_dir = weights.locate(source)
-    kind = model_type or meta.get("hf_model_type") or ("qwen2" if cfg.model.qkv_bias else "llama")
+    kind = model_type or meta.get("hf_model_type") or hf.model_type_of(cfg.model)
     tok = tokenizer_lib.from_path(tokenizer) if tokenizer else _run_tokenizer(cfg, meta)
     _check_outside_checkpoints(out, step_dir)
 

@@ -63,6 +63,24 @@ class ModelConfig:
     # compute dtype
     fp8: str = "none"
     fp8_history: int = 1024
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (head_size wide) before RoPE
+    # Mixture of experts (jaxtron/model/moe.py): num_experts SwiGLU experts of width moe_mlp_dim
+    # (0: mlp_dim) replace every layer's MLP; each token goes to experts_per_token of them, picked
+    # by a router's softmax over all experts, the top-k renormalized when norm_topk_prob
+    # (Mixtral's softmax over its top-k logits is the same). 0 experts: a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_dim: int = 0
+    norm_topk_prob: bool = True
+    # 0: dropless (every token reaches its experts); > 0: an expert takes at most
+    # ceil(capacity_factor * tokens * experts_per_token / num_experts) of a step's tokens, in order
+    capacity_factor: float = 0.0
+    moe_aux_coef: float = 0.01  # load-balancing loss (Switch/Mixtral), mean over layers
+    moe_z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
+    # the experts' grouped matmuls: auto (triton on GPUs, where tokamax is installed; else xla),
+    # triton (tokamax's Triton ragged_dot), xla (jax.lax.ragged_dot: on GPUs XLA runs it as a
+    # dense matmul over every expert, num_experts / experts_per_token times the FLOPs)
+    moe_kernel: str = "auto"
 
     @property
     def head_size(self) -> int:
@@ -77,6 +95,7 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     stage: int = 1
+    expert: int = 1  # splits the experts (model.num_experts); the batch is split over it too
 
 
 @dataclass(frozen=True)
@@ -319,6 +338,11 @@ def _ranges(cfg: Config) -> tuple:
         ("model.rope_low_freq_factor", m.rope_low_freq_factor, *above_0),
         ("model.rope_high_freq_factor", m.rope_high_freq_factor, *above_0),
         ("model.rope_original_max_len", m.rope_original_max_len, *above_0),
+        ("model.capacity_factor", m.capacity_factor, *at_least(0)),
+        ("model.moe_aux_coef", m.moe_aux_coef, *at_least(0)),
+        ("model.moe_z_coef", m.moe_z_coef, *at_least(0)),
+        ("model.num_experts", m.num_experts, *at_least(0)),
+        ("model.moe_mlp_dim", m.moe_mlp_dim, *at_least(0)),
         ("model.norm_eps", m.norm_eps, *above_0), ("model.init_std", m.init_std, *above_0),
         ("train.eval_every", t.eval_every, *at_least(0)),
         ("train.eval_batches", t.eval_batches, *at_least(1)),
@@ -396,6 +420,9 @@ def check_values(cfg: Config) -> None:
         )
     if m.head_size % 2:
         raise ConfigError(f"head size {m.head_size} must be even for RoPE; set model.head_dim")
+    if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
+                          f"model.num_experts={m.num_experts}")
 
 
 def check_warnings(cfg: Config) -> list[str]:

@@ -36,6 +36,7 @@ from jaxtron.hf.mapping import (
     expected_shapes,
     hf_layout,
     hf_to_params,
+    mlp_family,
 )
 from jaxtron.model import abstract_model, in_compute_dtype
 
@@ -43,7 +44,8 @@ INDEX = "model.safetensors.index.json"
 GENERATION = "generation_config.json"  # what transformers' generate() reads before config.json
 PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
 Getter = Callable[[str], np.ndarray]
 
@@ -217,7 +219,44 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
         "attention_bias": cfg.qkv_bias and model_type == "qwen2", "mlp_bias": False,
         "torch_dtype": cfg.param_dtype,
         **_window(cfg, model_type),
+        **_experts(cfg, model_type),
     }
+
+
+def _experts(cfg: ModelConfig, model_type: str) -> dict:
+    """The config.json keys of a mixture of experts (the inverse of mapping._experts)."""
+    if not cfg.num_experts:
+        return {}
+    out = {"num_local_experts": cfg.num_experts, "num_experts": cfg.num_experts,
+           "num_experts_per_tok": cfg.experts_per_token,
+           "router_aux_loss_coef": cfg.moe_aux_coef, "output_router_logits": False}
+    if model_type == "qwen3_moe":
+        out |= {"moe_intermediate_size": cfg.moe_mlp_dim or cfg.mlp_dim,
+                "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+                "mlp_only_layers": []}
+    return out
+
+
+def model_type_of(cfg: ModelConfig) -> str:
+    """The Hugging Face family that computes what `cfg` does, where only one does: Qwen2 (QKV
+    biases), Qwen3 (q/k norms), Qwen3-MoE (experts, q/k norms), Mixtral (experts); else llama."""
+    if cfg.num_experts:
+        return mlp_family(cfg)
+    return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+
+
+def _check_family(cfg: ModelConfig, model_type: str) -> None:
+    """`model_type` computes what `cfg` does (one line naming what differs otherwise)."""
+    needed = model_type_of(cfg)
+    if needed in ("llama",) and model_type in ("llama", "mistral"):
+        return
+    if needed != model_type:
+        raise ConfigError(f"model_type '{model_type}' does not compute this model (QKV biases "
+                          f"{cfg.qkv_bias}, q/k norms {cfg.qk_norm}, experts {cfg.num_experts}); "
+                          f"write it as '{needed}'")
+    if model_type == "mixtral" and not cfg.norm_topk_prob:
+        raise ConfigError("Mixtral renormalizes its top-k router weights; model.norm_topk_prob="
+                          "false has no Mixtral equivalent")
 
 
 def _window(cfg: ModelConfig, model_type: str) -> dict:
@@ -251,9 +290,7 @@ def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np
     hf_config; `token_ids`: the tokenizer's bos_token_id, eos_token_id (an id or a list) and
     pad_token_id if any, put into config.json and written as generation_config.json (without
     them transformers assumes bos 1 and eos 2)."""
-    if cfg.qkv_bias != (model_type == "qwen2"):
-        raise ConfigError(f"model.qkv_bias={cfg.qkv_bias} does not fit model_type '{model_type}'"
-                          " (QKV biases are Qwen2's)")
+    _check_family(cfg, model_type)
     config = hf_config(cfg, model_type, context)
     dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     out = Path(out_dir).expanduser()

@@ -56,24 +56,52 @@ MAPPING: tuple[tuple[str, ParamPath, Transform], ...] = (
     (LAYER + "self_attn.k_proj.bias", ("layers", "attn", "bk"), BIAS),  # Qwen2
     (LAYER + "self_attn.v_proj.bias", ("layers", "attn", "bv"), BIAS),  # Qwen2
     (LAYER + "self_attn.o_proj.weight", ("layers", "attn", "wo"), OUT),
+    (LAYER + "self_attn.q_norm.weight", ("layers", "attn", "q_norm", "scale"), COPY),  # Qwen3
+    (LAYER + "self_attn.k_norm.weight", ("layers", "attn", "k_norm", "scale"), COPY),  # Qwen3
     (LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), COPY),
-    (LAYER + "mlp.gate_proj.weight", ("layers", "mlp", "w_gate"), LINEAR),
-    (LAYER + "mlp.up_proj.weight", ("layers", "mlp", "w_up"), LINEAR),
-    (LAYER + "mlp.down_proj.weight", ("layers", "mlp", "w_down"), LINEAR),
     ("model.norm.weight", ("final_norm", "scale"), COPY),
     ("lm_head.weight", ("lm_head",), LINEAR),  # absent when embeddings are tied
 )
+# The MLP, by family: dense, or the experts' tensors one per expert ({j}: stacked on our E axis
+# after L) and the router. An MoE model with q/k norms is Qwen3-MoE's naming, without Mixtral's.
+MLPS: dict[str, tuple[tuple[str, ParamPath, Transform], ...]] = {
+    "dense": (
+        (LAYER + "mlp.gate_proj.weight", ("layers", "mlp", "w_gate"), LINEAR),
+        (LAYER + "mlp.up_proj.weight", ("layers", "mlp", "w_up"), LINEAR),
+        (LAYER + "mlp.down_proj.weight", ("layers", "mlp", "w_down"), LINEAR),
+    ),
+    "mixtral": (
+        (LAYER + "block_sparse_moe.gate.weight", ("layers", "mlp", "router"), LINEAR),
+        (LAYER + "block_sparse_moe.experts.{j}.w1.weight", ("layers", "mlp", "w_gate"), LINEAR),
+        (LAYER + "block_sparse_moe.experts.{j}.w3.weight", ("layers", "mlp", "w_up"), LINEAR),
+        (LAYER + "block_sparse_moe.experts.{j}.w2.weight", ("layers", "mlp", "w_down"), LINEAR),
+    ),
+    "qwen3_moe": (
+        (LAYER + "mlp.gate.weight", ("layers", "mlp", "router"), LINEAR),
+        (LAYER + "mlp.experts.{j}.gate_proj.weight", ("layers", "mlp", "w_gate"), LINEAR),
+        (LAYER + "mlp.experts.{j}.up_proj.weight", ("layers", "mlp", "w_up"), LINEAR),
+        (LAYER + "mlp.experts.{j}.down_proj.weight", ("layers", "mlp", "w_down"), LINEAR),
+    ),
+}
 # Non-parameter buffers some checkpoints carry; recomputed from the config, so dropped.
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
-def _hf_names(pattern: str, num_layers: int) -> list[str]:
+def mlp_family(cfg: ModelConfig) -> str:
+    """Which MLPS naming `cfg` has: dense, or for experts qwen3_moe (q/k norms) or mixtral."""
+    if not cfg.num_experts:
+        return "dense"
+    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+
+
+def _hf_names(pattern: str, num_layers: int, num_experts: int = 0) -> list[str]:
     """The concrete HF names of one MAPPING row."""
     if "{i}" not in pattern:
         return [pattern]
-    return [pattern.format(i=i) for i in range(num_layers)]
+    return [pattern.format(i=i, j=j) for i in range(num_layers)
+            for j in (range(num_experts) if "{j}" in pattern else [0])]
 
 
 @functools.lru_cache(maxsize=8)
@@ -87,7 +115,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
 def rows(cfg: ModelConfig) -> list[tuple[str, ParamPath, Transform]]:
     """The MAPPING rows this config has (no biases without qkv_bias, no head when tied)."""
     shapes = expected_shapes(cfg)
-    return [row for row in MAPPING if row[1] in shapes]
+    return [row for row in MAPPING + MLPS[mlp_family(cfg)] if row[1] in shapes]
 
 
 def nest(flat: dict[ParamPath, Any]) -> dict:
@@ -106,7 +134,8 @@ def check_names(names: Iterable[str], cfg: ModelConfig) -> None:
     present = {n for n in names if not IGNORED.search(n)}
     if cfg.tie_embeddings:
         present.discard("lm_head.weight")  # tied checkpoints may still list it: see check_tied
-    wanted = [n for pattern, _, _ in rows(cfg) for n in _hf_names(pattern, cfg.num_layers)]
+    wanted = [n for pattern, _, _ in rows(cfg)
+              for n in _hf_names(pattern, cfg.num_layers, cfg.num_experts)]
     missing = [n for n in wanted if n not in present]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the config needs: "
@@ -146,8 +175,14 @@ def layer_params(get: Callable[[str], np.ndarray], cfg: ModelConfig,
                  layer: int) -> dict[ParamPath, np.ndarray]:
     """One layer's tensors in our per-layer shapes (the stacked ones less the L axis) and dtype."""
     shapes = expected_shapes(cfg)
-    return {path: _ours(pattern.format(i=layer), path, to_ours, get, cfg, shapes[path][1:])
-            for pattern, path, (to_ours, _) in rows(cfg) if "{i}" in pattern}
+    out = {}
+    for pattern, path, (to_ours, _) in rows(cfg):
+        if "{j}" in pattern:  # [E, ...]: one HF tensor per expert
+            out[path] = np.stack([_ours(pattern.format(i=layer, j=j), path, to_ours, get, cfg,
+                                        shapes[path][2:]) for j in range(cfg.num_experts)])
+        elif "{i}" in pattern:
+            out[path] = _ours(pattern.format(i=layer), path, to_ours, get, cfg, shapes[path][1:])
+    return out
 
 
 def hf_to_params(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
@@ -162,14 +197,19 @@ def hf_to_params(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
 
 def hf_layout(cfg: ModelConfig) -> list[tuple[str, ParamPath, int | None, Callable]]:
     """Every HF tensor of `cfg` in checkpoint order: (name, our path, layer index or None for
-    unstacked, our array -> HF's). Tied models have no lm_head.weight."""
+    unstacked, our array -> HF's). Tied models have no lm_head.weight. An expert's tensor
+    takes its layer's [E, ...] array and picks expert j itself."""
     out = []
     for pattern, path, (_, to_hf) in rows(cfg):
         if "{i}" not in pattern:
             out.append((pattern, path, None, to_hf))
     for i in range(cfg.num_layers):
         for pattern, path, (_, to_hf) in rows(cfg):
-            if "{i}" in pattern:
+            if "{j}" in pattern:
+                out += [(pattern.format(i=i, j=j), path, i,
+                         lambda y, h, j=j, to_hf=to_hf: to_hf(y[j], h))
+                        for j in range(cfg.num_experts)]
+            elif "{i}" in pattern:
                 out.append((pattern.format(i=i), path, i, to_hf))
     return out
 
@@ -178,7 +218,7 @@ def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our pure nested param dict -> HF state dict (tied models omit lm_head.weight)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     flat = {tuple(k.key for k in path): np.asarray(leaf) for path, leaf in leaves}
-    unknown = sorted("/".join(p) for p in set(flat) - {row[1] for row in MAPPING})
+    unknown = sorted("/".join(p) for p in set(flat) - {row[1] for row in rows(cfg)})
     if unknown:
         raise ValueError(f"params with no HF name: {', '.join(unknown)}")
     return {name: to_hf(flat[path] if layer is None else flat[path][layer], cfg.head_size)
@@ -219,6 +259,10 @@ def _check_supported(hf: dict) -> None:
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or (kind != "qwen2" and hf.get("attention_bias")):
         raise ValueError("MLP and output-projection biases are not supported")
+    if kind == "qwen3_moe" and (hf.get("mlp_only_layers") or
+                                _setting(hf, "decoder_sparse_step", int, 1) != 1):
+        raise ValueError("dense layers between the MoE layers (mlp_only_layers, "
+                         "decoder_sparse_step) are not supported: every layer is MoE here")
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -277,6 +321,25 @@ def config_from_hf(hf_config: dict) -> dict:
         "norm_eps": _setting(hf, "rms_norm_eps", float, 1e-6),
         "tie_embeddings": _setting(hf, "tie_word_embeddings", bool, False),
         "qkv_bias": hf["model_type"] == "qwen2",
+        "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe"),
         "sliding_window": _setting(hf, "sliding_window", int, 0) if _sliding_window(hf) else 0,
         **_rope_overrides(hf),
+        **_experts(hf),
+    }
+
+
+def _experts(hf: dict) -> dict:
+    """The model.* fields of a mixture of experts (Mixtral, Qwen3-MoE); {} for dense families.
+    Mixtral's softmax over its top-k logits is ours with the top-k renormalized."""
+    kind = hf["model_type"]
+    if kind not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = _setting(hf, "num_local_experts", int, 0) or _setting(hf, "num_experts", int)
+    return {
+        "num_experts": experts,
+        "experts_per_token": _setting(hf, "num_experts_per_tok", int),
+        "moe_mlp_dim": (_setting(hf, "moe_intermediate_size", int) if kind == "qwen3_moe"
+                        else 0),
+        "norm_topk_prob": kind == "mixtral" or _setting(hf, "norm_topk_prob", bool, False),
+        "moe_aux_coef": _setting(hf, "router_aux_loss_coef", float, 0.01),
     }

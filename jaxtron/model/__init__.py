@@ -25,7 +25,8 @@ from jax.tree_util import Partial
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import attention as attention_lib
 from jaxtron.model import attention as kernels  # attention.py: the kernels behind one call
-from jaxtron.model import fp8, vocab
+from jaxtron.model import fp8, moe, vocab
+from jaxtron.model.layers import RMSNorm, apply_rope, param as _param, rope_frequencies
 from jaxtron.parallel import collective_matmul, constrain
 
 _policies = jax.checkpoint_policies
@@ -55,6 +56,7 @@ def check(cfg: ModelConfig) -> None:
     attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
     if cfg.fp8 not in fp8.MODES:
         raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
+    moe.check(cfg)
     if cfg.fp8_history < 1:
         raise ConfigError(f"model.fp8_history={cfg.fp8_history} must be at least 1 (steps of "
                           "amax history under model.fp8=delayed)")
@@ -74,51 +76,6 @@ BATCH_WHOLE_SEQ = ("act_batch", None)  # inside attention/MLP: heads or mlp spli
 IO_SEQ = ("act_batch_io", "act_seq")  # embedding and LM head: the pipeline stages split the batch
 
 
-def _param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...],
-           std: float | None = None, value: float | None = None) -> nnx.Param:
-    """A parameter tagged with logical axes (the one place that touches NNX sharding metadata)."""
-    dtype = jnp.dtype(cfg.param_dtype)
-    if value is not None:
-        init = jnp.full(shape, value, dtype)
-    else:
-        init = jax.random.normal(rngs.params(), shape, dtype) * (std or cfg.init_std)
-    return nnx.Param(init, out_sharding=axes, eager_sharding=False)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.scale = _param(rngs, cfg, (cfg.d_model,), ("norm",), value=1.0)
-        self.eps = cfg.norm_eps
-
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x = x_BTD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
-
-
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [H/2], with Llama-3 scaling when `rope_scaling_factor` > 0."""
-    h = cfg.head_size
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    if cfg.rope_scaling_factor <= 0:
-        return inv_freq
-    factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_len
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    smooth = jnp.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate halves (x1, x2) of each head by position-dependent angles (HF Llama layout)."""
-    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
-    cos, sin = jnp.cos(angles_BTh)[:, :, None], jnp.sin(angles_BTh)[:, :, None]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNH.dtype)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
@@ -127,6 +84,8 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
         self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
         self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg, rngs, h), RMSNorm(cfg, rngs, h)
         if cfg.qkv_bias:
             self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
             self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
@@ -143,6 +102,8 @@ class Attention(nnx.Module):
                                    fp8.sites(self, 0, range(3)))
         if self.cfg.qkv_bias:
             q, k, v = (y + self._weight(b) for y, b in zip((q, k, v), ("bq", "bk", "bv")))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
                 constrain(k, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)),
                 constrain(v, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)))
@@ -285,27 +246,34 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
+    experts when model.num_experts > 0 (jaxtron/model/moe.py)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = moe.MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> tuple[jax.Array, dict]:
+        """(x [B, T, D], the MoE router's statistics, moe.STAT_KEYS; {} for a dense layer)."""
         h_BTD = self._whole_seq(self.attn_norm(x_BTD))
         x_BTD = x_BTD + self.attn(h_BTD, positions_BT, segment_ids_BT, inv_freq)
         x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
-        x_BTD = x_BTD + self.mlp(self._whole_seq(self.mlp_norm(x_BTD)))
-        return constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+        y_BTD, stats = self._mlp(self._whole_seq(self.mlp_norm(x_BTD)), segment_ids_BT)
+        return constrain(x_BTD + y_BTD, (*BATCH_SEQ, "act_embed")), stats
+
+    def _mlp(self, h_BTD, segment_ids_BT) -> tuple[jax.Array, dict]:
+        if isinstance(self.mlp, moe.MoE):
+            return self.mlp(h_BTD, segment_ids_BT)
+        return self.mlp(h_BTD), {}
 
     def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
         """The same layer over a KV cache (Attention.decode): (x, k and v caches)."""
         out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), start, inv_freq,
                                                    k_BSKH, v_BSKH)
         x_BTD = x_BTD + out_BTD
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKH, v_BSKH
+        return x_BTD + self._mlp(self.mlp_norm(x_BTD), None)[0], k_BSKH, v_BSKH
 
     def _whole_seq(self, h_BTD: jax.Array) -> jax.Array:
         """Inside the pipeline's shard_map: the normed input gathered over the sequence once for
@@ -338,7 +306,7 @@ class Transformer(nnx.Module):
                  run_layers: LayerRunner | None = None) -> jax.Array:
         """Token ids -> float32 logits[B, T, V] (whole: for inspection and parity checks; the
         train step's loss takes `hidden` and `head` and never holds them all at once)."""
-        x_BTD = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
+        x_BTD, _ = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
         return self._logits(x_BTD)
 
     def decode(self, tokens_BT, cache: dict, start) -> tuple[jax.Array, dict]:
@@ -361,15 +329,20 @@ class Transformer(nnx.Module):
         return self._logits(self.final_norm(x_BTD)), {"k": k, "v": v}
 
     def hidden(self, tokens_BT, positions_BT, segment_ids_BT,
-               run_layers: LayerRunner | None = None) -> jax.Array:
-        """Token ids -> the final-normed hidden states [B, T, D] that the LM head reads.
-        `run_layers` applies the layer stack; the default runs every layer in order, a parallel
-        strategy (the pipeline) hands in its own."""
+               run_layers: LayerRunner | None = None) -> tuple[jax.Array, dict]:
+        """Token ids -> (the final-normed hidden states [B, T, D] that the LM head reads, the
+        MoE layers' statistics [L] per moe.STAT_KEYS, {} for a dense model). `run_layers`
+        applies the layer stack; the default runs every layer in order, a parallel strategy (the
+        pipeline, dense models only) hands in its own."""
         x_BTD = self._embed(tokens_BT)
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, graphdef)
-        x_BTD = (run_layers or in_order)(run_group, stacked, x_BTD, positions_BT, segment_ids_BT)
-        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed")))
+        if run_layers is None:
+            x_BTD, stats = run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
+        else:
+            x_BTD, stats = run_layers(lambda *a, **k: run_group(*a, **k)[0], stacked, x_BTD,
+                                      positions_BT, segment_ids_BT), {}
+        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), stats
 
     def _embed(self, tokens_BT) -> jax.Array:
         """Token ids -> embeddings [B, T, D] in the compute dtype."""
@@ -399,31 +372,28 @@ class Transformer(nnx.Module):
 LayerRunner = Callable[..., jax.Array]
 
 
-def in_order(run_group: Callable[..., jax.Array], stacked, x_BTD, positions_BT,
-             segment_ids_BT) -> jax.Array:
-    """Every layer, one after another, on all devices (no pipeline)."""
-    return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
-
-
 def _run_stack(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, segment_ids_BT,
                select: Callable[[Any], Any] | None = None):
-    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy. `select`,
-    if given, maps each layer's stored weights to the ones it runs with, inside the layer body
-    (the pipeline picks a repeat's weights there, so the pick is never a saved residual)."""
+    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy; returns
+    (x, each layer's MoE statistics stacked [L', ...]). `select`, if given, maps each layer's
+    stored weights to the ones it runs with, inside the layer body (the pipeline picks a
+    repeat's weights there, so the pick is never a saved residual)."""
     inv_freq = rope_frequencies(cfg)
 
     def body(x, layer_state):
         block = nnx.merge(graphdef, select(layer_state) if select else layer_state)
-        return block(x, positions_BT, segment_ids_BT, inv_freq), None
+        return block(x, positions_BT, segment_ids_BT, inv_freq)
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
                               prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-        return jax.lax.scan(body, x_BTD, stacked)[0]
+        return jax.lax.scan(body, x_BTD, stacked)
+    stats = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-        x_BTD = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))[0]
-    return x_BTD
+        x_BTD, layer_stats = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))
+        stats.append(layer_stats)
+    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
 
 def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:

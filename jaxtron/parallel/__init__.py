@@ -21,14 +21,19 @@ from jaxtron.config import Config, ConfigError, MeshConfig, TrainConfig
 
 # Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
 # so tensor and fsdp traffic stays on the fastest links and data/stage cross nodes.
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "expert", "fsdp", "tensor")
 
 RULES: tuple[tuple[str, Any], ...] = (
     # weights
     # W_emb[V_(tensor,stage), D_fsdp], W_head[D_fsdp, V_(tensor,stage)]: pipeline stages split the
     # tables too (every stage uses them), gathered over stage and fsdp before use like FSDP
     ("vocab", ("tensor", "stage")),
-    ("embed", "fsdp"),  # W_q[D_fsdp, N_tensor, H], W_gate[D_fsdp, F_tensor]: ZeRO-3 over D
+    # W_q[D_(expert,fsdp), N_tensor, H], W_gate[D_(expert,fsdp), F_tensor]: ZeRO-3 over D, over
+    # the expert ranks too (they hold different experts, but the same attention)
+    ("embed", ("expert", "fsdp")),
+    # MoE experts W_gate[E_expert, D_fsdp, F_tensor]: each expert rank holds its own experts
+    ("experts", "expert"),
+    ("expert_embed", "fsdp"),
     ("heads", "tensor"),  # W_q[D, N_tensor, H], W_o[N_tensor, H, D]: Megatron column/row split
     ("kv_heads", "tensor"),  # W_k[D, K_tensor, H]: each tensor rank owns whole KV groups
     ("head_dim", None),  # H stays whole: RoPE rotates within it
@@ -36,10 +41,11 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),  # RMSNorm scales [D] are tiny: replicated
     ("layers", "stage"),  # stacked layers [L_stage, ...]: each pipeline stage holds its own
     # activations
-    ("act_batch", ("data", "fsdp")),  # x[B_(data,fsdp), T, D]: batch split over every DP-like axis
+    # x[B_(data,expert,fsdp), T, D]: batch split over every DP-like axis
+    ("act_batch", ("data", "expert", "fsdp")),
     # embedding, LM head and loss, outside the pipeline: the stages split the batch too instead
     # of each repeating the work (stage last, so it refines the (data, fsdp) split locally)
-    ("act_batch_io", ("data", "fsdp", "stage")),
+    ("act_batch_io", ("data", "expert", "fsdp", "stage")),
     ("act_seq", "tensor"),  # x[B, T_tensor, D] between blocks: Megatron sequence parallelism;
     # norms and residual adds run on T/tensor positions; all-gather in, reduce-scatter out
     ("act_embed", None),  # x[B, T, D]: D whole between blocks

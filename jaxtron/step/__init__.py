@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtron import parallel
 from jaxtron.config import Config
 from jaxtron.data.rows import local_rows
-from jaxtron.model import fp8, vocab
+from jaxtron.model import fp8, moe, vocab
 from jaxtron.parallel import pipeline
 from jaxtron.step.optim import lr_schedule, schedule_count
 from jaxtron.step.state import Plan
@@ -29,8 +29,13 @@ BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
 
 
 def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline | None = None,
-              chunk: int = 0, histories: dict | None = None) -> tuple[jax.Array, jax.Array]:
+              chunk: int = 0, histories: dict | None = None, with_stats: bool = False):
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
+
+    A mixture of experts adds count x (moe_aux_coef x load-balancing loss + moe_z_coef x
+    z-loss, each the mean over layers) to the sum: the mean objective is the cross-entropy plus
+    the weighted router losses. `with_stats`: (objective sum, (count, cross-entropy sum, the
+    router statistics moe.STAT_KEYS of this batch, {} for a dense model)).
 
     With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions
     (jaxtron/model/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
@@ -39,36 +44,45 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     `histories`: the FP8 amax histories the model reads (model.fp8; jaxtron/model/fp8.py)."""
     model = nnx.merge(graphdef, params, *([] if histories is None else [histories]))
     run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
-    x_BTD = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], run_layers)
+    x_BTD, layer_stats = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                      run_layers)
     mask_BT = batch["segment_ids"] != 0
     if jax.sharding.get_abstract_mesh().empty:
         total = vocab.plain_total(x_BTD, model.head(), batch["targets"], mask_BT, chunk)
     else:
         total = vocab.sharded_total(x_BTD, model.head_weight(), batch["targets"], mask_BT, chunk,
                                    tied=model.cfg.tie_embeddings)
-    return total, jnp.sum(mask_BT)
+    count, entropy, stats = jnp.sum(mask_BT), total, {}
+    if layer_stats:
+        stats, cfg = moe.summarize(layer_stats), model.cfg
+        total = total + count.astype(jnp.float32) * (cfg.moe_aux_coef * stats["aux"]
+                                                     + cfg.moe_z_coef * stats["z"])
+    return (total, (count, entropy, stats)) if with_stats else (total, count)
 
 
 def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
                    pipe: pipeline.Pipeline | None = None, chunk: int = 0,
                    histories: dict | None = None):
-    """(mean loss, its gradient, the FP8 amaxes observed): with microbatches > 1 the losses and
-    gradients summed over microbatches in a scan (each one a pass through the pipeline when
-    `pipe` is set), the amaxes the larger of each. The amaxes (`fp8.observed_scale`,
-    `observe_grad`) are the gradient with respect to `histories`; None without them, and under
-    a pipeline, whose iterations would add them up."""
+    """(mean cross-entropy, the gradient of the mean objective, extras): with microbatches > 1
+    the sums and gradients over microbatches in a scan (each one a pass through the pipeline
+    when `pipe` is set). extras["fp8"]: the FP8 amaxes observed, the larger of each microbatch's;
+    they (`fp8.observed_scale`, `observe_grad`) are the gradient with respect to `histories`;
+    None without them, and under a pipeline, whose iterations would add them up. extras["moe"]:
+    the router statistics (moe.STAT_KEYS; aux and z token-weighted means over microbatches,
+    load and dropped the largest), {} for a dense model."""
     observe = histories is not None and pipe is None
 
     def grad_fn(micro):
-        fn = functools.partial(loss_sums, graphdef=graphdef, batch=micro, pipe=pipe, chunk=chunk)
-        (part, n), grads = jax.value_and_grad(
+        fn = functools.partial(loss_sums, graphdef=graphdef, batch=micro, pipe=pipe, chunk=chunk,
+                               with_stats=True)
+        (part, (n, entropy, stats)), grads = jax.value_and_grad(
             lambda p, h: fn(p, histories=h), argnums=(0, 1) if observe else 0,
             has_aux=True)(params, histories)
         g, seen = grads if observe else (grads, None)
-        return part, n, g, seen
+        return entropy, n, g, (seen, _weighted(stats, n))
 
     if microbatches == 1:
-        total, count, grads, observed = grad_fn(batch)
+        total, count, grads, (observed, stats) = grad_fn(batch)
     else:
         # Row i*M + m goes to microbatch m: every device keeps its own rows, nothing moves.
         def split(x_BT):
@@ -77,18 +91,34 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
             return parallel.constrain(x, (None, "act_batch", None))
 
         def accumulate(carry, micro):
-            part, n, g, seen = grad_fn(micro)
-            total, count, grads, observed = carry
+            part, n, g, (seen, stats) = grad_fn(micro)
+            total, count, grads, (observed, summed) = carry
             return (total + part, count + n, jax.tree.map(jnp.add, grads, g),
-                    fp8.combine(observed, seen)), None
+                    (fp8.combine(observed, seen), _combined(summed, stats))), None
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
                  jax.tree.map(jnp.zeros_like, params),
-                 jax.tree.map(jnp.zeros_like, histories) if observe else None)
-        (total, count, grads, observed), _ = jax.lax.scan(accumulate, zeros,
-                                                          jax.tree.map(split, batch))
+                 (jax.tree.map(jnp.zeros_like, histories) if observe else None,
+                  moe.zero_stats(params)))
+        (total, count, grads, (observed, stats)), _ = jax.lax.scan(accumulate, zeros,
+                                                                   jax.tree.map(split, batch))
     count = jnp.maximum(count, 1).astype(jnp.float32)
-    return total / count, jax.tree.map(lambda g: g / count, grads), observed
+    stats = {k: v / count if k in _WEIGHTED else v for k, v in stats.items()}
+    return (total / count, jax.tree.map(lambda g: g / count, grads),
+            {"fp8": observed, "moe": stats})
+
+
+_WEIGHTED = ("aux", "z")  # router statistics averaged over tokens; the others are maxima
+
+
+def _weighted(stats: dict, count) -> dict:
+    """One microbatch's router statistics, aux and z times its token count (summed later)."""
+    return {k: v * count.astype(jnp.float32) if k in _WEIGHTED else v for k, v in stats.items()}
+
+
+def _combined(a: dict, b: dict) -> dict:
+    """Two microbatches' router statistics: weighted sums added, maxima maxed."""
+    return {k: a[k] + b[k] if k in _WEIGHTED else jnp.maximum(a[k], b[k]) for k in a}
 
 
 def empty_histories(histories: dict) -> dict | None:
@@ -113,8 +143,9 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
     on. `histories`: the plan's abstract FP8 amax histories (Plan.histories).
     """
     seen_by = _histories_in(state, histories)
-    loss, grads, observed = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe,
-                                           chunk, seen_by)
+    loss, grads, extras = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe,
+                                         chunk, seen_by)
+    observed = extras["fp8"]
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -133,6 +164,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
                "nonfinite": new_state["nonfinite"]}
     if observed is not None:
         metrics.update(fp8.statistics(seen_by, observed))
+    metrics.update(moe.metrics(extras["moe"]))
     return new_state, metrics
 
 
@@ -157,11 +189,17 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
 def compile_eval(plan: Plan, mesh: Mesh, chunk: int = 0):
     """Summed loss and token count of one batch under the current params (no update). With
     model.fp8 the matmuls scale by each tensor's amax of this batch (empty histories)."""
-    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe, chunk=chunk)
+    fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe, chunk=chunk,
+                           with_stats=True)
+
+    def sums(params, batch):  # the cross-entropy alone, without the MoE router losses
+        _, (count, entropy, _) = fn(params, batch=batch,
+                                    histories=empty_histories(plan.histories))
+        return entropy, count
+
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
     return jax.jit(
-        lambda params, batch: fn(params, batch=batch,
-                                 histories=empty_histories(plan.histories)),
+        sums,
         in_shardings=(parallel.named(plan.specs["params"], mesh),
                       {k: batch_sharding for k in BATCH_KEYS}),
         out_shardings=NamedSharding(mesh, P()),

@@ -1,0 +1,59 @@
+"""The small pieces every layer uses: tagged parameters, RMSNorm, rotary position embeddings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+
+
+def param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[str, ...],
+           std: float | None = None, value: float | None = None) -> nnx.Param:
+    """A parameter tagged with logical axes (the one place that touches NNX sharding metadata)."""
+    dtype = jnp.dtype(cfg.param_dtype)
+    if value is not None:
+        init = jnp.full(shape, value, dtype)
+    else:
+        init = jax.random.normal(rngs.params(), shape, dtype) * (std or cfg.init_std)
+    return nnx.Param(init, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last dimension: d_model wide, or `width` (Qwen3's per-head
+    q and k norms, head_size wide)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int = 0):
+        self.scale = param(rngs, cfg, (width or cfg.d_model,), ("norm",), value=1.0)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies [H/2], with Llama-3 scaling when `rope_scaling_factor` > 0."""
+    h = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if cfg.rope_scaling_factor <= 0:
+        return inv_freq
+    factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = jnp.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate halves (x1, x2) of each head by position-dependent angles (HF Llama layout)."""
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles_BTh)[:, :, None], jnp.sin(angles_BTh)[:, :, None]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)

@@ -1,0 +1,240 @@
+"""Mixture of experts: a top-k router and SwiGLU experts run as grouped (ragged) matmuls, dropless
+unless model.capacity_factor says otherwise, split over the `expert` mesh axis.
+
+Per layer: router logits [B, T, E] = x W_router in float32; probabilities the softmax over all E;
+each token's top k of them (renormalized to sum to 1 when norm_topk_prob) weight its experts'
+outputs. Mixtral's softmax over its top-k logits is the same numbers.
+
+The experts run inside one `shard_map` over the mesh: each device holds E/|expert| experts (their
+D gathered over fsdp, F split over tensor) and its own rows of the batch. The tokens of the
+`expert` group are all-gathered, each device sorts the (token, choice) pairs that pick its own
+experts into contiguous groups, runs gate, up and down as three grouped matmuls over those rows
+only, weights them, adds them back onto their tokens, and the partial outputs return by one
+reduce-scatter over `expert` (and a sum over `tensor`, the row-parallel down projection). Static
+shapes: the sorted buffer has room for every pair of the group, the kernels work on the rows the
+group sizes cover. docs/parallelism.md says why all-gather/reduce-scatter and not all-to-all.
+
+Also here: the load-balancing loss (Switch/Mixtral), the router z-loss and the load statistics,
+returned per layer and summed into the objective by the step (jaxtron/step/__init__.py).
+
+Shape key: B batch, T sequence, D d_model, E experts, k experts per token, F expert width,
+n tokens on a device, R sorted rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.model.layers import param
+
+KERNELS = ("auto", "xla", "triton")
+EXPERT_AXIS = "expert"
+_BATCH = ("data", EXPERT_AXIS, "fsdp")  # act_batch in parallel.RULES
+# what every layer returns, summed or maxed over layers by `summarize`
+STAT_KEYS = ("aux", "z", "load", "dropped")
+
+
+def check(cfg: ModelConfig) -> None:
+    """The kernel name, and that tokamax is installed when the Triton kernel is asked for."""
+    if cfg.moe_kernel not in KERNELS:
+        raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} is not one of {', '.join(KERNELS)}")
+    if cfg.num_experts and cfg.moe_kernel == "triton" and _tokamax() is None:
+        raise ConfigError("model.moe_kernel=triton needs tokamax: pip install -e '.[gpu]' "
+                          "(or model.moe_kernel=xla)")
+
+
+def _tokamax():
+    try:
+        import tokamax  # noqa: PLC0415 (optional: the GPU kernels)
+    except ImportError:
+        return None
+    return tokamax
+
+
+def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
+    """The grouped-matmul kernel model.moe_kernel means on `platform` (jax's default backend;
+    --compile-for settles it for GPUs before tracing, jaxtron/plan/aot.py)."""
+    if cfg.moe_kernel != "auto":
+        return cfg.moe_kernel
+    platform = platform or jax.default_backend()
+    return "triton" if platform in ("gpu", "cuda") and _tokamax() is not None else "xla"
+
+
+class MoE(nnx.Module):
+    """E SwiGLU experts [E, D, F] and a router [D, E] in place of the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, e = cfg.d_model, cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
+        self.cfg = cfg
+        self.router = param(rngs, cfg, (d, e), ("embed", None))
+        self.w_gate = param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp"))
+        self.w_up = param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp"))
+        self.w_down = param(rngs, cfg, (e, f, d), ("experts", "mlp", "expert_embed"))
+
+    def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict]:
+        """(outputs [B, T, D], this layer's router statistics `STAT_KEYS`). Padding tokens
+        (segment 0) are routed nowhere: their output is 0 and they count in no statistic."""
+        cfg = self.cfg
+        real_BT = (jnp.ones(x_BTD.shape[:2], bool) if segment_ids_BT is None
+                   else segment_ids_BT != 0)
+        logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32),
+                                self.router[...].astype(jnp.float32))
+        probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+        weight_BTk, expert_BTk = jax.lax.top_k(probs_BTE, cfg.experts_per_token)
+        if cfg.norm_topk_prob:
+            weight_BTk = weight_BTk / jnp.sum(weight_BTk, axis=-1, keepdims=True)
+        routed_BTk = jnp.broadcast_to(real_BT[..., None], expert_BTk.shape)
+        stats = _router_stats(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.num_experts)
+        if cfg.capacity_factor > 0:
+            kept_BTk = within_capacity(expert_BTk, routed_BTk, cfg)
+            stats["dropped"] = (jnp.sum(routed_BTk & ~kept_BTk)
+                                / jnp.maximum(jnp.sum(routed_BTk), 1)).astype(jnp.float32)
+            routed_BTk = kept_BTk
+        # a pair routed nowhere gets expert E: it sorts after every real group, and no kernel
+        # reads it
+        expert_BTk = jnp.where(routed_BTk, expert_BTk, cfg.num_experts)
+        weights = [_expert_weights(self.cfg, w) for w in (self.w_gate, self.w_up, self.w_down)]
+        y_BTD = experts(cfg, x_BTD, expert_BTk, weight_BTk.astype(cfg.dtype), *weights)
+        return y_BTD, stats
+
+
+def _expert_weights(cfg: ModelConfig, p: nnx.Param) -> jax.Array:
+    return p[...].astype(cfg.dtype)
+
+
+def _router_stats(logits_BTE, probs_BTE, expert_BTk, real_BT, num_experts: int) -> dict:
+    """Load-balancing loss E * sum_e f_e P_e (f_e: the share of real tokens that picked expert
+    e among their k, P_e: the mean router probability of e; k when perfectly balanced, as
+    transformers' Mixtral computes it per layer), z-loss (mean logsumexp^2) and load (the most
+    loaded expert's pairs over the mean), over real tokens only."""
+    real = real_BT.astype(jnp.float32)
+    tokens = jnp.maximum(jnp.sum(real), 1.0)
+    picked_E = jnp.sum(jax.nn.one_hot(expert_BTk, num_experts, dtype=jnp.float32)
+                       * real[..., None, None], axis=(0, 1, 2))
+    mean_prob_E = jnp.sum(probs_BTE * real[..., None], axis=(0, 1)) / tokens
+    aux = num_experts * jnp.sum(picked_E / tokens * mean_prob_E)
+    z = jnp.sum(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2 * real) / tokens
+    load = jnp.max(picked_E) / jnp.maximum(jnp.mean(picked_E), 1e-9)
+    return {"aux": aux, "z": z, "load": jax.lax.stop_gradient(load),
+            "dropped": jnp.zeros((), jnp.float32)}
+
+
+def within_capacity(expert_BTk: jax.Array, routed_BTk: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Which routed pairs an expert takes under model.capacity_factor: each expert takes at most
+    ceil(cf * B * T * k / E) pairs of the step's batch, first choices before second ones, tokens
+    in batch order within a choice (Switch's priority). The same on every mesh."""
+    b, t, k = expert_BTk.shape
+    capacity = math.ceil(cfg.capacity_factor * b * t * k / cfg.num_experts)
+    onehot = (jax.nn.one_hot(expert_BTk, cfg.num_experts, dtype=jnp.int32)
+              * routed_BTk[..., None])  # [B, T, k, E]
+    by_choice = onehot.transpose(2, 0, 1, 3).reshape(k * b * t, cfg.num_experts)
+    position = jnp.cumsum(by_choice, axis=0) - by_choice  # pairs before this one, per expert
+    position = jnp.sum(position * by_choice, axis=-1).reshape(k, b, t).transpose(1, 2, 0)
+    return routed_BTk & (position < capacity)
+
+
+def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
+    """sum_j weight[j] * SwiGLU_{expert[j]}(x) per token [B, T, D], the pairs with expert E
+    (routed nowhere) left out; across the mesh in one shard_map (the module docstring)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = lambda *a: _local_experts(cfg, kernel(cfg), *a)
+    if mesh.empty:
+        return local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)
+    batch = P(_BATCH, None, None)
+    column, row = P(EXPERT_AXIS, None, "tensor"), P(EXPERT_AXIS, "tensor", None)
+    axes = set(_BATCH) | {"tensor"}
+    run = jax.shard_map(local, in_specs=(batch, batch, batch, column, column, row),
+                        out_specs=batch, axis_names=axes, check_vma=False)
+    return run(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)
+
+
+def _local_experts(cfg: ModelConfig, kind: str, x_BTD, expert_BTk, weight_BTk, w_gate, w_up,
+                   w_down) -> jax.Array:
+    """One device's part: its tokens [B', T, D], its experts [E', D, F'] (all of them off a
+    mesh). Returns its tokens' outputs, summed over the expert and tensor axes."""
+    b, t, d = x_BTD.shape
+    k = expert_BTk.shape[-1]
+    inside = not jax.sharding.get_abstract_mesh().empty
+    groups = lambda name: jax.lax.axis_size(name) if inside else 1
+    ep = groups(EXPERT_AXIS)
+    x_nD, expert_nk, weight_nk = (a.reshape(b * t, -1) for a in (x_BTD, expert_BTk, weight_BTk))
+    if ep > 1:  # every token of the expert group, each device's in turn
+        x_nD, expert_nk, weight_nk = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+                                      for a in (x_nD, expert_nk, weight_nk))
+    n_local = w_gate.shape[0]
+    first = jax.lax.axis_index(EXPERT_AXIS) * n_local if ep > 1 else 0
+    mine_nk = (expert_nk >= first) & (expert_nk < first + n_local)
+    group_R = jnp.where(mine_nk, expert_nk - first, n_local).reshape(-1)
+    order_R = jnp.argsort(group_R, stable=True)
+    sizes = jnp.bincount(group_R, length=n_local + 1)[:n_local].astype(jnp.int32)
+    token_R = order_R // k
+    x_RD = x_nD[token_R]
+    dot = _grouped(kind)
+    h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
+    y_RD = dot(h_RF, w_down, sizes)
+    scale_R = jnp.where(mine_nk, weight_nk, 0).reshape(-1)[order_R]
+    y_RD = jnp.where(mine_nk.reshape(-1)[order_R][:, None], y_RD * scale_R[:, None], 0)
+    out_nD = jnp.zeros_like(x_nD).at[token_R].add(y_RD.astype(x_nD.dtype))
+    if ep > 1:
+        out_nD = jax.lax.psum_scatter(out_nD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    if groups("tensor") > 1:
+        out_nD = jax.lax.psum(out_nD, "tensor")
+    return out_nD.reshape(b, t, d)
+
+
+def _grouped(kind: str):
+    """dot(x [R, K], w [G, K, N], sizes [G]) -> [R, N]: row r times the weight of its group,
+    rows past sum(sizes) zero. `xla`: jax.lax.ragged_dot; `triton`: tokamax's kernel."""
+    if kind == "triton":
+        tokamax = _tokamax()
+        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, implementation="triton")
+    return jax.lax.ragged_dot
+
+
+def cross_compiling():
+    """A context in which tokamax lowers its GPU kernels for devices this host lacks (the
+    compile-only H100s of --compile-for); nothing without tokamax."""
+    import contextlib  # noqa: PLC0415
+
+    tokamax = _tokamax()
+    if tokamax is None:
+        return contextlib.nullcontext()
+    from absl import flags  # noqa: PLC0415 (tokamax's options are absl flags)
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # never parse this program's own argv as absl flags
+    return tokamax.config.cross_compile(True)
+
+
+def zero_stats(params: dict) -> dict:
+    """Zeros of a step's router statistics for a model with MoE layers (a `router` weight in
+    `params`), {} for a dense one: where accumulation over microbatches starts."""
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not any("router" in jax.tree_util.keystr(path) for path, _ in paths):
+        return {}
+    return {key: jnp.zeros((), jnp.float32) for key in STAT_KEYS}
+
+
+def summarize(stats: dict) -> dict:
+    """Per-layer statistics [L] -> the step's: aux and z the mean over layers, load and dropped
+    the largest."""
+    return {"aux": jnp.mean(stats["aux"]), "z": jnp.mean(stats["z"]),
+            "load": jnp.max(stats["load"]), "dropped": jnp.max(stats["dropped"])}
+
+
+def metrics(stats: dict) -> dict:
+    """The step's router statistics as logged metrics (docs/metrics.md): moe_aux_loss,
+    moe_z_loss, moe_load (the most loaded expert's pairs over the mean, the largest over
+    layers), and moe_dropped (the share of routed pairs dropped, with a capacity); {} for a
+    dense model."""
+    if not stats:
+        return {}
+    out = {"moe_aux_loss": stats["aux"], "moe_z_loss": stats["z"], "moe_load": stats["load"]}
+    return out | {"moe_dropped": stats["dropped"]}
