@@ -88,14 +88,14 @@ BAD_INPUTS = [
     (["--dry-run", "--devices", "0"], ["--devices 0", "at least 1"]),
     (["mesh.fsdp=3"], ["3 devices", "8 are available"]),
     (["mesh.tensor=8", "mesh.fsdp=1"], ["model.num_heads=4", "mesh.tensor=8"]),
-    (["train.batch_size=12"], ["data*fsdp=8", "train.batch_size=8 or 16"]),
+    (["train.batch_size=12"], ["data*fsdp*expert=8", "train.batch_size=8 or 16"]),
     (["train.batch_size=12", "train.microbatches=5"],  # each value named works with the mesh
      ["train.batch_size=12", "train.microbatches=5", "train.batch_size=40"]),
     (["train.batch_size=16", "train.microbatches=3", "mesh.fsdp=2", "mesh.data=4"],
      ["train.batch_size=16", "train.microbatches=3", "train.batch_size=24",
       "train.microbatches=2"]),  # it said 15 or 18, which the next check refused
     (["train.batch_size=8", "train.microbatches=2"],
-     ["train.microbatches=2", "data*fsdp=8", "train.batch_size=16", "train.microbatches=1"]),
+     ["train.microbatches=2", "data*fsdp*expert=8", "train.batch_size=16", "train.microbatches=1"]),
     (["mesh.stage=2", "mesh.fsdp=4", "train.batch_size=4"],
      ["data*fsdp*stage=8", "train.batch_size=8"]),
     (["--config", "configs/nope.yaml"], ["configs/nope.yaml", "not found"]),
@@ -590,7 +590,7 @@ def test_compile_for_prints_nothing_before_a_layout_error():
     proc = run_launch("--compile-for", "h100", "--devices", "8", "train.batch_size=12")
     assert_refused(proc.returncode, proc.stderr,
                               "train.batch_size=12 / train.microbatches=1 = 12 sequences per "
-                              "microbatch is not divisible by data*fsdp=8")
+                              "microbatch is not divisible by data*fsdp*expert=8")
     assert proc.stdout == ""
 
 

@@ -23,6 +23,7 @@ n tokens on a device, R sorted rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -35,7 +36,7 @@ from jaxtron.model.layers import param
 
 KERNELS = ("auto", "xla", "triton")
 EXPERT_AXIS = "expert"
-_BATCH = ("data", EXPERT_AXIS, "fsdp")  # act_batch in parallel.RULES
+_BATCH = ("data", "fsdp", EXPERT_AXIS)  # act_batch in parallel.RULES
 # what every layer returns, summed or maxed over layers by `summarize`
 STAT_KEYS = ("aux", "z", "load", "dropped")
 
@@ -66,16 +67,27 @@ def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
     return "triton" if platform in ("gpu", "cuda") and _tokamax() is not None else "xla"
 
 
+def configure(cfg, platform: str):
+    """A Config with model.moe_kernel resolved for devices of `platform` (`kernel`)."""
+    if not cfg.model.num_experts or cfg.model.moe_kernel != "auto":
+        return cfg
+    model = dataclasses.replace(cfg.model, moe_kernel=kernel(cfg.model, platform))
+    return dataclasses.replace(cfg, model=model)
+
+
 class MoE(nnx.Module):
-    """E SwiGLU experts [E, D, F] and a router [D, E] in place of the dense MLP."""
+    """E SwiGLU experts and a router [D, E] in place of the dense MLP. The experts' weights are
+    stored D first, [D, E, F] (W_down too, transposed: each expert's [F, D] as [D, F]), so that
+    their fsdp split is on the major dimension: E first, XLA kept a transposed float32 copy of
+    every layer's experts through the step to gather them (Mixtral 8x7B on 16 H100s, expert=8
+    fsdp=2: 3 x 3.5 GiB per GPU). Each layer's gathered bf16 experts are transposed instead."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, e = cfg.d_model, cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
         self.cfg = cfg
         self.router = param(rngs, cfg, (d, e), ("embed", None))
-        self.w_gate = param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp"))
-        self.w_up = param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp"))
-        self.w_down = param(rngs, cfg, (e, f, d), ("experts", "mlp", "expert_embed"))
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(self, name, param(rngs, cfg, (d, e, f), ("expert_embed", "experts", "mlp")))
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None
                  ) -> tuple[jax.Array, dict]:
@@ -142,13 +154,19 @@ def within_capacity(expert_BTk: jax.Array, routed_BTk: jax.Array, cfg: ModelConf
 
 def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
     """sum_j weight[j] * SwiGLU_{expert[j]}(x) per token [B, T, D], the pairs with expert E
-    (routed nowhere) left out; across the mesh in one shard_map (the module docstring)."""
+    (routed nowhere) left out; across the mesh in one shard_map (the module docstring). The
+    weights as stored, [D, E, F]."""
     mesh = jax.sharding.get_abstract_mesh()
-    local = lambda *a: _local_experts(cfg, kernel(cfg), *a)
+
+    def local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down):
+        column = lambda w: w.transpose(1, 0, 2)  # [E', D, F']
+        return _local_experts(cfg, kernel(cfg), x_BTD, expert_BTk, weight_BTk, column(w_gate),
+                              column(w_up), w_down.transpose(1, 2, 0))
+
     if mesh.empty:
         return local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)
     batch = P(_BATCH, None, None)
-    column, row = P(EXPERT_AXIS, None, "tensor"), P(EXPERT_AXIS, "tensor", None)
+    column = row = P(None, EXPERT_AXIS, "tensor")
     axes = set(_BATCH) | {"tensor"}
     run = jax.shard_map(local, in_specs=(batch, batch, batch, column, column, row),
                         out_specs=batch, axis_names=axes, check_vma=False)
@@ -173,20 +191,66 @@ def _local_experts(cfg: ModelConfig, kind: str, x_BTD, expert_BTk, weight_BTk, w
     mine_nk = (expert_nk >= first) & (expert_nk < first + n_local)
     group_R = jnp.where(mine_nk, expert_nk - first, n_local).reshape(-1)
     order_R = jnp.argsort(group_R, stable=True)
+    inverse_R = jnp.argsort(order_R)
     sizes = jnp.bincount(group_R, length=n_local + 1)[:n_local].astype(jnp.int32)
-    token_R = order_R // k
-    x_RD = x_nD[token_R]
-    dot = _grouped(kind)
-    h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
-    y_RD = dot(h_RF, w_down, sizes)
-    scale_R = jnp.where(mine_nk, weight_nk, 0).reshape(-1)[order_R]
-    y_RD = jnp.where(mine_nk.reshape(-1)[order_R][:, None], y_RD * scale_R[:, None], 0)
-    out_nD = jnp.zeros_like(x_nD).at[token_R].add(y_RD.astype(x_nD.dtype))
+    # each token once per choice, in (token, choice) order, then grouped by expert
+    x_RD = permute(jnp.repeat(x_nD, k, axis=0), order_R, inverse_R)
+    y_RD = _swiglu(cfg, _grouped(kind), x_RD, w_gate, w_up, w_down, sizes)
+    y_nkD = permute(y_RD, inverse_R, order_R).reshape(-1, k, d)  # back in (token, choice) order
+    scale_nk = jnp.where(mine_nk, weight_nk, 0).astype(y_nkD.dtype)
+    y_nkD = jnp.where(mine_nk[..., None], y_nkD, 0)  # rows no kernel wrote
+    out_nD = jnp.einsum("nkd,nk->nd", y_nkD, scale_nk)
     if ep > 1:
         out_nD = jax.lax.psum_scatter(out_nD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
     if groups("tensor") > 1:
         out_nD = jax.lax.psum(out_nD, "tensor")
     return out_nD.reshape(b, t, d)
+
+
+@jax.custom_vjp
+def permute(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[order] for a permutation `order` whose inverse is `inverse`: a gather both ways (the
+    gradient is g[inverse]), where autodiff would scatter-add, which GPUs run in float32
+    atomics over copies of the whole buffer."""
+    return x[order]
+
+
+def _permute_fwd(x, order, inverse):
+    return x[order], (order, inverse)
+
+
+def _permute_bwd(res, g):
+    order, inverse = res
+    return g[inverse], None, None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _swiglu(cfg: ModelConfig, dot, x_RD, w_gate, w_up, w_down, sizes) -> jax.Array:
+    """down(silu(x W_gate) * (x W_up)) per row with its group's experts [R, D]; over
+    model.moe_mlp_chunks slices of the width in a scan, each slice recomputed in its own
+    backward, so that one slice's [R, F/chunks] buffers exist at a time; the slices' partial
+    sums add up in the compute dtype, as tensor parallelism's do."""
+    chunks = cfg.moe_mlp_chunks
+    if chunks == 1:
+        h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
+        return dot(h_RF, w_down, sizes)
+    e, d, f = w_gate.shape
+    if f % chunks:
+        raise ConfigError(f"model.moe_mlp_chunks={chunks} does not divide the experts' width "
+                          f"{f} on a device")
+    column = lambda w: w.reshape(e, d, chunks, f // chunks).transpose(2, 0, 1, 3)
+    row = w_down.reshape(e, chunks, f // chunks, d).transpose(1, 0, 2, 3)
+
+    @jax.checkpoint
+    def body(y_RD, slices):
+        gate, up, down = slices
+        h_RF = jax.nn.silu(dot(x_RD, gate, sizes)) * dot(x_RD, up, sizes)
+        return y_RD + dot(h_RF, down, sizes), None
+
+    zeros = jnp.zeros((x_RD.shape[0], d), x_RD.dtype)
+    return jax.lax.scan(body, zeros, (column(w_gate), column(w_up), row))[0]
 
 
 def _grouped(kind: str):
@@ -229,12 +293,12 @@ def summarize(stats: dict) -> dict:
             "load": jnp.max(stats["load"]), "dropped": jnp.max(stats["dropped"])}
 
 
-def metrics(stats: dict) -> dict:
+def metrics(stats: dict, capacity: bool) -> dict:
     """The step's router statistics as logged metrics (docs/metrics.md): moe_aux_loss,
     moe_z_loss, moe_load (the most loaded expert's pairs over the mean, the largest over
-    layers), and moe_dropped (the share of routed pairs dropped, with a capacity); {} for a
-    dense model."""
+    layers), and with a capacity moe_dropped (the share of routed pairs dropped, the largest
+    over layers); {} for a dense model."""
     if not stats:
         return {}
     out = {"moe_aux_loss": stats["aux"], "moe_z_loss": stats["z"], "moe_load": stats["load"]}
-    return out | {"moe_dropped": stats["dropped"]}
+    return out | ({"moe_dropped": stats["dropped"]} if capacity else {})

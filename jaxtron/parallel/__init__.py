@@ -20,17 +20,17 @@ from jax.sharding import PartitionSpec as P
 from jaxtron.config import Config, ConfigError, MeshConfig, TrainConfig
 
 # Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
-# so tensor and fsdp traffic stays on the fastest links and data/stage cross nodes.
-MESH_AXES = ("data", "stage", "expert", "fsdp", "tensor")
+# so tensor, expert and fsdp traffic stays on the fastest links and data/stage cross nodes.
+MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
 
 RULES: tuple[tuple[str, Any], ...] = (
     # weights
     # W_emb[V_(tensor,stage), D_fsdp], W_head[D_fsdp, V_(tensor,stage)]: pipeline stages split the
     # tables too (every stage uses them), gathered over stage and fsdp before use like FSDP
     ("vocab", ("tensor", "stage")),
-    # W_q[D_(expert,fsdp), N_tensor, H], W_gate[D_(expert,fsdp), F_tensor]: ZeRO-3 over D, over
+    # W_q[D_(fsdp,expert), N_tensor, H], W_gate[D_(fsdp,expert), F_tensor]: ZeRO-3 over D, over
     # the expert ranks too (they hold different experts, but the same attention)
-    ("embed", ("expert", "fsdp")),
+    ("embed", ("fsdp", "expert")),
     # MoE experts W_gate[E_expert, D_fsdp, F_tensor]: each expert rank holds its own experts
     ("experts", "expert"),
     ("expert_embed", "fsdp"),
@@ -41,11 +41,11 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),  # RMSNorm scales [D] are tiny: replicated
     ("layers", "stage"),  # stacked layers [L_stage, ...]: each pipeline stage holds its own
     # activations
-    # x[B_(data,expert,fsdp), T, D]: batch split over every DP-like axis
-    ("act_batch", ("data", "expert", "fsdp")),
+    # x[B_(data,fsdp,expert), T, D]: batch split over every DP-like axis
+    ("act_batch", ("data", "fsdp", "expert")),
     # embedding, LM head and loss, outside the pipeline: the stages split the batch too instead
     # of each repeating the work (stage last, so it refines the (data, fsdp) split locally)
-    ("act_batch_io", ("data", "expert", "fsdp", "stage")),
+    ("act_batch_io", ("data", "fsdp", "expert", "stage")),
     ("act_seq", "tensor"),  # x[B, T_tensor, D] between blocks: Megatron sequence parallelism;
     # norms and residual adds run on T/tensor positions; all-gather in, reduce-scatter out
     ("act_embed", None),  # x[B, T, D]: D whole between blocks
@@ -110,13 +110,18 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
         sizes[free[0]] = num_devices // fixed
     product = math.prod(sizes.values())
     if product != num_devices:
-        shown = ", ".join(f"{a}={s}" for a, s in sizes.items())
+        shown = describe(sizes)
         raise ConfigError(
             f"mesh ({shown}) has {product} device{'' if product == 1 else 's'} but {num_devices} "
             f"{'is' if num_devices == 1 else 'are'} available; "
             "make the product match or set one axis to -1"
         )
     return sizes
+
+
+def describe(sizes: dict[str, int]) -> str:
+    """'data=1, stage=1, fsdp=8, tensor=1': the mesh's sizes, `expert` only when it splits."""
+    return ", ".join(f"{a}={s}" for a, s in sizes.items() if a != "expert" or s != 1)
 
 
 def host_split(sizes: dict[str, int], per_host: int) -> dict[str, tuple[int, int]]:
@@ -252,6 +257,16 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
     for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
         if value % sizes["tensor"]:
             raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={sizes['tensor']}")
+    experts, split = m.num_experts, sizes.get("expert", 1)
+    if split > 1 and not experts:
+        raise ConfigError(f"mesh.expert={split} splits the experts, and this model has none "
+                          "(model.num_experts=0); use mesh.fsdp or mesh.data instead")
+    if experts and experts % split:
+        raise ConfigError(f"model.num_experts={experts} is not divisible by mesh.expert={split}")
+    if experts and sizes["stage"] > 1:
+        raise ConfigError(f"mesh.stage={sizes['stage']} with model.num_experts={experts}: "
+                          "pipeline stages do not run mixtures of experts yet; use mesh.expert, "
+                          "mesh.fsdp and mesh.tensor")
     if t.seq_len % sizes["tensor"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor="
                           f"{sizes['tensor']} (sequence parallelism splits it between blocks)")
@@ -276,7 +291,7 @@ def batch_split(t: TrainConfig, ways: int) -> str | None:
         what = f"is not divisible by train.microbatches={t.microbatches}"
     else:
         what = (f"/ train.microbatches={t.microbatches} = {t.batch_size // t.microbatches} "
-                f"sequences per microbatch is not divisible by data*fsdp={ways}")
+                f"sequences per microbatch is not divisible by data*fsdp*expert={ways}")
     fewer = [d for d in range(1, t.microbatches) if t.batch_size % (d * ways) == 0]
     return (f"train.batch_size={t.batch_size} {what}; use "
             f"{multiples_near('train.batch_size', t.batch_size, t.microbatches * ways)}"

@@ -25,7 +25,7 @@ import jax
 from jaxtron import parallel
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
-from jaxtron.model import attention
+from jaxtron.model import attention, moe
 from jaxtron.plan import autofit, flops, hlo, memory, metrics, xla_flags
 from jaxtron.plan.setup import Setup, set_up
 
@@ -124,8 +124,9 @@ def gpu_program(cfg: Config) -> tuple[Config, list[str]]:
 
 
 def for_gpus(cfg: Config) -> Config:
-    """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn in 16-bit compute)."""
-    return attention.configure(cfg, "gpu")
+    """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn in 16-bit compute), and
+    `model.moe_kernel=auto` (tokamax's Triton kernel where it is installed)."""
+    return moe.configure(attention.configure(cfg, "gpu"), "gpu")
 
 
 def compile_step_for(cfg: Config | Setup, target: str, num_devices: int,
@@ -135,7 +136,9 @@ def compile_step_for(cfg: Config | Setup, target: str, num_devices: int,
     setup = cfg if isinstance(cfg, Setup) else set_up_for(cfg, target, num_devices)
     mesh = parallel.make_mesh(setup.cfg.mesh, target_devices(target, num_devices, gpus_per_host))
     start = time.perf_counter()
-    with jax.set_mesh(mesh):  # the constraints on activations need the mesh, as in train()
+    # the constraints on activations need the mesh, as in train(); tokamax lowers its kernels
+    # for the target's GPUs, not this host's devices
+    with jax.set_mesh(mesh), moe.cross_compiling():
         lowered = setup.lower(mesh)
         try:
             compiled = autofit.compile_with(lowered.compile, setup.options("gpu"))

@@ -293,7 +293,16 @@ def format_row(row: dict) -> str:
         f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
         f"grad_norm {row['grad_norm']:.3f} | {row['tokens_per_sec']:,.0f} tok/s | "
         f"step {1000 * row['step_time']:.1f} ms | {tflops} TFLOP/s/dev | MFU {mfu}"
+        + _moe_part(row)
     )
+
+
+def _moe_part(row: dict) -> str:
+    """' | aux 2.01 | load 1.38' for a mixture of experts (and dropped, with a capacity)."""
+    if "moe_aux_loss" not in row:
+        return ""
+    part = f" | aux {row['moe_aux_loss']:.3f} | load {row['moe_load']:.2f}"
+    return part + (f" | dropped {100 * row['moe_dropped']:.1f}%" if "moe_dropped" in row else "")
 
 
 @dataclass(frozen=True)
@@ -331,6 +340,8 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
         "host_memory_gib": round(process_bytes() / 2**30, 4),
         # model.fp8: the amax and scale statistics of the step (jaxtron/model/fp8.py statistics)
         **{key: float(value) for key, value in fetched.items() if key.startswith("fp8_")},
+        # model.num_experts: the router's statistics (jaxtron/model/moe.py metrics)
+        **{key: float(value) for key, value in fetched.items() if key.startswith("moe_")},
     }
 
 

@@ -135,12 +135,13 @@ def _histories_in(state: dict, histories: dict) -> dict | None:
 
 def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
                pipe: pipeline.Pipeline | None = None, chunk: int = 0,
-               histories: dict | None = None):
+               histories: dict | None = None, capacity: bool = False):
     """One optimizer update. Pure: the caller jits it once and donates `state`.
 
     A non-finite loss or gradient leaves params and optimizer state (and FP8 histories) as they
     were and counts the skip in `nonfinite` (consecutive skips); the host decides whether to go
-    on. `histories`: the plan's abstract FP8 amax histories (Plan.histories).
+    on. `histories`: the plan's abstract FP8 amax histories (Plan.histories). `capacity`: the
+    experts have one (model.capacity_factor), so the dropped share is a metric.
     """
     seen_by = _histories_in(state, histories)
     loss, grads, extras = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe,
@@ -164,7 +165,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
                "nonfinite": new_state["nonfinite"]}
     if observed is not None:
         metrics.update(fp8.statistics(seen_by, observed))
-    metrics.update(moe.metrics(extras["moe"]))
+    metrics.update(moe.metrics(extras["moe"], capacity))
     return new_state, metrics
 
 
@@ -174,6 +175,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
         train_step, graphdef=plan.graphdef, tx=tx,
         schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
         pipe=plan.pipe, chunk=cfg.train.loss_chunk, histories=plan.histories,
+        capacity=cfg.model.num_experts > 0 and cfg.model.capacity_factor > 0,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())

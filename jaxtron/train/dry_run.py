@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtron import checkpoint, cli, data
+from jaxtron import checkpoint, cli, data, parallel
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import IN_USE, LOCK_FILE, check_start, weights
 from jaxtron.config import Config, ConfigError
@@ -49,7 +49,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(f"xla flags: {' '.join(flags) or 'none'}")
     for warning in config_lib.check_warnings(cfg):
         print(f"warning: {warning}")
-    print("mesh: " + ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
+    print("mesh: " + parallel.describe(plan.mesh_sizes)
           + f" ({cli.plural(num_devices, 'device')})")
     print(f"parameters: {plan.num_params:,}" + (f"\n{chosen}" if chosen else ""))
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")

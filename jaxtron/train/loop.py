@@ -161,7 +161,7 @@ def _say_start(log: metrics_lib.MetricsWriter, setup: Setup, devices: list, per_
     for warning in [*config_lib.check_warnings(cfg), *feed.warnings]:
         log.info(f"warning: {warning}")
     log.info(f"xla flags: {' '.join(os.environ.get('XLA_FLAGS', '').split()) or 'none'}")
-    shape = ", ".join(f"{axis}={size}" for axis, size in plan.mesh_sizes.items())
+    shape = parallel.describe(plan.mesh_sizes)
     log.info(f"mesh: {shape} over {cli.plural(len(devices), devices[0].device_kind + ' device')}")
     need = autofit.layout_need(cfg, len(devices), setup.usable)
     for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
