@@ -81,10 +81,6 @@ class ModelConfig:
     # triton (tokamax's Triton ragged_dot), xla (jax.lax.ragged_dot: on GPUs XLA runs it as a
     # dense matmul over every expert, num_experts / experts_per_token times the FLOPs)
     moe_kernel: str = "auto"
-    # the experts' SwiGLU in this many slices of their width, one after another (a scan, each
-    # slice recomputed in its own backward): the [rows, width] buffers shrink by this factor, at
-    # no FLOPs; 1: whole
-    moe_mlp_chunks: int = 1
 
     @property
     def head_size(self) -> int:
@@ -347,7 +343,6 @@ def _ranges(cfg: Config) -> tuple:
         ("model.moe_z_coef", m.moe_z_coef, *at_least(0)),
         ("model.num_experts", m.num_experts, *at_least(0)),
         ("model.moe_mlp_dim", m.moe_mlp_dim, *at_least(0)),
-        ("model.moe_mlp_chunks", m.moe_mlp_chunks, *at_least(1)),
         ("model.norm_eps", m.norm_eps, *above_0), ("model.init_std", m.init_std, *above_0),
         ("train.eval_every", t.eval_every, *at_least(0)),
         ("train.eval_batches", t.eval_batches, *at_least(1)),

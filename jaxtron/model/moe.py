@@ -118,6 +118,9 @@ class MoE(nnx.Module):
 
 
 def _expert_weights(cfg: ModelConfig, p: nnx.Param) -> jax.Array:
+    """An expert weight [D, E, F] in the compute dtype (gathered over fsdp at the shard_map:
+    pinned here inside the layer instead, as `_gathered` does for the dense layers, the compiled
+    Mixtral step was the same, its gathers as exposed)."""
     return p[...].astype(cfg.dtype)
 
 
@@ -176,35 +179,65 @@ def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_dow
 def _local_experts(cfg: ModelConfig, kind: str, x_BTD, expert_BTk, weight_BTk, w_gate, w_up,
                    w_down) -> jax.Array:
     """One device's part: its tokens [B', T, D], its experts [E', D, F'] (all of them off a
-    mesh). Returns its tokens' outputs, summed over the expert and tensor axes."""
+    mesh). Returns its tokens' outputs, summed over the expert and tensor axes.
+
+    Over an expert group of |expert| = G devices the tokens go round a ring: at step s a
+    device holds the tokens of the device s places before it, adds what its own experts make of
+    them to the partial outputs that travel with them, and passes both on; after G steps and one
+    last pass every device holds its own tokens' outputs from all G devices' experts. Each
+    step's permutes carry data the step's kernels do not wait for (the next tokens, the partial
+    sums of the last ones), so the scheduler can overlap them; and each step runs on its own
+    n * k rows, checkpointed (recomputed in its own backward), so that one step's buffers exist
+    at a time, not G steps'."""
     b, t, d = x_BTD.shape
-    k = expert_BTk.shape[-1]
     inside = not jax.sharding.get_abstract_mesh().empty
     groups = lambda name: jax.lax.axis_size(name) if inside else 1
-    ep = groups(EXPERT_AXIS)
-    x_nD, expert_nk, weight_nk = (a.reshape(b * t, -1) for a in (x_BTD, expert_BTk, weight_BTk))
-    if ep > 1:  # every token of the expert group, each device's in turn
-        x_nD, expert_nk, weight_nk = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
-                                      for a in (x_nD, expert_nk, weight_nk))
-    n_local = w_gate.shape[0]
-    first = jax.lax.axis_index(EXPERT_AXIS) * n_local if ep > 1 else 0
-    mine_nk = (expert_nk >= first) & (expert_nk < first + n_local)
-    group_R = jnp.where(mine_nk, expert_nk - first, n_local).reshape(-1)
-    order_R = jnp.argsort(group_R, stable=True)
-    inverse_R = jnp.argsort(order_R)
-    sizes = jnp.bincount(group_R, length=n_local + 1)[:n_local].astype(jnp.int32)
-    # each token once per choice, in (token, choice) order, then grouped by expert
-    x_RD = permute(jnp.repeat(x_nD, k, axis=0), order_R, inverse_R)
-    y_RD = _swiglu(cfg, _grouped(kind), x_RD, w_gate, w_up, w_down, sizes)
-    y_nkD = permute(y_RD, inverse_R, order_R).reshape(-1, k, d)  # back in (token, choice) order
-    scale_nk = jnp.where(mine_nk, weight_nk, 0).astype(y_nkD.dtype)
-    y_nkD = jnp.where(mine_nk[..., None], y_nkD, 0)  # rows no kernel wrote
-    out_nD = jnp.einsum("nkd,nk->nd", y_nkD, scale_nk)
-    if ep > 1:
-        out_nD = jax.lax.psum_scatter(out_nD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    ring = groups(EXPERT_AXIS)
+    first = jax.lax.axis_index(EXPERT_AXIS) * w_gate.shape[0] if ring > 1 else 0
+    held = tuple(a.reshape(b * t, -1) for a in (x_BTD, expert_BTk, weight_BTk))
+
+    def mine(x_nD, expert_nk, weight_nk, w_gate, w_up, w_down):
+        return _my_experts(cfg, kind, x_nD, expert_nk, weight_nk, first, w_gate, w_up, w_down)
+
+    if ring > 1:
+        mine = jax.checkpoint(mine, policy=jax.checkpoint_policies.nothing_saveable)
+    out_nD = mine(*held, w_gate, w_up, w_down)
+    if ring > 1:
+        onward = [(i, (i + 1) % ring) for i in range(ring)]
+        pass_on = lambda a: jax.lax.ppermute(a, EXPERT_AXIS, onward)
+        for _ in range(ring - 1):
+            held = tuple(pass_on(a) for a in held)
+            out_nD = pass_on(out_nD) + mine(*held, w_gate, w_up, w_down)
+        out_nD = pass_on(out_nD)
     if groups("tensor") > 1:
         out_nD = jax.lax.psum(out_nD, "tensor")
     return out_nD.reshape(b, t, d)
+
+
+def _my_experts(cfg: ModelConfig, kind: str, x_nD, expert_nk, weight_nk, first, w_gate, w_up,
+                w_down) -> jax.Array:
+    """What experts first .. first+E'-1 (this device's) add to tokens x [n, D] that chose
+    experts [n, k] with weights [n, k]: [n, D]. Their pairs are sorted into one group per
+    expert, run through the grouped kernels, and brought back to their tokens. The router's
+    weight scales the hidden activations before the down projection (the same sum, by
+    linearity), so that the backward never needs the experts' outputs: nothing recomputes
+    the down projection."""
+    n, k = expert_nk.shape
+    local = w_gate.shape[0]
+    mine_nk = (expert_nk >= first) & (expert_nk < first + local)
+    group_R = jnp.where(mine_nk, expert_nk - first, local).reshape(-1)
+    order_R = jnp.argsort(group_R, stable=True)
+    inverse_R = jnp.argsort(order_R)
+    sizes = jnp.bincount(group_R, length=local + 1)[:local].astype(jnp.int32)
+    # each token once per choice, in (token, choice) order, then grouped by expert; pairs of
+    # other devices' experts last, where no kernel reads or writes
+    x_RD = permute(jnp.repeat(x_nD, k, axis=0), order_R, inverse_R)
+    scale_R = permute(jnp.where(mine_nk, weight_nk, 0).reshape(-1), order_R, inverse_R)
+    dot = _grouped(kind)
+    h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
+    y_RD = dot(h_RF * scale_R[:, None].astype(h_RF.dtype), w_down, sizes)
+    y_nkD = permute(y_RD, inverse_R, order_R).reshape(n, k, -1)  # (token, choice) order
+    return jnp.sum(jnp.where(mine_nk[..., None], y_nkD, 0), axis=1)
 
 
 @jax.custom_vjp
@@ -225,32 +258,6 @@ def _permute_bwd(res, g):
 
 
 permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-def _swiglu(cfg: ModelConfig, dot, x_RD, w_gate, w_up, w_down, sizes) -> jax.Array:
-    """down(silu(x W_gate) * (x W_up)) per row with its group's experts [R, D]; over
-    model.moe_mlp_chunks slices of the width in a scan, each slice recomputed in its own
-    backward, so that one slice's [R, F/chunks] buffers exist at a time; the slices' partial
-    sums add up in the compute dtype, as tensor parallelism's do."""
-    chunks = cfg.moe_mlp_chunks
-    if chunks == 1:
-        h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
-        return dot(h_RF, w_down, sizes)
-    e, d, f = w_gate.shape
-    if f % chunks:
-        raise ConfigError(f"model.moe_mlp_chunks={chunks} does not divide the experts' width "
-                          f"{f} on a device")
-    column = lambda w: w.reshape(e, d, chunks, f // chunks).transpose(2, 0, 1, 3)
-    row = w_down.reshape(e, chunks, f // chunks, d).transpose(1, 0, 2, 3)
-
-    @jax.checkpoint
-    def body(y_RD, slices):
-        gate, up, down = slices
-        h_RF = jax.nn.silu(dot(x_RD, gate, sizes)) * dot(x_RD, up, sizes)
-        return y_RD + dot(h_RF, down, sizes), None
-
-    zeros = jnp.zeros((x_RD.shape[0], d), x_RD.dtype)
-    return jax.lax.scan(body, zeros, (column(w_gate), column(w_up), row))[0]
 
 
 def _grouped(kind: str):

@@ -174,6 +174,9 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
     estimate = memory.estimate(cfg, plan)
     tokens = cfg.train.batch_size * cfg.train.seq_len / num_devices  # per device
     counted = flops.compiled(module)
+    # the experts' kernels: each pair of the expert group's buffer runs on one of its devices
+    ragged = counted["ragged"] // plan.mesh_sizes.get("expert", 1)
+    counted["matmul"] += ragged
     rows = hlo.collectives(module, plan.mesh_sizes, _hosts(cfg, target, num_devices, gpus_per_host))
     return {
         "target": target,
@@ -198,9 +201,12 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
                   "compiled_per_device": counted["matmul"] + counted["attention"],
                   "matmul_per_device": counted["matmul"],
                   "attention_per_device": counted["attention"],
+                  "ragged_matmul_per_device": ragged,
+                  "ragged_matmul_bound_per_device": counted["ragged"],
                   "fp8_matmul_per_device": counted["fp8"],
                   "fp8_e5m2_matmul_per_device": counted["fp8_e5m2"],
-                  "expected_matmul_per_device": flops.expected_matmul(cfg, tokens),
+                  "expected_matmul_per_device": flops.expected_matmul(cfg, tokens,
+                                                                      plan.mesh_sizes["expert"]),
                   "six_n_tokens_per_device": round(6 * metrics.matmul_params(cfg.model) * tokens)},
         "collectives": rows,
         "exposed_bytes_per_axis": exposed_bytes(rows),

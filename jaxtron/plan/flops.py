@@ -2,11 +2,17 @@
 
 `compiled` reads the optimized HLO (`jaxtron.plan.hlo`): 2 * M * N * K of every matmul (dots, inside
 fusions too, cuBLAS calls, Triton GEMM fusions) apart from the cuDNN attention kernels
-(`__cudnn$fmha...`), per device per step, times the trip counts of the loops around them.
+(`__cudnn$fmha...`), per device per step, times the trip counts of the loops around them. The MoE
+experts' grouped matmuls (tokamax's Triton ragged_dot, `ragged`) are counted apart, at their
+buffers' static size: 2 * R * K * N for R rows, of which a kernel works on the rows its group sizes
+cover (jaxtron/model/moe.py: a device's rows are its expert group's pairs, and each pair is its
+one expert's: over the group's devices, R / |expert| rows on average).
 
 `expected_matmul` is what the remat policy implies for the matmuls: 6N per token (forward and
 backward of every matmul weight, `metrics.matmul_params`), plus the forward that the policy
-recomputes in the backward, plus the LM head's forward, which a loss in more than one chunk
+recomputes in the backward (a mixture of experts: with gate and up the router too; over an expert
+axis every ring step recomputes its gate and up in its own backward, whatever the policy), plus
+the LM head's forward, which a loss in more than one chunk
 recomputes under every policy (jaxtron/model/vocab.py: the backward recomputes each chunk's logits
 from the saved logsumexp; in one chunk XLA merges that with the forward's). Their ratio says whether
 the compiler recomputes what the policy asks, and no more.
@@ -41,7 +47,7 @@ def compiled(module: Module) -> dict[str, int]:
     """FLOPs per device per step of the matmuls and of the cuDNN attention kernels, apart; of
     the matmuls, those with FP8 operands (`fp8`: an FP8 GEMM, model.fp8) and of those, the ones
     with an e5m2 operand (`fp8_e5m2`: the backward's, against a gradient)."""
-    totals = {"matmul": 0, "attention": 0, "fp8": 0, "fp8_e5m2": 0}
+    totals = {"matmul": 0, "attention": 0, "ragged": 0, "fp8": 0, "fp8_e5m2": 0}
     for comp, insts in module.computations.items():
         runs = module.executions.get(comp, 0)
         for inst in insts:
@@ -49,6 +55,9 @@ def compiled(module: Module) -> dict[str, int]:
                 continue
             if hlo._target(inst).startswith("__cudnn$fmha"):
                 totals["attention"] += runs * flops
+                continue
+            if _ragged(inst):
+                totals["ragged"] += runs * flops
                 continue
             totals["matmul"] += runs * flops
             dtypes = [dtype for dtype, _ in _operand_shapes(inst, module)[:2]]
@@ -58,23 +67,31 @@ def compiled(module: Module) -> dict[str, int]:
     return totals
 
 
-def expected_matmul(cfg: Config, tokens_per_device: float) -> int:
+def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1) -> int:
     """Matmul FLOPs per device per step that cfg.model.remat implies: 6N per token, the policy's
     recomputed projections (2 FLOPs per weight per token) and the chunked LM head's. Measured
     exact over data, fsdp and tensor; with a pipeline only approximate, a lower bound: the stages
     also run in the bubble iterations (tiny, 2 stages, 4 microbatches: compiled 1.15x this)."""
     m = cfg.model
-    recomputed = m.num_layers * sum(_weights(m)[name] for name in RECOMPUTED[m.remat])
+    names = RECOMPUTED[m.remat]
+    if m.num_experts and "gate" in names:
+        names = (*names, "router")
+    if m.num_experts and mesh_expert > 1 and "gate" not in names:  # each ring step's own
+        names = (*names, "gate", "up")
+    recomputed = m.num_layers * sum(_weights(m)[name] for name in names)
     chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
     head = m.d_model * m.vocab_size if chunked else 0
     return round((6 * metrics.matmul_params(m) + 2 * recomputed + 2 * head) * tokens_per_device)
 
 
 def _weights(m: ModelConfig) -> dict[str, int]:
-    """The weights of one layer's projections, by name."""
+    """The weights of one layer's projections, by name; of a mixture of experts, those a token
+    runs (its experts_per_token experts' and the router)."""
     d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
+    if m.num_experts:
+        f = (m.moe_mlp_dim or m.mlp_dim) * m.experts_per_token
     return {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
-            "gate": d * f, "up": d * f, "down": f * d}
+            "gate": d * f, "up": d * f, "down": f * d, "router": d * m.num_experts}
 
 
 def _flops(inst: Instruction, module: Module) -> int:
@@ -87,7 +104,16 @@ def _flops(inst: Instruction, module: Module) -> int:
         return _gemm_flops(inst, module, json.loads(config.group(1))) if config else 0
     if target.startswith("__cudnn$fmha"):
         return _attention_flops(inst, module, backward="Backward" in target)
+    if _ragged(inst):
+        operands, out = _operand_shapes(inst, module), hlo.arrays(hlo._top_level(inst.shape)[0])
+        (m, k), n = operands[0][1], out[0][1][-1]
+        return 2 * m * k * n  # lhs [R, K], out [R, N] or [G, K, N]
     return 0
+
+
+def _ragged(inst: Instruction) -> bool:
+    """A grouped matmul kernel of the MoE experts (tokamax's Triton ragged_dot)."""
+    return hlo._target(inst) == "__gpu$xla.gpu.triton" and "RaggedDot" in inst.rest
 
 
 def _dot_dims(rest: str) -> dict | None:

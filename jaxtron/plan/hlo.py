@@ -288,10 +288,11 @@ def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tup
 
 
 def is_matmul(inst: Instruction) -> bool:
-    """A matmul or attention kernel: a dot, a cuBLAS / cuDNN call, a Triton or cuDNN GEMM fusion."""
+    """A matmul or attention kernel: a dot, a cuBLAS / cuDNN call, a Triton or cuDNN GEMM
+    fusion, the MoE experts' grouped matmul kernels (tokamax's Triton ragged_dot)."""
     kind = _target(inst) or (inst.opcode == "fusion" and _fusion_kind(inst)) or ""
     return inst.opcode in ("dot", "convolution") or kind.startswith(("__cublas", "__cudnn")) \
-        or "gemm" in kind
+        or "gemm" in kind or (kind == "__gpu$xla.gpu.triton" and "RaggedDot" in inst.rest)
 
 
 def overlapped(module: Module) -> set[str]:

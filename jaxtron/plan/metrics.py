@@ -58,9 +58,14 @@ BAR_DROPS = ("ms", "lr", "grad_norm", "tok")  # what the progress bar drops firs
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in matmuls: attention, MLP and the LM head (tied or not)."""
+    """Weights that take part in a token's matmuls: attention, MLP and the LM head (tied or
+    not); of a mixture of experts, the experts_per_token experts a token runs and the router
+    (the active parameters, less the embedding and norms)."""
     d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.mlp_dim
     per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
+    if cfg.num_experts:
+        width = (cfg.moe_mlp_dim or f) * cfg.experts_per_token
+        per_layer += 3 * d * (width - f) + d * cfg.num_experts
     return cfg.num_layers * per_layer + d * cfg.vocab_size
 
 
