@@ -170,6 +170,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0  # global-norm clipping; 0 disables
+    # Adam's first moment in this dtype ("": the params'); bfloat16 saves 2 bytes per parameter
+    # (the second moment stays in the params' dtype: its square would lose range)
+    mu_dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -373,6 +376,9 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} is not a finite number; it must be {words}")
         if not holds(value):
             raise ConfigError(f"{key}={value} is out of range: it must be {words}")
+    if cfg.optim.mu_dtype and cfg.optim.mu_dtype not in DTYPES:
+        raise ConfigError(f"optim.mu_dtype={cfg.optim.mu_dtype} is not one of {', '.join(DTYPES)}"
+                          " or '' (the params' dtype)")
     for key, value in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)):
         if value not in DTYPES:
             raise ConfigError(f"{key}={value} is not one of {', '.join(DTYPES)}")

@@ -63,7 +63,7 @@ MAPPING: tuple[tuple[str, ParamPath, Transform], ...] = (
     ("lm_head.weight", ("lm_head",), LINEAR),  # absent when embeddings are tied
 )
 # The MLP, by family: dense, or the experts' tensors one per expert ({j}: stacked on our E axis,
-# [L, D, E, F]: the down projection [D, F] as HF stores it, gate and up transposed) and the
+# [L, E, D, F]: the down projection [D, F] as HF stores it, gate and up transposed) and the
 # router. An MoE model with q/k norms is Qwen3-MoE's naming, without Mixtral's.
 MLPS: dict[str, tuple[tuple[str, ParamPath, Transform], ...]] = {
     "dense": (
@@ -178,10 +178,9 @@ def layer_params(get: Callable[[str], np.ndarray], cfg: ModelConfig,
     shapes = expected_shapes(cfg)
     out = {}
     for pattern, path, (to_ours, _) in rows(cfg):
-        if "{j}" in pattern:  # [D, E, F]: one HF tensor per expert
-            expert = (shapes[path][1], shapes[path][3])
+        if "{j}" in pattern:  # [E, D, F]: one HF tensor per expert
             out[path] = np.stack([_ours(pattern.format(i=layer, j=j), path, to_ours, get, cfg,
-                                        expert) for j in range(cfg.num_experts)], axis=1)
+                                        shapes[path][2:]) for j in range(cfg.num_experts)])
         elif "{i}" in pattern:
             out[path] = _ours(pattern.format(i=layer), path, to_ours, get, cfg, shapes[path][1:])
     return out
@@ -200,7 +199,7 @@ def hf_to_params(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
 def hf_layout(cfg: ModelConfig) -> list[tuple[str, ParamPath, int | None, Callable]]:
     """Every HF tensor of `cfg` in checkpoint order: (name, our path, layer index or None for
     unstacked, our array -> HF's). Tied models have no lm_head.weight. An expert's tensor
-    takes its layer's [D, E, F] array and picks expert j itself."""
+    takes its layer's [E, D, F] array and picks expert j itself."""
     out = []
     for pattern, path, (_, to_hf) in rows(cfg):
         if "{i}" not in pattern:
@@ -209,7 +208,7 @@ def hf_layout(cfg: ModelConfig) -> list[tuple[str, ParamPath, int | None, Callab
         for pattern, path, (_, to_hf) in rows(cfg):
             if "{j}" in pattern:
                 out += [(pattern.format(i=i, j=j), path, i,
-                         lambda y, h, j=j, to_hf=to_hf: to_hf(y[:, j], h))
+                         lambda y, h, j=j, to_hf=to_hf: to_hf(y[j], h))
                         for j in range(cfg.num_experts)]
             elif "{i}" in pattern:
                 out.append((pattern.format(i=i), path, i, to_hf))

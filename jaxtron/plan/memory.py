@@ -8,7 +8,8 @@ terms, per device (b rows per device per microbatch, T the sequence, t = mesh.te
   params, opt_state     the state as sharded (plan.bytes_per_device)
   grads                 the gradients, in the parameters' dtype and sharding
   transposed_weights    fsdp without a pipeline: a float32 copy of the W_o and W_down shards,
-                        transposed so that their gather runs on a major dimension
+                        transposed so that their gather runs on a major dimension; a mixture
+                        of experts with several experts per device: its W_down's
   grad_accumulation     microbatches: the running sum and this microbatch's stacked gradients
                         (2x params) and the tables' float32 gradients summed whole
   saved_activations     what autodiff keeps per layer run, by remat policy and attention kernel
@@ -24,7 +25,8 @@ terms, per device (b rows per device per microbatch, T the sequence, t = mesh.te
                         scores, their gradient, bf16 probabilities: 11-15 bytes per score), two
                         layers' gathered weights, sequence parallelism's full-sequence [b, T, D]
                         and [b, T, F/t] buffers (t > 1), and the head's bf16 gradient with the
-                        loss's last chunk of logit gradients, which XLA consumes late
+                        loss's last chunk of logit gradients, which XLA consumes late; a
+                        mixture of experts' ring step buffers (`_experts_bytes`)
   lm_head_and_loss      the loss chunks [b, chunk, V/t]: two chunks' float32 logits in the
                         forward (before any gradient exists), and in the backward one chunk's
                         float32 logits with the bf16 logit gradients of every chunk (t = 1) or of
@@ -72,10 +74,10 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     kernel = attention.resolve(m.attention, "gpu", m.dtype)
     act = jnp.dtype(m.dtype).itemsize
     params = plan.bytes_per_device("params")
-    b = _rows(cfg, sizes, ("data", "fsdp"))
+    b = _rows(cfg, sizes, ("data", "fsdp", "expert"))
     seq, d, v = t.seq_len, m.d_model, m.vocab_size
     layer_weights = (2 * d * m.num_heads * m.head_size + 2 * d * m.num_kv_heads * m.head_size
-                     + 3 * d * m.mlp_dim) // tp
+                     + 3 * d * _mlp_width(cfg, sizes)) // tp
     slab = b * seq * d * act // tp  # one layer's input [b, T/t, D]
     tables = (1 if m.tie_embeddings else 2)
     many = math.prod(sizes.values()) > 1
@@ -85,7 +87,8 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     # (8B TP8 FSDP8, 32 x 8192 rows: seven 2 GiB [b, T, D] and four 0.9 GiB [b, T, F/t] at
     # the peak).
     layer = (_attention_bytes(cfg, kernel, b, sizes) + 2 * layer_weights * act
-             + (4 * b * seq * (2 * d + m.mlp_dim // tp) * act if tp > 1 else 0))
+             + (4 * b * seq * (2 * d + m.mlp_dim // tp) * act if tp > 1 else 0)
+             + _experts_bytes(cfg, b, tp))
     head = _head_bytes(cfg, sizes)
     table = v * d // tp * act  # one [V/t, D] table in the compute dtype
     # Through the layers' backward XLA keeps the head's bf16 gradient and the loss's last chunk
@@ -111,8 +114,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
         "params": params,
         "opt_state": plan.bytes_per_device("opt_state"),
         "grads": params,
-        "transposed_weights": (_transposed_weights(plan)
-                               if stages == 1 and sizes["fsdp"] > 1 else 0),
+        "transposed_weights": _transposed_weights(plan, cfg) if stages == 1 else 0,
         # microbatches: the running sum and this microbatch's stacked gradients, and the float32
         # gradients of the embedding and head tables summed whole
         "grad_accumulation": (2 * params + 4 * tables * v * d // tp
@@ -126,15 +128,44 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     }
 
 
-def _transposed_weights(plan) -> int:
+def _mlp_width(cfg: Config, sizes: dict[str, int]) -> int:
+    """The MLP width one device gathers per layer: mlp_dim, or its experts' widths together."""
+    m = cfg.model
+    if not m.num_experts:
+        return m.mlp_dim
+    return (m.moe_mlp_dim or m.mlp_dim) * m.num_experts // sizes["expert"]
+
+
+def _experts_bytes(cfg: Config, b: int, tp: int) -> int:
+    """A mixture of experts' working set in a layer's backward: one ring step's sorted rows
+    (b * T * k of them), six buffers of [rows, D + F/t] in the compute dtype (inputs, outputs,
+    the hidden activations and their gradients; jaxtron/model/moe.py). Read off the compiled
+    Mixtral 8x7B (16 H100s) and Qwen3-30B-A3B (8) presets."""
+    m = cfg.model
+    if not m.num_experts:
+        return 0
+    rows = b * cfg.train.seq_len * m.experts_per_token
+    return 6 * rows * (m.d_model + (m.moe_mlp_dim or m.mlp_dim) // tp) \
+        * jnp.dtype(m.dtype).itemsize
+
+
+def _transposed_weights(plan, cfg: Config) -> int:
     """The output projections W_o[N, H, D_fsdp] and W_down[F, D_fsdp], split on their last
     dimension: XLA keeps a transposed float32 copy of this device's shards through the step, so
     that the fsdp gather runs on a major dimension (f32[D/fsdp, L, F] and f32[D/fsdp, L, N, H]
     in every layout without a pipeline: 1B, 7B, 8B and 70B, FSDP 2-32, TP 1-8)."""
     layers = plan.abstract["params"]["layers"]
     specs = plan.specs["params"]["layers"]
+    sizes, experts = plan.mesh_sizes, cfg.model.num_experts
+    names = (("attn", "wo"), ("mlp", "w_down")) if sizes["fsdp"] > 1 and not experts else ()
+    if experts:
+        # The experts [E, D, F] need no copy to gather (E is split before D), but with more
+        # than one expert per device XLA keeps W_down [E', D, F] transposed for the kernels'
+        # [E', F, D] (Qwen3-30B-A3B on 8 H100s: f32[48, 16, 768, 2048], 4.5 GiB).
+        names = ((("attn", "wo"),) if sizes["fsdp"] > 1 else ()) \
+            + ((("mlp", "w_down"),) if experts > sizes["expert"] else ())
     return sum(parallel.bytes_per_device(layers[block][name], specs[block][name], plan.mesh_sizes)
-               for block, name in (("attn", "wo"), ("mlp", "w_down")))
+               for block, name in names)
 
 
 def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) -> int:
@@ -147,7 +178,7 @@ def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) ->
     scores = b * m.num_heads * seq * seq // tp
     if m.remat == "none":  # the saved scores are the working set; only their gradient is new
         return 4 * scores
-    return scores * (15 if sizes["fsdp"] * tp * sizes["stage"] > 1 else 11)
+    return scores * (15 if sizes["fsdp"] * sizes["expert"] * tp * sizes["stage"] > 1 else 11)
 
 
 def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
@@ -164,7 +195,7 @@ def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
       the chunks, and two are alive at a time."""
     m, t, tp = cfg.model, cfg.train, sizes["tensor"]
     act = jnp.dtype(m.dtype).itemsize
-    ways = sizes["data"] * sizes["fsdp"] * sizes["stage"]
+    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"] * sizes["stage"]
     rows = max(t.batch_size // (cfg.pipeline.passes if sizes["stage"] > 1 else t.microbatches)
                // ways, 1)
     chunks = loss_chunks(t.seq_len, t.loss_chunk)

@@ -51,7 +51,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     """The optax chain the train step applies."""
     adamw = optax.adamw(
         lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, mask=decay_mask,
+        weight_decay=cfg.weight_decay, mask=decay_mask, mu_dtype=cfg.mu_dtype or None,
     )
     if cfg.clip_norm <= 0:
         return adamw
