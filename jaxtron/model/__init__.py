@@ -26,7 +26,8 @@ from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import attention as attention_lib
 from jaxtron.model import attention as kernels  # attention.py: the kernels behind one call
 from jaxtron.model import fp8, moe, vocab
-from jaxtron.model.layers import RMSNorm, apply_rope, param as _param, rope_frequencies
+from jaxtron.model.layers import RMSNorm, apply_rope, rope_frequencies
+from jaxtron.model.layers import param as _param
 from jaxtron.parallel import collective_matmul, constrain
 
 _policies = jax.checkpoint_policies

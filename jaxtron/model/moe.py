@@ -24,6 +24,7 @@ n tokens on a device, R sorted rows.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import jax
@@ -55,7 +56,14 @@ def _tokamax():
         import tokamax  # noqa: PLC0415 (optional: the GPU kernels)
     except ImportError:
         return None
+    logging.getLogger("absl").addFilter(_quiet)
     return tokamax
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    """Drop tokamax's warning per kernel call that no autotuned tiling is cached (it uses its
+    heuristic one; nothing is autotuned ahead of a run)."""
+    return not str(record.msg).startswith("Autotuning cache miss")
 
 
 def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
@@ -282,6 +290,19 @@ def cross_compiling():
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()  # never parse this program's own argv as absl flags
     return tokamax.config.cross_compile(True)
+
+
+def describe_params(cfg: ModelConfig, total: int) -> str:
+    """'46,702,792,704' for a dense model; for a mixture of experts the total and the active
+    count: what one token runs, every weight less the num_experts - experts_per_token experts it
+    skips in every layer."""
+    if not cfg.num_experts:
+        return f"{total:,}"
+    skipped = cfg.num_experts - cfg.experts_per_token
+    expert = 3 * cfg.d_model * (cfg.moe_mlp_dim or cfg.mlp_dim)
+    active = total - cfg.num_layers * skipped * expert
+    return f"{total:,} ({active:,} active per token: {cfg.experts_per_token} of " \
+           f"{cfg.num_experts} experts)"
 
 
 def zero_stats(params: dict) -> dict:

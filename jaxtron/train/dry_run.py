@@ -18,6 +18,7 @@ from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.prepared import tokenizer_check
 from jaxtron.data.tokenizer import CORPUS_PIECES
+from jaxtron.model import moe
 from jaxtron.parallel import pipeline
 from jaxtron.plan import aot, memory
 from jaxtron.plan.setup import set_up
@@ -51,7 +52,8 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
         print(f"warning: {warning}")
     print("mesh: " + parallel.describe(plan.mesh_sizes)
           + f" ({cli.plural(num_devices, 'device')})")
-    print(f"parameters: {plan.num_params:,}" + (f"\n{chosen}" if chosen else ""))
+    print(f"parameters: {moe.describe_params(cfg.model, plan.num_params)}"
+          + (f"\n{chosen}" if chosen else ""))
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
     if plan.pipe:

@@ -30,7 +30,7 @@ from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
 from jaxtron.lifecycle import Preemption
 from jaxtron.model import attention as attention_lib
-from jaxtron.model import check_remat
+from jaxtron.model import check_remat, moe
 from jaxtron.parallel import pipeline
 from jaxtron.plan import autofit, memory
 from jaxtron.plan import metrics as metrics_lib
@@ -167,7 +167,7 @@ def _say_start(log: metrics_lib.MetricsWriter, setup: Setup, devices: list, per_
     for line in parallel.describe_hosts(plan.mesh_sizes, per_host, need):
         if not line.startswith("warning"):  # the preflight checks (jaxtron/train/doctor.py) warn
             log.info(line)
-    log.info(f"parameters: {plan.num_params:,}")
+    log.info(f"parameters: {moe.describe_params(cfg.model, plan.num_params)}")
     if setup.chosen:
         log.info(setup.chosen)
     if _kernel_checked(cfg):
