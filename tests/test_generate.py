@@ -24,7 +24,16 @@ import pytest
 import torch
 from conftest import assert_refused
 from flax import nnx
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from jaxtron import hf
 from jaxtron.model import abstract_model, init_cache
@@ -45,6 +54,14 @@ CASES = {
         "tie_word_embeddings": False, "rope_parameters": LLAMA3_ROPE}),
     "qwen2_bias_tied": (Qwen2Config, Qwen2ForCausalLM, {
         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}),
+    # mixtures of experts: the experts run in the cached decode too
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+        "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True}),
 }
 TOL = 1e-4  # cached against full logits; float32 summation order gives ~1e-5
 PROMPT, NEW = 12, 40  # one length each, so that the tests share one compiled program per model
