@@ -79,7 +79,7 @@ class ModelConfig:
     moe_z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
     # the experts' grouped matmuls: auto (triton on GPUs, where tokamax is installed; else xla),
     # triton (tokamax's Triton ragged_dot), xla (jax.lax.ragged_dot: on GPUs XLA runs it as a
-    # dense matmul over every expert, num_experts / experts_per_token times the FLOPs)
+    # dense matmul of every row with every expert on the device, whatever their groups)
     moe_kernel: str = "auto"
 
     @property
