@@ -178,6 +178,35 @@ def test_the_layer_is_its_dense_definition(normalized):
     assert abs(float(stats["aux"]) - _aux(cfg, layer, x, real)) < 1e-5
 
 
+def test_the_layers_gradients_are_its_dense_definitions():
+    """Gradients through the sort, the grouped kernels and the permutations back (custom
+    gathers both ways) equal those of every expert on every token with the top-k mask: inputs,
+    router, experts."""
+    cfg = ModelConfig(d_model=16, mlp_dim=24, num_experts=4, experts_per_token=2,
+                      dtype="float32", init_std=0.3)
+    graphdef, params = nnx.split(moe.MoE(cfg, nnx.Rngs(3)))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, 16)), jnp.float32)
+    probe = jnp.asarray(np.random.default_rng(4).normal(size=(2, 6, 16)), jnp.float32)
+
+    def ours(params, x):
+        return jnp.sum(nnx.merge(graphdef, params)(x)[0] * probe)
+
+    def dense(params, x):
+        layer = nnx.merge(graphdef, params)
+        probs = jax.nn.softmax(x @ layer.router[...], axis=-1)
+        top_p, top_e = jax.lax.top_k(probs, 2)
+        weights = jnp.sum(jax.nn.one_hot(top_e, 4) * (top_p / top_p.sum(-1, keepdims=True))[
+            ..., None], axis=-2)  # [B, T, E]
+        g = jnp.einsum("btd,edf->btef", x, layer.w_gate[...])
+        u = jnp.einsum("btd,edf->btef", x, layer.w_up[...])
+        y = jnp.einsum("btef,edf->bted", jax.nn.silu(g) * u, layer.w_down[...])
+        return jnp.sum(jnp.einsum("bted,bte->btd", y, weights) * probe)
+
+    got, want = (jax.grad(f, argnums=(0, 1))(params, x) for f in (ours, dense))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
 def _aux(cfg, layer, x, real) -> float:
     """E * sum_e f_e P_e over the real tokens (transformers' Mixtral, one layer)."""
     x = x[real].astype(np.float64)
