@@ -113,7 +113,10 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     return {
         "params": params,
         "opt_state": plan.bytes_per_device("opt_state"),
-        "grads": params,
+        # With accumulation a mixture of experts' gradients are the running sum's last value, no
+        # copy of their own (Mixtral 8x7B on 16 H100s, 16 microbatches: 30.1 GiB of temporaries
+        # against 37.6 estimated with one)
+        "grads": 0 if m.num_experts and plan.accumulation > 1 else params,
         "transposed_weights": _transposed_weights(plan, cfg) if stages == 1 else 0,
         # microbatches: the running sum and this microbatch's stacked gradients, and the float32
         # gradients of the embedding and head tables summed whole

@@ -25,6 +25,9 @@ estimates one step's time as
     travel in FP8 (one byte), their gradients in bf16.
   - data: the gradients' all-reduce, once per step, exposed.
   - stage: each microbatch's activations between neighbouring stages, forward and backward.
+  - expert (a mixture of experts): the expert ring's permutes, each layer's tokens and partial
+    outputs passed |expert| times, in the forward, the backward and each ring step's recompute;
+    half hidden behind the experts' kernels (the compiled presets: 44%).
 - latency: LATENCY_S per collective message and per pipeline iteration, which penalises many
   small steps (tiny microbatches, deep pipelines, many layers per step).
 
@@ -68,6 +71,9 @@ LATENCY_S = 25e-6
 # preset (`--devices 128`): 955 of 2309 GiB over tensor. The rest is taken as exposed.
 FSDP_OVERLAP = 0.85
 TENSOR_OVERLAP = 0.4
+# The expert ring's permutes hidden behind the experts' kernels: 44% of the bytes in the compiled
+# mixtral_8x7b and qwen3_30b_a3b presets (docs/compile_for.md).
+EXPERT_OVERLAP = 0.44
 # How much faster the layers' projections run as FP8 GEMMs (model.fp8) than in bf16, all told
 # (quantizing included). TorchTitan's Llama-3.1 8B on 8 H100s goes from 6,667 to 8,532 tokens/s
 # with Float8 (1.28x); with those projections some 70% of its step, that is 1.46x on them. The
@@ -88,7 +94,7 @@ class Layout:
     peak_bytes: int
     fits: bool  # leaves SPARE of the usable memory free, as model.remat=auto's choice does
     step_seconds: float
-    parts: dict[str, float]  # seconds: compute, bubble, tensor, fsdp, data, stage, latency
+    parts: dict[str, float]  # seconds: compute, bubble, tensor, fsdp, data, stage, expert, latency
     crossing: tuple[str, ...] = ()  # the mesh axes whose groups span nodes
 
     def name(self) -> str:
@@ -96,13 +102,15 @@ class Layout:
         pipe = (f" PP{m['stage']} {self.schedule}" + (f" R{self.repeats}" if self.repeats > 1
                                                       else "")) if m["stage"] > 1 else ""
         whole = " grad_sum=whole" if self.grad_sum == "whole" else ""
-        return (f"TP{m['tensor']}{pipe} FSDP{m['fsdp']} DP{m['data']} M{self.microbatches} "
+        ep = f" EP{m['expert']}" if m.get("expert", 1) > 1 else ""
+        return (f"TP{m['tensor']}{pipe}{ep} FSDP{m['fsdp']} DP{m['data']} M{self.microbatches} "
                 f"remat={self.remat}{whole}")
 
     def overrides(self) -> str:
         """The config overrides that run this layout."""
         m = self.mesh
-        out = [f"mesh.{axis}={m[axis]}" for axis in ("data", "stage", "fsdp", "tensor")]
+        out = [f"mesh.{axis}={m[axis]}" for axis in ("data", "stage", "fsdp", "expert", "tensor")
+               if axis != "expert" or m.get(axis, 1) > 1]
         if m["stage"] > 1:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.repeats={self.repeats}",
                     f"pipeline.grad_sum={self.grad_sum}"]
@@ -124,24 +132,29 @@ def _divisors(n: int) -> list[int]:
 
 def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
     """Meshes over `gpus`: tensor within a node and dividing the heads, stages dividing the
-    layers, fsdp and data the rest."""
+    layers, fsdp and data the rest; for a mixture of experts, expert within a node beside
+    tensor and dividing the experts, and no stages (pipelines refuse experts)."""
     m = cfg.model
     out = []
     for tensor in _divisors(min(per_node, gpus)):
         if m.num_kv_heads % tensor or m.num_heads % tensor:
             continue
-        for stage in _divisors(gpus // tensor):
-            if m.num_layers % stage or stage > m.num_layers:
-                continue
-            for fsdp in _divisors(gpus // tensor // stage):
-                data = gpus // tensor // stage // fsdp
-                out.append({"data": data, "stage": stage, "fsdp": fsdp, "tensor": tensor})
+        experts = [e for e in _divisors(min(per_node // tensor, gpus // tensor))
+                   if m.num_experts % e == 0] if m.num_experts else [1]
+        for expert in experts:
+            rest = gpus // tensor // expert
+            for stage in ([1] if m.num_experts else _divisors(rest)):
+                if m.num_layers % stage or stage > m.num_layers:
+                    continue
+                for fsdp in _divisors(rest // stage):
+                    out.append({"data": rest // stage // fsdp, "stage": stage, "fsdp": fsdp,
+                                "expert": expert, "tensor": tensor})
     return out
 
 
 def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
     """(schedule, repeats, microbatches, remat, grad_sum) to try for one mesh."""
-    replicas = mesh["data"] * mesh["fsdp"]
+    replicas = mesh["data"] * mesh["fsdp"] * mesh.get("expert", 1)
     if cfg.train.batch_size % replicas:
         return
     rows = cfg.train.batch_size // replicas  # sequences per data replica per step
@@ -153,8 +166,11 @@ def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
     sums = ["sharded", "whole"] if mesh["stage"] > 1 and mesh["fsdp"] > 1 else ["sharded"]
     for (schedule, repeats), micro, remat, grad_sum in itertools.product(schedules, counts, remats,
                                                                          sums):
-        if mesh["stage"] == 1 and (schedule != "gpipe" or micro > 8):
-            continue  # without a pipeline, microbatches only trade speed for memory
+        # without a pipeline, microbatches only trade speed for memory; a mixture of experts'
+        # buffers grow with the rows of a microbatch, down to one sequence per GPU
+        if mesh["stage"] == 1 and (schedule != "gpipe"
+                                   or micro > (rows if cfg.model.num_experts else 8)):
+            continue
         yield schedule, repeats, micro, remat, grad_sum
 
 
@@ -190,7 +206,8 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     iterations = t.microbatches * repeats + stages - 1 if stages > 1 else t.microbatches
     bubble = compute * (stages - 1) / (t.microbatches * repeats) if stages > 1 else 0.0
     layers = m.num_layers // stages  # layers each GPU runs per sequence
-    seqs = t.batch_size // (mesh["data"] * mesh["fsdp"])  # sequences per GPU per step
+    ep = mesh.get("expert", 1)
+    seqs = t.batch_size // (mesh["data"] * mesh["fsdp"] * ep)  # sequences per GPU per step
     passes = 3 if flops.RECOMPUTED[m.remat] else 2  # the recomputed forward gathers again
     act = 2  # bf16 activations and gathered weights
     parts = {"compute": compute, "bubble": bubble}
@@ -218,6 +235,10 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
     stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
+    # the expert ring: a layer's tokens and partial sums passed |expert| times, forward, in each
+    # step's recompute and backward
+    expert_bytes = 2 * 3 * layers * seqs * slab * (ep - 1) if ep > 1 else 0.0
+    parts["expert"] = _seconds(expert_bytes, "expert" in crossing) * (1 - EXPERT_OVERLAP)
     messages = (4 * passes * layers * runs * (tp > 1) + layers * fsdp_uses * (f > 1)
                 + iterations * (stages > 1) * 2 + (d > 1))
     parts["latency"] = LATENCY_S * messages
