@@ -8,14 +8,12 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
-from omegaconf import OmegaConf, ValueNode
+from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
 from jaxtron.config import presets
@@ -269,7 +267,7 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
             _check_keys(layer, Config, "")
             merged = OmegaConf.merge(merged, layer)
         except oc_errors.ValidationError as e:
-            raise ConfigError(where + _bad_value(e, layer)) from None
+            raise ConfigError(where + presets.bad_value(e, Config, _KINDS, layer)) from None
         except ConfigError as e:
             raise ConfigError(where + str(e)) from None
     cfg = _home_expanded(OmegaConf.to_object(merged))
@@ -288,45 +286,6 @@ def _home_expanded(cfg: Config) -> Config:
                               compile_cache=home(cfg.run.compile_cache))
     restore = dataclasses.replace(cfg.checkpoint, restore=home(cfg.checkpoint.restore))
     return dataclasses.replace(cfg, data=data, run=run, checkpoint=restore)
-
-
-def _bad_value(e: oc_errors.ValidationError, layer: Any = None) -> str:
-    """What to type instead of a value OmegaConf refused: the type its key takes, in words."""
-    key, value = getattr(e, "full_key", "") or "?", getattr(e, "value", None)
-    if "." not in key and layer is not None:  # an item of a list (data.mixture) names only its key
-        key = next(_paths_to(layer, key, value), key)
-    if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value)
-    elif isinstance(value, ValueNode):  # null for a list: the node that holds None
-        value = value._value()
-    kind: Any = Config
-    for part in re.findall(r"\w+|\[\d+\]", key):  # data.mixture[0].weight -> its float
-        if typing.get_origin(kind) is list:
-            kind = typing.get_args(kind)[0]
-        if not part.startswith("["):
-            kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
-    shown = f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else value
-    if key == "run.profile_steps" and isinstance(value, int):
-        return f"{key} is [first, last]: write {key}=[{value},{value}] to trace step {value}"
-    if typing.get_origin(kind) is list:
-        if value is None:
-            return (f"{key} is a list: write {key}=[] for none, or {key}=[A,B] "
-                    "(items separated by commas)")
-        return f"{key} is a list: write {key}=[{shown}] (items separated by commas)"
-    if kind in _KINDS:
-        return f"{key} must be {_KINDS[kind]}, got {shown if shown != '' else 'nothing'}"
-    return f"bad value for '{key}': {str(e).splitlines()[0]}"
-
-
-def _paths_to(node: Any, key: str, value: Any, path: str = ""):
-    """The dotted paths (list items as [i]) under which `node` holds `key` set to `value`."""
-    if not isinstance(node, (dict, list)):
-        return
-    for name, child in enumerate(node) if isinstance(node, list) else node.items():
-        here = f"{path}[{name}]" if isinstance(node, list) else f"{path}.{name}".lstrip(".")
-        if name == key and child == value:
-            yield here
-        yield from _paths_to(child, key, value, here)
 
 
 def _ranges(cfg: Config) -> tuple:

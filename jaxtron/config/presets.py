@@ -8,12 +8,15 @@ them, while `true` / `false`, decimal integers (`1_000` too) and floats read as 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf, ValueNode
 
 from jaxtron.config.errors import ConfigError
 
@@ -58,7 +61,7 @@ def load(text: str):
 def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a preset, merging it over the file its `base:` names (relative to it)."""
     if path.exists() and not path.is_file():  # a directory, /dev/null
-        presets = (", ".join(sorted(p.name for p in path.glob("*.yaml"))[:8])
+        presets = (", ".join(sorted(p.name for p in path.glob("*.yaml"))[:12])
                    if path.is_dir() else "")
         raise ConfigError(f"--config {path} is {'a directory' if path.is_dir() else 'not a file'}"
                           "; give one preset file" + (f" from it ({presets})" if presets else ""))
@@ -134,3 +137,43 @@ def auto_microbatches(layer: Any) -> Any:
     if isinstance(train, dict) and str(train.get("microbatches")).lower() == "auto":
         return {**layer, "train": {**train, "microbatches": 0}}
     return layer
+
+
+def bad_value(e: Exception, schema: type, kinds: dict, layer: Any = None) -> str:
+    """What to type instead of a value OmegaConf refused: the type its key takes in `schema`
+    (the root dataclass), in words (`kinds`: a type's words)."""
+    key, value = getattr(e, "full_key", "") or "?", getattr(e, "value", None)
+    if "." not in key and layer is not None:  # an item of a list (data.mixture) names only its key
+        key = next(_paths_to(layer, key, value), key)
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    elif isinstance(value, ValueNode):  # null for a list: the node that holds None
+        value = value._value()
+    kind: Any = schema
+    for part in re.findall(r"\w+|\[\d+\]", key):  # data.mixture[0].weight -> its float
+        if typing.get_origin(kind) is list:
+            kind = typing.get_args(kind)[0]
+        if not part.startswith("["):
+            kind = typing.get_type_hints(kind).get(part) if dataclasses.is_dataclass(kind) else None
+    shown = f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else value
+    if key == "run.profile_steps" and isinstance(value, int):
+        return f"{key} is [first, last]: write {key}=[{value},{value}] to trace step {value}"
+    if typing.get_origin(kind) is list:
+        if value is None:
+            return (f"{key} is a list: write {key}=[] for none, or {key}=[A,B] "
+                    "(items separated by commas)")
+        return f"{key} is a list: write {key}=[{shown}] (items separated by commas)"
+    if kind in kinds:
+        return f"{key} must be {kinds[kind]}, got {shown if shown != '' else 'nothing'}"
+    return f"bad value for '{key}': {str(e).splitlines()[0]}"
+
+
+def _paths_to(node: Any, key: str, value: Any, path: str = ""):
+    """The dotted paths (list items as [i]) under which `node` holds `key` set to `value`."""
+    if not isinstance(node, (dict, list)):
+        return
+    for name, child in enumerate(node) if isinstance(node, list) else node.items():
+        here = f"{path}[{name}]" if isinstance(node, list) else f"{path}.{name}".lstrip(".")
+        if name == key and child == value:
+            yield here
+        yield from _paths_to(child, key, value, here)
