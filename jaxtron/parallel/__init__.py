@@ -129,9 +129,9 @@ def host_split(sizes: dict[str, int], per_host: int) -> dict[str, tuple[int, int
     with MESH_AXES outermost to innermost: tensor fills a host's devices first, then fsdp, stage,
     data, as a hybrid mesh (mesh_utils.create_hybrid_device_mesh) places them."""
     room, split = per_host, {}
-    for axis in reversed(MESH_AXES):
-        within = math.gcd(sizes[axis], room)
-        split[axis] = (within, sizes[axis] // within)
+    for axis in reversed(MESH_AXES):  # a layout without `expert` has it at 1
+        within = math.gcd(sizes.get(axis, 1), room)
+        split[axis] = (within, sizes.get(axis, 1) // within)
         room //= within
     return split
 
@@ -152,6 +152,7 @@ def describe_hosts(sizes: dict[str, int], per_host: int,
     num_devices = math.prod(sizes.values())
     if num_devices <= per_host:
         return []
+    sizes = {"expert": 1, **sizes}
     split = host_split(sizes, per_host)
     crossing = [f"{a} ({split[a][1]} hosts)" for a in crossing_axes(sizes, per_host)]
     lines = [f"mesh across {num_devices // per_host} hosts of {per_host} devices: "

@@ -147,8 +147,10 @@ def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
                 if m.num_layers % stage or stage > m.num_layers:
                     continue
                 for fsdp in _divisors(rest // stage):
-                    out.append({"data": rest // stage // fsdp, "stage": stage, "fsdp": fsdp,
-                                "expert": expert, "tensor": tensor})
+                    mesh = {"data": rest // stage // fsdp, "stage": stage, "fsdp": fsdp,
+                            "expert": expert, "tensor": tensor}
+                    out.append(mesh if m.num_experts else {k: v for k, v in mesh.items()
+                                                           if k != "expert"})
     return out
 
 
