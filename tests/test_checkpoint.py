@@ -86,16 +86,18 @@ def _poison(monkeypatch, at, where="loss"):
 
     real_loss, real_input = step_lib.loss_sums, data_lib.make_input
 
-    def loss_sums(params, graphdef, batch, pipe=None, chunk=0, histories=None):
-        total, count = real_loss(params, graphdef, batch, pipe, chunk, histories)
+    def loss_sums(params, graphdef, batch, pipe=None, chunk=0, histories=None,
+                  with_stats=False):
+        total, aux = real_loss(params, graphdef, batch, pipe, chunk, histories, with_stats)
         marked = batch["positions"][0, 0] < 0
-        if where == "loss":
-            return jnp.where(marked, jnp.nan, total), count
+        if where == "loss":  # the objective and the cross-entropy logged with it
+            nan = lambda x: jnp.where(marked, jnp.nan, x)
+            return nan(total), (aux[0], nan(aux[1]), aux[2]) if with_stats else aux
         # sqrt at 0 has an infinite slope: times the zero slope of 0*w it is NaN, only when marked.
         # The value added is exactly 0 (x - x), so the loss stays finite and unchanged.
         w = jax.tree.leaves(params)[0]
         root = jnp.sqrt(jnp.sum(w) * 0.0 + jnp.where(marked, 0.0, 1.0))
-        return total + (root - jax.lax.stop_gradient(root)), count
+        return total + (root - jax.lax.stop_gradient(root)), aux
 
     monkeypatch.setattr(step_lib, "loss_sums", loss_sums)
 

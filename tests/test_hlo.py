@@ -80,8 +80,8 @@ def test_kernels_and_matmul_flops():
     assert hlo.kernels(module) == {"__triton_gemm": 6, "__cublas$lt$matmul": 1}
     loop_dots = 6 * 2 * 64 * 16 * 32  # the Triton GEMM fusion's dot, six times
     cublas = 2 * 64 * 16 * 32  # out [64, 16], contracting a's dimension 1 (32)
-    assert flops.compiled(module) == {"matmul": loop_dots + cublas, "attention": 0, "fp8": 0,
-                                      "fp8_e5m2": 0}
+    assert flops.compiled(module) == {"matmul": loop_dots + cublas, "attention": 0, "ragged": 0,
+                                      "fp8": 0, "fp8_e5m2": 0}
 
 
 FP8_MODULE = """\
@@ -118,7 +118,8 @@ def test_fp8_matmuls_are_those_with_fp8_operands_and_e5m2_the_backwards():
     gradient) to `fp8_e5m2` too; the bf16 dot beside them to neither."""
     each = 2 * 64 * 16 * 32  # the three dots have the same size
     assert flops.compiled(hlo.parse(FP8_MODULE)) == {"matmul": 3 * each, "attention": 0,
-                                                     "fp8": 2 * each, "fp8_e5m2": each}
+                                                     "ragged": 0, "fp8": 2 * each,
+                                                     "fp8_e5m2": each}
 
 
 def test_attention_kernels_are_counted_apart_from_matmuls():

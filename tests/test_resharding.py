@@ -83,8 +83,8 @@ def test_resume_on_another_mesh(saved, tmp_path, target):
             paths, jax.tree.leaves(saved_state), jax.tree.leaves(shardings)):
         assert isinstance(sharding, NamedSharding) and restored.sharding == sharding, path
         np.testing.assert_array_equal(np.asarray(restored), expected, err_msg=str(path))
-    embed = state["params"]["embed"]  # W_emb[V_(tensor,stage), D_fsdp]: really split that way
-    assert embed.sharding.spec == P(("tensor", "stage"), "fsdp")
+    embed = state["params"]["embed"]  # W_emb[V_(tensor,stage), D_(fsdp,expert)]: split that way
+    assert embed.sharding.spec == P(("tensor", "stage"), ("fsdp", "expert"))
     assert embed.addressable_shards[0].data.shape == (8192 // mesh.get("tensor", 1),
                                                       256 // mesh["fsdp"])
 

@@ -353,7 +353,8 @@ def run(args: argparse.Namespace) -> None:
     if not main_process:
         return
     if args.json:
-        meta = {"device": devices[0].device_kind, "devices": len(devices), "mesh": dict(mesh.shape),
+        shape = {a: n for a, n in mesh.shape.items() if a != "expert" or n != 1}
+        meta = {"device": devices[0].device_kind, "devices": len(devices), "mesh": shape,
                 "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters}
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")

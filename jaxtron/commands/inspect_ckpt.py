@@ -80,7 +80,8 @@ def mesh_summary(sharding: Any) -> str | None:
     names, shape = getattr(sharding, "axis_names", None), getattr(sharding, "shape", None)
     if names is None or shape is None:
         return None
-    return " ".join(f"{n}={int(s)}" for n, s in zip(names, np.asarray(shape).ravel()))
+    return " ".join(f"{n}={int(s)}" for n, s in zip(names, np.asarray(shape).ravel())
+                    if n != "expert" or int(s) != 1)  # the expert axis where it splits
 
 
 def print_listing(checkpoints_dir: Path) -> dict[Path, str]:

@@ -116,6 +116,8 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
             f"{'is' if num_devices == 1 else 'are'} available; "
             "make the product match or set one axis to -1"
         )
+    if sizes["expert"] == 1:  # a layout without experts split has the four axes it always had
+        del sizes["expert"]
     return sizes
 
 
@@ -190,7 +192,7 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None, per_host: int | None
     within a host when they fit and data and stage cross hosts (host_split says how)."""
     devices = jax.devices() if devices is None else devices
     sizes = mesh_shape(cfg, len(devices))
-    shape = tuple(sizes[a] for a in MESH_AXES)
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     per_host = per_host or devices_per_host(devices)
     if per_host >= len(devices) and len(devices) == len(jax.devices()):
@@ -219,7 +221,7 @@ def named(spec_tree: Any, mesh: Mesh) -> Any:
 
 def _split(entry: Any, sizes: dict[str, int]) -> int:
     axes = entry if isinstance(entry, tuple) else (entry,)
-    return math.prod(sizes[a] for a in axes if a is not None)
+    return math.prod(sizes.get(a, 1) for a in axes if a is not None)
 
 
 def check_divisible(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int],

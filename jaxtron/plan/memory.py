@@ -63,7 +63,7 @@ def _rows(cfg: Config, sizes: dict[str, int], axes: tuple[str, ...]) -> int:
     """Sequences per device per microbatch when the batch is split over `axes`."""
     ways = 1
     for axis in axes:
-        ways *= sizes[axis]
+        ways *= sizes.get(axis, 1)
     return max(cfg.train.batch_size // cfg.train.microbatches // ways, 1)
 
 
@@ -136,7 +136,7 @@ def _mlp_width(cfg: Config, sizes: dict[str, int]) -> int:
     m = cfg.model
     if not m.num_experts:
         return m.mlp_dim
-    return (m.moe_mlp_dim or m.mlp_dim) * m.num_experts // sizes["expert"]
+    return (m.moe_mlp_dim or m.mlp_dim) * m.num_experts // sizes.get("expert", 1)
 
 
 def _experts_bytes(cfg: Config, b: int, tp: int) -> int:
@@ -166,7 +166,7 @@ def _transposed_weights(plan, cfg: Config) -> int:
         # than one expert per device XLA keeps W_down [E', D, F] transposed for the kernels'
         # [E', F, D] (Qwen3-30B-A3B on 8 H100s: f32[48, 16, 768, 2048], 4.5 GiB).
         names = ((("attn", "wo"),) if sizes["fsdp"] > 1 else ()) \
-            + ((("mlp", "w_down"),) if experts > sizes["expert"] else ())
+            + ((("mlp", "w_down"),) if experts > sizes.get("expert", 1) else ())
     return sum(parallel.bytes_per_device(layers[block][name], specs[block][name], plan.mesh_sizes)
                for block, name in names)
 
@@ -181,7 +181,7 @@ def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) ->
     scores = b * m.num_heads * seq * seq // tp
     if m.remat == "none":  # the saved scores are the working set; only their gradient is new
         return 4 * scores
-    return scores * (15 if sizes["fsdp"] * sizes["expert"] * tp * sizes["stage"] > 1 else 11)
+    return scores * (15 if sizes["fsdp"] * sizes.get("expert", 1) * tp * sizes["stage"] > 1 else 11)
 
 
 def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
@@ -198,7 +198,7 @@ def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
       the chunks, and two are alive at a time."""
     m, t, tp = cfg.model, cfg.train, sizes["tensor"]
     act = jnp.dtype(m.dtype).itemsize
-    ways = sizes["data"] * sizes["fsdp"] * sizes["expert"] * sizes["stage"]
+    ways = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * sizes["stage"]
     rows = max(t.batch_size // (cfg.pipeline.passes if sizes["stage"] > 1 else t.microbatches)
                // ways, 1)
     chunks = loss_chunks(t.seq_len, t.loss_chunk)
