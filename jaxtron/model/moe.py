@@ -6,13 +6,13 @@ each token's top k of them (renormalized to sum to 1 when norm_topk_prob) weight
 outputs. Mixtral's softmax over its top-k logits is the same numbers.
 
 The experts run inside one `shard_map` over the mesh: each device holds E/|expert| experts (their
-D gathered over fsdp, F split over tensor) and its own rows of the batch. The tokens of the
-`expert` group are all-gathered, each device sorts the (token, choice) pairs that pick its own
-experts into contiguous groups, runs gate, up and down as three grouped matmuls over those rows
-only, weights them, adds them back onto their tokens, and the partial outputs return by one
-reduce-scatter over `expert` (and a sum over `tensor`, the row-parallel down projection). Static
-shapes: the sorted buffer has room for every pair of the group, the kernels work on the rows the
-group sizes cover. docs/parallelism.md says why all-gather/reduce-scatter and not all-to-all.
+D gathered over fsdp, F split over tensor) and its own rows of the batch. The tokens of an
+`expert` group go round a ring of permutes (`_local_experts`); at each step a device sorts the
+(token, choice) pairs that picked its own experts into contiguous groups, runs gate, up and down
+as three grouped matmuls over those rows only, and adds the weighted results onto the partial
+outputs travelling with the tokens; a sum over `tensor` closes the row-parallel down projection.
+Static shapes: a step's sorted buffer has room for all n * k pairs, the kernels work on the rows
+the group sizes cover. docs/parallelism.md says why a ring and not an all-to-all.
 
 Also here: the load-balancing loss (Switch/Mixtral), the router z-loss and the load statistics,
 returned per layer and summed into the objective by the step (jaxtron/step/__init__.py).
