@@ -16,7 +16,7 @@ import pytest
 
 import launch
 from jaxtron import config as config_lib
-from jaxtron.model import REMAT_POLICIES
+from jaxtron.model import REMAT_POLICIES, moe
 from jaxtron.plan import aot, flops, hlo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -518,7 +518,12 @@ def test_each_weight_is_gathered_over_fsdp_once_forward_and_once_backward(tmp_pa
     assert 2 * layers <= moved <= 2 * layers + 2 * tables, (moved / layers, tables / layers)
 
 
-@pytest.mark.slow  # CI runs it in its second leg, on jax 0.11 (the GPU images' stack)
+TRITON = pytest.mark.skipif(not moe.triton_available(), reason=(
+    "tokamax's Triton ragged_dot runs on jax 0.10 only (0.0.12 calls pallas.dot, gone in 0.11)"))
+
+
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
+@TRITON
 @pytest.mark.parametrize("config,devices", [("mixtral_8x7b.yaml", 16), ("qwen3_30b_a3b.yaml", 8)])
 def test_a_moe_preset_as_shipped_fits_with_a_tenth_spare_and_runs_the_chosen_experts_only(
         tmp_path, config, devices):
@@ -534,13 +539,14 @@ def test_a_moe_preset_as_shipped_fits_with_a_tenth_spare_and_runs_the_chosen_exp
     assert counts["matmul_per_device"] <= 1.6 * counts["six_n_tokens_per_device"]
     assert counts["matmul_per_device"] == pytest.approx(counts["expected_matmul_per_device"],
                                                         rel=0.02)
-    assert counts["ragged_matmul_per_device"] >= 0.6 * counts["matmul_per_device"]
+    # the experts' share of the matmuls: Mixtral 87%, Qwen3-30B-A3B 57% (its 152k-vocab LM head)
+    assert counts["ragged_matmul_per_device"] >= 0.5 * counts["matmul_per_device"]
     assert report["kernels"]["__gpu$xla.gpu.triton"] > 0
     assert any(r["op"] == "collective-permute" and r["axes"] == ["expert"]
                for r in report["collectives"])
 
 
-@pytest.mark.slow  # CI runs it in its second leg
+@TRITON
 def test_experts_compile_to_grouped_kernels_on_their_rows_only(tmp_path):
     """configs/tiny_moe.yaml in bf16, mesh.expert=8 on 8 H100s: the experts' matmuls are the
     Triton grouped kernels over the ring's steps, each step's static rows 8x what a device

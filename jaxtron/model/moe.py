@@ -46,9 +46,9 @@ def check(cfg: ModelConfig) -> None:
     """The kernel name, and that tokamax is installed when the Triton kernel is asked for."""
     if cfg.moe_kernel not in KERNELS:
         raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} is not one of {', '.join(KERNELS)}")
-    if cfg.num_experts and cfg.moe_kernel == "triton" and _tokamax() is None:
-        raise ConfigError("model.moe_kernel=triton needs tokamax: pip install -e '.[gpu]' "
-                          "(or model.moe_kernel=xla)")
+    if cfg.num_experts and cfg.moe_kernel == "triton" and not triton_available():
+        raise ConfigError("model.moe_kernel=triton needs tokamax 0.0.12 on jax 0.10 (pip install "
+                          f"-e '.[gpu-aot]'; here jax {jax.__version__}); or model.moe_kernel=xla")
 
 
 def _tokamax():
@@ -66,13 +66,26 @@ def _quiet(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Autotuning cache miss")
 
 
+def triton_available() -> bool:
+    """tokamax's Triton ragged_dot works here: tokamax 0.0.12 installed, on jax 0.10 (on jax
+    0.11 its kernel calls the removed `pallas.dot`; later tokamax releases have no Triton one)."""
+    tokamax = _tokamax()
+    if tokamax is None or jax.__version__ >= "0.11":
+        return False
+    try:
+        from tokamax._src.ops.ragged_dot import api  # noqa: PLC0415
+    except ImportError:
+        return False
+    return "triton" in api.IMPLEMENTATIONS
+
+
 def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
     """The grouped-matmul kernel model.moe_kernel means on `platform` (jax's default backend;
     --compile-for settles it for GPUs before tracing, jaxtron/plan/aot.py)."""
     if cfg.moe_kernel != "auto":
         return cfg.moe_kernel
     platform = platform or jax.default_backend()
-    return "triton" if platform in ("gpu", "cuda") and _tokamax() is not None else "xla"
+    return "triton" if platform in ("gpu", "cuda") and triton_available() else "xla"
 
 
 def configure(cfg, platform: str):
