@@ -144,6 +144,39 @@ def test_attention_kernels_are_counted_apart_from_matmuls():
     assert hlo.kernels(module)["__cudnn$fmhaScaleBiasSoftmaxBackward"] == 6
 
 
+RAGGED_MODULE = """HloModule ragged
+
+ENTRY %main (x: bf16[512,64], w: bf16[4,64,32], s: s32[4], g: bf16[512,32], wt: bf16[4,32,64], xt: bf16[64,512]) -> bf16[512,64] {
+  %x = bf16[512,64]{1,0} parameter(0)
+  %w = bf16[4,64,32]{2,1,0} parameter(1)
+  %s = s32[4]{0} parameter(2)
+  %g = bf16[512,32]{1,0} parameter(3)
+  %wt = bf16[4,32,64]{2,1,0} parameter(4)
+  %xt = bf16[64,512]{1,0} parameter(5)
+  %fwd = bf16[512,32]{1,0} custom-call(%x, %w, %s, %s), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/shard_map/ragged_dot_sm90/mpmd_map"}
+  %dw = bf16[4,64,32]{2,1,0} custom-call(%s, %s, %xt, %g), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/transpose(jvp())/ragged_contracting_dim_dot_sm90/mpmd_map"}
+  %tri = bf16[512,64]{1,0} custom-call(%g, %wt, %s), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/pallas_call" metadata_payload="tokamax:{\\"op\\":\\"RaggedDot\\"}"}
+  %other = bf16[512,64]{1,0} custom-call(%x, %w), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(f)/attention/mpmd_map"}
+  ROOT %dot = bf16[512,64]{1,0} dot(%g, %wt), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_grouped_matmul_kernels_count_as_ragged_matmuls():
+    """tokamax's ragged_dot as a Mosaic GPU call (named by its op_name on jax 0.11: the forward
+    and the weights' gradient, [K, R] x [R, N] -> [G, K, N]) and as a Triton call (named by its
+    op's payload) count 2 * R * K * N each to `ragged` and are matmul kernels; another Mosaic
+    kernel is neither."""
+    module = hlo.parse(RAGGED_MODULE)
+    each = 2 * 512 * 64 * 32
+    counted = flops.compiled(module)
+    assert counted["ragged"] == 3 * each
+    assert counted["matmul"] == each  # the plain dot alone
+    kinds = {inst.name: hlo.is_matmul(inst) for inst in module.computations["main"]}
+    assert kinds == {"x": False, "w": False, "s": False, "g": False, "wt": False, "xt": False,
+                     "fwd": True, "dw": True, "tri": True, "other": False, "dot": True}
+
+
 def test_replica_group_formats_agree():
     """The same fsdp groups in the three notations XLA prints."""
     mesh_form = hlo.Instruction("x", "f32[4]", "all-reduce",

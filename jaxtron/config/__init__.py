@@ -75,9 +75,9 @@ class ModelConfig:
     capacity_factor: float = 0.0
     moe_aux_coef: float = 0.01  # load-balancing loss (Switch/Mixtral), mean over layers
     moe_z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
-    # the experts' grouped matmuls: auto (triton on GPUs, where tokamax is installed; else xla),
-    # triton (tokamax's Triton ragged_dot), xla (jax.lax.ragged_dot: on GPUs XLA runs it as a
-    # dense matmul of every row with every expert on the device, whatever their groups)
+    # the experts' grouped matmuls: auto (mosaic on GPUs, where tokamax is installed; else xla),
+    # mosaic (tokamax's Mosaic GPU ragged_dot), triton (its Triton one: jax 0.10 only), xla
+    # (jax.lax.ragged_dot: on GPUs XLA runs it as a dense matmul of every row with every expert)
     moe_kernel: str = "auto"
 
     @property

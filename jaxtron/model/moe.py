@@ -23,6 +23,7 @@ n tokens on a device, R sorted rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -35,7 +36,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model.layers import param
 
-KERNELS = ("auto", "xla", "triton")
+KERNELS = ("auto", "xla", "mosaic", "triton")
+# model.moe_kernel -> tokamax's name of its ragged_dot implementation
+TOKAMAX = {"mosaic": "mosaic_gpu", "triton": "triton"}
 EXPERT_AXIS = "expert"
 _BATCH = ("data", "fsdp", EXPERT_AXIS)  # act_batch in parallel.RULES
 # what every layer returns, summed or maxed over layers by `summarize`
@@ -43,12 +46,17 @@ STAT_KEYS = ("aux", "z", "load", "dropped")
 
 
 def check(cfg: ModelConfig) -> None:
-    """The kernel name, and that tokamax is installed when the Triton kernel is asked for."""
+    """The kernel name, and that tokamax has the kernel asked for here."""
     if cfg.moe_kernel not in KERNELS:
         raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} is not one of {', '.join(KERNELS)}")
-    if cfg.num_experts and cfg.moe_kernel == "triton" and not triton_available():
-        raise ConfigError("model.moe_kernel=triton needs tokamax 0.0.12 on jax 0.10 (pip install "
-                          f"-e '.[gpu-aot]'; here jax {jax.__version__}); or model.moe_kernel=xla")
+    if cfg.num_experts and cfg.moe_kernel in TOKAMAX and not available(cfg.moe_kernel):
+        raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} needs {_NEEDS[cfg.moe_kernel]} "
+                          f"(here jax {jax.__version__}, tokamax {_version()}); pip install -e "
+                          "'.[gpu-aot]' installs the one for this Python, or model.moe_kernel=xla")
+
+
+_NEEDS = {"mosaic": "tokamax (0.0.12 on jax 0.10, 0.0.17 on jax 0.11)",
+          "triton": "tokamax 0.0.12 on jax 0.10"}
 
 
 def _tokamax():
@@ -60,32 +68,39 @@ def _tokamax():
     return tokamax
 
 
+def _version() -> str:
+    tokamax = _tokamax()
+    return getattr(tokamax, "__version__", "?") if tokamax else "not installed"
+
+
 def _quiet(record: logging.LogRecord) -> bool:
     """Drop tokamax's warning per kernel call that no autotuned tiling is cached (it uses its
     heuristic one; nothing is autotuned ahead of a run)."""
     return not str(record.msg).startswith("Autotuning cache miss")
 
 
-def triton_available() -> bool:
-    """tokamax's Triton ragged_dot works here: tokamax 0.0.12 installed, on jax 0.10 (on jax
-    0.11 its kernel calls the removed `pallas.dot`; later tokamax releases have no Triton one)."""
-    tokamax = _tokamax()
-    if tokamax is None or jax.__version__ >= "0.11":
+def available(kind: str) -> bool:
+    """tokamax's ragged_dot implementation `kind` (a key of TOKAMAX) works here. Mosaic GPU (its
+    sm90 kernel on H100s): tokamax 0.0.12 on jax 0.10, 0.0.17 on jax 0.11. Triton: tokamax 0.0.12
+    on jax 0.10 only (its kernel calls `pallas.dot`, which jax 0.11 removed; later releases have
+    no Triton ragged_dot)."""
+    if _tokamax() is None or (kind == "triton" and jax.__version__ >= "0.11"):
         return False
     try:
         from tokamax._src.ops.ragged_dot import api  # noqa: PLC0415
     except ImportError:
         return False
-    return "triton" in api.IMPLEMENTATIONS
+    return TOKAMAX[kind] in api.IMPLEMENTATIONS
 
 
 def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
     """The grouped-matmul kernel model.moe_kernel means on `platform` (jax's default backend;
-    --compile-for settles it for GPUs before tracing, jaxtron/plan/aot.py)."""
+    --compile-for settles it for GPUs before tracing, jaxtron/plan/aot.py): on GPUs tokamax's
+    Mosaic GPU kernel where it is installed, else XLA's."""
     if cfg.moe_kernel != "auto":
         return cfg.moe_kernel
     platform = platform or jax.default_backend()
-    return "triton" if platform in ("gpu", "cuda") and triton_available() else "xla"
+    return "mosaic" if platform in ("gpu", "cuda") and available("mosaic") else "xla"
 
 
 def configure(cfg, platform: str):
@@ -283,26 +298,28 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 def _grouped(kind: str):
     """dot(x [R, K], w [G, K, N], sizes [G]) -> [R, N]: row r times the weight of its group,
-    rows past sum(sizes) zero. `xla`: jax.lax.ragged_dot; `triton`: tokamax's kernel."""
-    if kind == "triton":
+    rows past sum(sizes) zero. `xla`: jax.lax.ragged_dot; `mosaic`, `triton`: tokamax's kernels."""
+    if kind in TOKAMAX:
         tokamax = _tokamax()
-        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, implementation="triton")
+        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, implementation=TOKAMAX[kind])
     return jax.lax.ragged_dot
 
 
-def cross_compiling():
-    """A context in which tokamax lowers its GPU kernels for devices this host lacks (the
-    compile-only H100s of --compile-for); nothing without tokamax."""
-    import contextlib  # noqa: PLC0415
-
+@contextlib.contextmanager
+def cross_compiling(device):
+    """A context in which tokamax lowers its GPU kernels for `device`, a GPU this host lacks (the
+    compile-only H100s of --compile-for): tokamax's cross-compile option, and the device as jax's
+    default, where tokamax reads the compute capability that picks its kernel (sm90 on H100s)."""
     tokamax = _tokamax()
     if tokamax is None:
-        return contextlib.nullcontext()
+        yield
+        return
     from absl import flags  # noqa: PLC0415 (tokamax's options are absl flags)
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()  # never parse this program's own argv as absl flags
-    return tokamax.config.cross_compile(True)
+    with tokamax.config.cross_compile(True), jax.default_device(device):
+        yield
 
 
 def describe_params(cfg: ModelConfig, total: int) -> str:

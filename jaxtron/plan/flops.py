@@ -3,7 +3,7 @@
 `compiled` reads the optimized HLO (`jaxtron.plan.hlo`): 2 * M * N * K of every matmul (dots, inside
 fusions too, cuBLAS calls, Triton GEMM fusions) apart from the cuDNN attention kernels
 (`__cudnn$fmha...`), per device per step, times the trip counts of the loops around them. The MoE
-experts' grouped matmuls (tokamax's Triton ragged_dot, `ragged`) are counted apart, at their
+experts' grouped matmuls (tokamax's ragged_dot, `ragged`) are counted apart, at their
 buffers' static size: 2 * R * K * N for R rows, of which a kernel works on the rows its group sizes
 cover (jaxtron/model/moe.py: a device's rows are its expert group's pairs, and each pair is its
 one expert's: over the group's devices, R / |expert| rows on average).
@@ -105,15 +105,16 @@ def _flops(inst: Instruction, module: Module) -> int:
     if target.startswith("__cudnn$fmha"):
         return _attention_flops(inst, module, backward="Backward" in target)
     if _ragged(inst):
+        # the first matrix operand and the output's last dimension: lhs [R, K] and out [R, N]
+        # (forward, and the input's gradient against [G, N, K]), or lhs [R, K] or [K, R] and
+        # out [G, K, N] (the weights' gradient); the other operands are group sizes and offsets
         operands, out = _operand_shapes(inst, module), hlo.arrays(hlo._top_level(inst.shape)[0])
-        (m, k), n = operands[0][1], out[0][1][-1]
-        return 2 * m * k * n  # lhs [R, K], out [R, N] or [G, K, N]
+        m, k = next(shape for _, shape in operands if len(shape) == 2)
+        return 2 * m * k * out[0][1][-1]
     return 0
 
 
-def _ragged(inst: Instruction) -> bool:
-    """A grouped matmul kernel of the MoE experts (tokamax's Triton ragged_dot)."""
-    return hlo._target(inst) == "__gpu$xla.gpu.triton" and "RaggedDot" in inst.rest
+_ragged = hlo.is_ragged_dot
 
 
 def _dot_dims(rest: str) -> dict | None:

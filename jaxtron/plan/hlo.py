@@ -289,10 +289,18 @@ def mesh_axes(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> tup
 
 def is_matmul(inst: Instruction) -> bool:
     """A matmul or attention kernel: a dot, a cuBLAS / cuDNN call, a Triton or cuDNN GEMM
-    fusion, the MoE experts' grouped matmul kernels (tokamax's Triton ragged_dot)."""
+    fusion, the MoE experts' grouped matmul kernels (tokamax's ragged_dot)."""
     kind = _target(inst) or (inst.opcode == "fusion" and _fusion_kind(inst)) or ""
     return inst.opcode in ("dot", "convolution") or kind.startswith(("__cublas", "__cudnn")) \
-        or "gemm" in kind or (kind == "__gpu$xla.gpu.triton" and "RaggedDot" in inst.rest)
+        or "gemm" in kind or is_ragged_dot(inst)
+
+
+def is_ragged_dot(inst: Instruction) -> bool:
+    """A grouped matmul kernel of the MoE experts: tokamax's ragged_dot, a Triton or a Mosaic GPU
+    custom call, named in its metadata (the op `RaggedDot`, or on jax 0.11 a Mosaic kernel's
+    `ragged_dot_sm90`, `ragged_contracting_dim_dot_sm90`)."""
+    return _target(inst) in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2") and (
+        "RaggedDot" in inst.rest or bool(re.search(r'op_name="[^"]*/ragged_\w*dot', inst.rest)))
 
 
 def overlapped(module: Module) -> set[str]:
