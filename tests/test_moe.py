@@ -318,9 +318,9 @@ def test_bad_moe_settings_are_one_line_and_status_2(capsys, args, names):
     assert_refused(rc, capsys.readouterr().err, *names)
 
 
-@pytest.mark.skipif(jax.__version__ < "0.11", reason="tokamax 0.0.12's Triton kernel runs on jax 0.10")
-def test_the_triton_kernel_is_refused_on_jax_0_11(capsys):
-    """tokamax's Triton ragged_dot needs jax 0.10: asked for on jax 0.11, one line naming the
-    setting and what works instead, status 2."""
-    rc = launch.main(["--config", str(MOE), "model.moe_kernel=triton", "--dry-run"])
-    assert_refused(rc, capsys.readouterr().err, "model.moe_kernel=triton", "model.moe_kernel=xla")
+def test_a_grouped_kernel_that_is_not_installed_is_refused(capsys, monkeypatch):
+    """model.moe_kernel=mosaic without tokamax (or, on jax 0.11, =triton, whose kernel needs jax
+    0.10): one line naming the setting and what works instead, status 2."""
+    monkeypatch.setattr(moe, "_tokamax", lambda: None)
+    rc = launch.main(["--config", str(MOE), "model.moe_kernel=mosaic", "--dry-run"])
+    assert_refused(rc, capsys.readouterr().err, "model.moe_kernel=mosaic", "model.moe_kernel=xla")
