@@ -30,6 +30,9 @@ MESHES = [
     {"fsdp": 8},
     {"tensor": 2, "fsdp": 4},
     {"data": 2, "fsdp": 2, "tensor": 2},
+    # context parallelism: each rank holds two pieces of every packed row
+    {"context": 4, "fsdp": 2},
+    {"context": 2, "tensor": 2, "fsdp": 2},
 ]
 MESH_IDS = [",".join(f"{k}={v}" for k, v in m.items()) for m in MESHES]
 

@@ -94,6 +94,9 @@ class MeshConfig:
     tensor: int = 1
     stage: int = 1
     expert: int = 1  # splits the experts (model.num_experts); the batch is split over it too
+    # splits each sequence (context parallelism, jaxtron/parallel/context.py); weights are split
+    # over it too (ZeRO-3), the batch is not
+    context: int = 1
 
 
 @dataclass(frozen=True)

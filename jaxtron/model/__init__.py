@@ -25,10 +25,10 @@ from jax.tree_util import Partial
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import attention as attention_lib
 from jaxtron.model import attention as kernels  # attention.py: the kernels behind one call
-from jaxtron.model import fp8, moe, vocab
+from jaxtron.model import context_attention, fp8, moe, vocab
 from jaxtron.model.layers import RMSNorm, apply_rope, rope_frequencies
 from jaxtron.model.layers import param as _param
-from jaxtron.parallel import collective_matmul, constrain
+from jaxtron.parallel import collective_matmul, constrain, context
 
 _policies = jax.checkpoint_policies
 _names = _policies.save_only_these_names
@@ -73,7 +73,8 @@ def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
 
 
 BATCH_SEQ = ("act_batch", "act_seq")  # between blocks: sequence split over tensor (RULES)
-BATCH_WHOLE_SEQ = ("act_batch", None)  # inside attention/MLP: heads or mlp split, sequence whole
+# inside attention/MLP: heads or mlp split, the context rank's positions whole
+BATCH_WHOLE_SEQ = ("act_batch", "act_ctx")
 IO_SEQ = ("act_batch_io", "act_seq")  # embedding and LM head: the pipeline stages split the batch
 
 
@@ -119,7 +120,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq)
-        out_BTNH = kernels.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cfg.attention)
+        # a sequence split over `context` attends to keys gathered over it
+        attend = context_attention.attention if context.ways() > 1 else kernels.attention
+        out_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
+                          kernels.resolve(self.cfg.attention, jax.default_backend()))
         return self._output(out_BTNH)
 
     def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH):
@@ -306,9 +310,13 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT, positions_BT, segment_ids_BT,
                  run_layers: LayerRunner | None = None) -> jax.Array:
         """Token ids -> float32 logits[B, T, V] (whole: for inspection and parity checks; the
-        train step's loss takes `hidden` and `head` and never holds them all at once)."""
-        x_BTD, _ = self.hidden(tokens_BT, positions_BT, segment_ids_BT, run_layers)
-        return self._logits(x_BTD)
+        train step's loss takes `hidden` and `head` and never holds them all at once). Under
+        context parallelism the model runs on the balanced order, the logits come back natural."""
+        inputs = context.balance({"tokens": tokens_BT, "positions": positions_BT,
+                                  "segment_ids": segment_ids_BT})
+        x_BTD, _ = self.hidden(inputs["tokens"], inputs["positions"], inputs["segment_ids"],
+                               run_layers)
+        return context.unbalance(self._logits(x_BTD))
 
     def decode(self, tokens_BT, cache: dict, start) -> tuple[jax.Array, dict]:
         """(float32 logits [B, T, V], the updated cache) of tokens [B, T] at positions and cache

@@ -97,23 +97,27 @@ class _Layout:
 
     def __init__(self, tied: bool):
         self.tied = tied
-        self.rows = _axes("act_batch_io")  # x[B_rows, T_seq, D]
-        self.seq = _axes("act_seq")
+        self.rows = _axes("act_batch_io")  # x[B_rows, T_(ctx,seq), D]
+        # context ranks hold different positions, tokens and targets included; within one, the
+        # sequence parallel axes split its positions between blocks
+        self.ctx = _axes("act_ctx")
+        self.seq = tuple(a for a in _axes("act_seq") if a not in self.ctx)
         self.vocab = _axes("vocab")  # the stored head's vocab dimension
         self.kept = _axes("act_vocab")  # ... still split while computing logits
         self.embed = _axes("embed")
         if self.vocab[:len(self.kept)] != self.kept:
             raise ValueError(f"RULES: act_vocab {self.kept} must lead vocab {self.vocab}")
         self.gathered = self.vocab[len(self.kept):]
-        # Rows split over an axis the head is not split over: its gradient sums there whole.
-        self.summed = tuple(a for a in self.rows if a not in self.vocab + self.embed)
+        # Tokens split over an axis the head is not split over: its gradient sums there whole.
+        self.summed = tuple(a for a in self.rows + self.ctx if a not in self.vocab + self.embed)
         v_dim, d_dim = (0, 1) if tied else (1, 0)
         self.v_dim, self.d_dim = v_dim, d_dim
         names = ["", ""]
         names[v_dim], names[d_dim] = "vocab", "embed"
         self.head_spec = parallel.spec(tuple(names))
-        self.x_spec = P(self.rows or None, self.seq or None, None)
-        self.row_spec = P(self.rows or None, None)
+        self.x_spec = P(self.rows or None, self.ctx + self.seq or None, None)
+        self.row_spec = P(self.rows or None, self.ctx or None)
+        self.total_spec = P(self.rows + self.ctx or None)  # each device's summed loss [1]
 
 
 def _gather_table(w, layout: _Layout, dtype) -> jax.Array:
@@ -257,14 +261,16 @@ def sharded_total(x_BTD, w, targets_BT, mask_BT, chunk: int, tied: bool) -> jax.
     """The summed loss under the context mesh; `w` the stored head (lm_head [D, V] or, `tied`,
     the embedding table [V, D]); x[B, T, D] in the compute dtype."""
     layout = _Layout(tied)
-    ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in layout.seq)
+    shape = jax.sharding.get_abstract_mesh().shape
+    ways = math.prod(shape[a] for a in layout.seq)
+    local = x_BTD.shape[1] // math.prod(shape[a] for a in layout.ctx)  # a context rank's
     # Chunks of at most `chunk` positions, each taking the same share of every sequence shard.
-    parts = chunks(x_BTD.shape[1] // ways, max(chunk // ways, 1) if chunk > 0 else 0)
+    parts = chunks(local // ways, max(chunk // ways, 1) if chunk > 0 else 0)
     options = {"layout": layout, "parts": parts, "dtype": x_BTD.dtype}
     in_specs = (layout.x_spec, layout.head_spec, layout.row_spec, layout.row_spec)
-    lse_spec = P(None, layout.rows or None, None)
+    lse_spec = P(None, layout.rows or None, layout.ctx or None)
     forward = jax.shard_map(functools.partial(_forward_local, **options), in_specs=in_specs,
-                            out_specs=(P(layout.rows or None), lse_spec), check_vma=False)
+                            out_specs=(layout.total_spec, lse_spec), check_vma=False)
     backward = jax.shard_map(functools.partial(_backward_local, **options),
                              in_specs=(*in_specs, lse_spec, P()),
                              out_specs=(layout.x_spec, layout.head_spec), check_vma=False)

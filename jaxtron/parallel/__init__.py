@@ -20,17 +20,19 @@ from jax.sharding import PartitionSpec as P
 from jaxtron.config import Config, ConfigError, MeshConfig, TrainConfig
 
 # Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
-# so tensor, expert and fsdp traffic stays on the fastest links and data/stage cross nodes.
-MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")
+# so tensor, expert, context and fsdp traffic stays on the fastest links and data/stage cross nodes.
+MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+OPTIONAL_AXES = ("context", "expert")  # left out of a layout's sizes where they do not split
 
 RULES: tuple[tuple[str, Any], ...] = (
     # weights
     # W_emb[V_(tensor,stage), D_fsdp], W_head[D_fsdp, V_(tensor,stage)]: pipeline stages split the
     # tables too (every stage uses them), gathered over stage and fsdp before use like FSDP
     ("vocab", ("tensor", "stage")),
-    # W_q[D_(fsdp,expert), N_tensor, H], W_gate[D_(fsdp,expert), F_tensor]: ZeRO-3 over D, over
-    # the expert ranks too (they hold different experts, but the same attention)
-    ("embed", ("fsdp", "expert")),
+    # W_q[D_(fsdp,context,expert), N_tensor, H], W_gate[D_(fsdp,context,expert), F_tensor]: ZeRO-3
+    # over D, over the context ranks (they hold other positions of the same sequences) and the
+    # expert ranks too (they hold different experts, but the same attention)
+    ("embed", ("fsdp", "context", "expert")),
     # MoE experts W_gate[E_expert, D_fsdp, F_tensor]: each expert rank holds its own experts
     ("experts", "expert"),
     ("expert_embed", "fsdp"),
@@ -46,8 +48,13 @@ RULES: tuple[tuple[str, Any], ...] = (
     # embedding, LM head and loss, outside the pipeline: the stages split the batch too instead
     # of each repeating the work (stage last, so it refines the (data, fsdp) split locally)
     ("act_batch_io", ("data", "fsdp", "expert", "stage")),
-    ("act_seq", "tensor"),  # x[B, T_tensor, D] between blocks: Megatron sequence parallelism;
-    # norms and residual adds run on T/tensor positions; all-gather in, reduce-scatter out
+    # x[B, T_context, ...] everywhere: each context rank holds its own positions of every sequence
+    # (two pieces of each, jaxtron/parallel/context.py); attention gathers K and V over it
+    ("act_ctx", "context"),
+    # x[B, T_(context,tensor), D] between blocks: Megatron sequence parallelism within a context
+    # rank's positions; norms and residual adds run on T/(context*tensor) positions; all-gather
+    # over tensor in, reduce-scatter out
+    ("act_seq", ("context", "tensor")),
     ("act_embed", None),  # x[B, T, D]: D whole between blocks
     ("act_heads", "tensor"),  # q[B, T, N_tensor, H]: attention runs on local heads
     ("act_kv_heads", "tensor"),  # k[B, S, K_tensor, H]
@@ -116,14 +123,16 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
             f"{'is' if num_devices == 1 else 'are'} available; "
             "make the product match or set one axis to -1"
         )
-    if sizes["expert"] == 1:  # a layout without experts split has the four axes it always had
-        del sizes["expert"]
+    for axis in OPTIONAL_AXES:  # a layout without them has the four axes it always had
+        if sizes[axis] == 1:
+            del sizes[axis]
     return sizes
 
 
 def describe(sizes: dict[str, int]) -> str:
-    """'data=1, stage=1, fsdp=8, tensor=1': the mesh's sizes, `expert` only when it splits."""
-    return ", ".join(f"{a}={s}" for a, s in sizes.items() if a != "expert" or s != 1)
+    """'data=1, stage=1, fsdp=8, tensor=1': the mesh's sizes, `context` and `expert` only where
+    they split."""
+    return ", ".join(f"{a}={s}" for a, s in sizes.items() if a not in OPTIONAL_AXES or s != 1)
 
 
 def host_split(sizes: dict[str, int], per_host: int) -> dict[str, tuple[int, int]]:
@@ -154,7 +163,7 @@ def describe_hosts(sizes: dict[str, int], per_host: int,
     num_devices = math.prod(sizes.values())
     if num_devices <= per_host:
         return []
-    sizes = {"expert": 1, **sizes}
+    sizes = {"context": 1, "expert": 1, **sizes}
     split = host_split(sizes, per_host)
     crossing = [f"{a} ({split[a][1]} hosts)" for a in crossing_axes(sizes, per_host)]
     lines = [f"mesh across {num_devices // per_host} hosts of {per_host} devices: "
@@ -273,6 +282,17 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
     if t.seq_len % sizes["tensor"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor="
                           f"{sizes['tensor']} (sequence parallelism splits it between blocks)")
+    if (context := sizes.get("context", 1)) > 1:
+        if experts:
+            raise ConfigError(f"mesh.context={context} with model.num_experts={experts}: context "
+                              "parallelism does not run mixtures of experts yet; use mesh.expert, "
+                              "mesh.fsdp and mesh.tensor")
+        pieces = 2 * context * sizes["tensor"]  # two pieces per context rank, each split by SP
+        if t.seq_len % pieces:
+            raise ConfigError(
+                f"train.seq_len={t.seq_len} is not divisible by 2*mesh.context*mesh.tensor="
+                f"{pieces} (each context rank holds two equal pieces of every sequence); use "
+                + multiples_near("train.seq_len", t.seq_len, pieces))
     if wrong := batch_split(t, _split(_RULES["act_batch"], sizes)):
         raise ConfigError(wrong)
     io_ways = _split(_RULES["act_batch_io"], sizes)

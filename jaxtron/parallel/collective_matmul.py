@@ -42,6 +42,17 @@ def applies() -> bool:
     return not mesh.empty and mesh.shape.get(AXIS, 1) > 1
 
 
+def _context() -> tuple[tuple[str, ...] | None, str | tuple[str, ...]]:
+    """(the context axis when it splits the sequence, else None; the sequence's split between
+    blocks): under context parallelism each context rank gathers and scatters its own positions,
+    so the shard_maps are manual over `context` too."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    if mesh.shape.get("context", 1) == 1 or kinds["context"] == jax.sharding.AxisType.Manual:
+        return None, AXIS
+    return ("context",), ("context", AXIS)
+
+
 def _shift_left(x: jax.Array, n: int) -> jax.Array:
     """Device j's x goes to device j-1 (the last device's to n-1's neighbour, device n-1 from 0)."""
     return jax.lax.ppermute(x, AXIS, [(j, (j - 1) % n) for j in range(n)])
@@ -92,19 +103,22 @@ def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | 
     the all-gather of x over the sequence overlapped with the matmuls. `dots`: how each weight's
     chunk products are computed (`jnp.tensordot` unless given: the model's FP8 matmuls), their
     arrays replicated over tensor."""
+    ctx, seq = _context()
     w_specs = tuple(P(None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
-    out_specs = tuple(P(None, None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
+    out_specs = tuple(P(None, ctx, AXIS, *[None] * (w.ndim - 2)) for w in weights)
     dots = dots or [Partial(jnp.tensordot)] * len(weights)
-    run = jax.shard_map(_gather_local, in_specs=(P(), P(None, AXIS, None), *w_specs),
-                        out_specs=out_specs, axis_names={AXIS}, check_vma=False)
+    run = jax.shard_map(_gather_local, in_specs=(P(), P(None, seq, None), *w_specs),
+                        out_specs=out_specs, axis_names={AXIS, *(ctx or ())}, check_vma=False)
     return run(list(dots), x_BTD, *weights)
 
 
 def matmul_scatter(h: jax.Array, w: jax.Array, dot: Dot = Partial(jnp.tensordot)) -> jax.Array:
     """h[B, T, X_tensor, ...] times w[X_tensor, ..., D] summed over X -> out[B, T_tensor, D], the
     reduce-scatter over the sequence overlapped with the matmuls (chunk products by `dot`)."""
-    h_spec = P(None, None, AXIS, *[None] * (h.ndim - 3))
+    ctx, seq = _context()
+    h_spec = P(None, ctx, AXIS, *[None] * (h.ndim - 3))
     w_spec = P(AXIS, *[None] * (w.ndim - 1))
     run = jax.shard_map(_scatter_local, in_specs=(P(), h_spec, w_spec),
-                        out_specs=P(None, AXIS, None), axis_names={AXIS}, check_vma=False)
+                        out_specs=P(None, seq, None), axis_names={AXIS, *(ctx or ())},
+                        check_vma=False)
     return run(dot, h, w)

@@ -218,9 +218,11 @@ def _constrained(w: jax.Array, copies: tuple[str, ...], spec: P) -> jax.Array:
 
 
 def _without_fsdp(spec: P) -> P:
-    """`spec` with the fsdp axis dropped: the weight whole over fsdp, still split over tensor."""
-    drop = lambda axes: (tuple(a for a in axes if a != "fsdp") or None
-                         if isinstance(axes, tuple) else None if axes == "fsdp" else axes)
+    """`spec` with the ZeRO axes (fsdp, context) dropped: the weight whole over them, still split
+    over tensor."""
+    zero = ("fsdp", "context")
+    drop = lambda axes: (tuple(a for a in axes if a not in zero) or None
+                         if isinstance(axes, tuple) else None if axes in zero else axes)
     return P(*map(drop, spec))
 
 

@@ -20,7 +20,7 @@ from jaxtron import parallel
 from jaxtron.config import Config
 from jaxtron.data.rows import local_rows
 from jaxtron.model import fp8, moe, vocab
-from jaxtron.parallel import pipeline
+from jaxtron.parallel import context, pipeline
 from jaxtron.step.optim import lr_schedule, schedule_count
 from jaxtron.step.state import Plan
 
@@ -43,6 +43,7 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     reduce-scatter; without one the compiler partitions plain ops. Same value and gradient.
     `histories`: the FP8 amax histories the model reads (model.fp8; jaxtron/model/fp8.py)."""
     model = nnx.merge(graphdef, params, *([] if histories is None else [histories]))
+    batch = context.balance(batch)  # under context parallelism: each rank's two pieces
     run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
     x_BTD, layer_stats = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
                                       run_layers)

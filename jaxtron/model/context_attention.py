@@ -1,0 +1,256 @@
+"""Attention under context parallelism: each rank's queries against K and V gathered over
+`context`, causal by true position, packed documents kept apart.
+
+Each rank holds two pieces of c = T / 2C positions of every sequence (jaxtron/parallel/context.py):
+piece j = r and piece j = 2C-1-r, natural positions [jc, (j+1)c). Keys and values are gathered over
+`context` (grouped-query attention keeps them small: K heads against N); the gradient of the
+gather is one reduce-scatter. Chosen over a ring of `ppermute`s: the gather moves the same bytes
+in one collective that XLA overlaps with the layer's other work, the ring would need C steps per
+layer with the dK/dV ring in the backward.
+
+Two kernels (`model.attention`):
+- xla: the mask from segment ids and natural positions, over all T keys. The reference.
+- cudnn: cuDNN's fused kernel has causal masks aligned to the top-left only and no per-row key
+  ranges, so each piece is two calls merged by their log-sum-exps:
+  D, the diagonal block: the piece against its own keys, causal, with the same-segment mask
+  as a bias [c, c]; P, the prefix: only the piece's first document can reach keys before it
+  (documents are contiguous runs), so its first n0 rows attend to the keys from that document's
+  start a0 up to the piece's start jc: a window of the natural-order keys starting at a0, with
+  cuDNN's padding mask (q_seqlen = n0, kv_seqlen = jc - a0). The backward is cuDNN's backward
+  kernel per call, given the merged output and log-sum-exp (a part's softmax is exp(s - lse)
+  with the merged lse), which is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxtron import parallel
+from jaxtron.model import attention as kernels
+from jaxtron.parallel import context
+
+AXIS = context.AXIS
+
+
+def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl: str = "xla") -> jax.Array:
+    """Causal attention of a balanced batch whose sequence is split over `context`: q, k, v
+    [B, T, heads, H] and segment ids [B, T] in balanced order. Runs per device in a `shard_map`
+    over every axis not already manual (the pipeline's stages are)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
+    q_spec = parallel.spec_here(("act_batch", "act_ctx", "act_heads", None))
+    kv_spec = parallel.spec_here(("act_batch", "act_ctx", "act_kv_heads", None))
+    local = _sealed if impl == "cudnn" else _xla_local
+    run = jax.shard_map(functools.partial(local, ways=mesh.shape[AXIS]),
+                        in_specs=(q_spec, kv_spec, kv_spec, P(*q_spec[:2])), out_specs=q_spec,
+                        axis_names=free, check_vma=False)
+    return run(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+
+
+def _gather(x: jax.Array) -> jax.Array:
+    """This rank's [b, 2c, ...] -> every rank's [b, T, ...], balanced order."""
+    return jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def _xla_local(q, k, v, segments, *, ways: int) -> jax.Array:
+    """q[b, 2c, n, H] of this rank against the gathered keys, masked by natural position."""
+    segments_all = _gather(segments)
+    t = segments_all.shape[1]
+    position = jnp.asarray(order_cached(t, ways))  # natural position of each balanced one
+    mine = jax.lax.dynamic_slice_in_dim(position, jax.lax.axis_index(AXIS) * q.shape[1],
+                                        q.shape[1])
+    mask = ((segments[:, :, None] == segments_all[:, None, :])
+            & (position[None, None, :] <= mine[None, :, None]))
+    return kernels.masked_attention(q, _gather(k), _gather(v), mask[:, None, None])
+
+
+@functools.lru_cache(maxsize=None)
+def order_cached(t: int, ways: int) -> np.ndarray:
+    return context.order(t, ways)
+
+
+# ------------------------------------------------------------------------------------------------
+# cuDNN: two fused calls per piece, merged; the backward given the merged statistics.
+
+
+def _cudnn():
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # the kernels, with statistics
+    return fa
+
+
+def cudnn_forward(q, k, v, bias, q_len, kv_len, causal: bool):
+    """cuDNN's fused attention forward: (out [B, T, N, H], log-sum-exp [B, N, T] float32 of the
+    scaled scores). `bias` [B, 1, T, S] or None; `q_len`/`kv_len` [B] (padding mask: rows and keys
+    past them are out) or None; `causal`: top-left causal mask."""
+    fa = _cudnn()
+    mask = (fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK) if q_len is None else (
+        fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING)
+    out, lse = fa.dot_product_attention(q, k, v, bias=bias, q_seqlen=q_len, kv_seqlen=kv_len,
+                                        scale=q.shape[-1] ** -0.5, mask_type=mask,
+                                        return_residual=True)
+    return out, lse
+
+
+def cudnn_backward(q, k, v, bias, q_len, kv_len, causal: bool, out, lse, d_out):
+    """cuDNN's fused attention backward from a given output and log-sum-exp: (dq, dk, dv). The
+    bias gets no gradient (it is a mask)."""
+    fa = _cudnn()
+    mask = (fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK) if q_len is None else (
+        fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING)
+    unused = jnp.zeros(0, q.dtype)
+    grads = fa._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused if bias is None else bias, unused if q_len is None else q_len,
+        unused if kv_len is None else kv_len, unused, unused, unused, unused, lse, out, d_out,
+        scale=q.shape[-1] ** -0.5, seed=42, dropout_rate=0.0,
+        variadic_args=(bias is not None, False), mask_type=mask,
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
+    return tuple(grads[:3])
+
+
+def _pieces(x: jax.Array) -> jax.Array:
+    """[b, 2c, ...] -> [2b, c, ...]: the rank's two pieces side by side as rows."""
+    return x.reshape(x.shape[0] * 2, x.shape[1] // 2, *x.shape[2:])
+
+
+def _unpieces(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0] // 2, x.shape[1] * 2, *x.shape[2:])
+
+
+class _Prefix:
+    """Where each piece's first document started, per row, from the gathered segment ids:
+    `start` a0 [b] (a natural position), `length` jc - a0 [b], `rows` n0 [b] (its rows in the
+    piece), `window` L (static: the longest prefix a piece j can have), `has` [b, c] (rows that
+    see a prefix)."""
+
+    def __init__(self, segments_piece, natural_segments, piece: jax.Array, window: int):
+        c = segments_piece.shape[1]
+        first = segments_piece[:, 0]
+        self.start = jnp.argmax(natural_segments == first[:, None], axis=1).astype(jnp.int32)
+        self.length = piece * c - self.start
+        self.rows = jnp.sum(segments_piece == first[:, None], axis=1).astype(jnp.int32)
+        self.window = window
+        self.has = ((jnp.arange(c)[None] < self.rows[:, None]) & (self.length[:, None] > 0)
+                    & (first[:, None] != 0))
+
+    def take(self, kv_natural_padded):
+        return jax.vmap(lambda x, a: jax.lax.dynamic_slice_in_dim(x, a, self.window))(
+            kv_natural_padded, self.start)
+
+    def put(self, g_window, total: int):
+        """A window's gradient [b, L, ...] -> [b, total, ...] zero outside it."""
+        zeros = jnp.zeros((total, *g_window.shape[2:]), g_window.dtype)
+        return jax.vmap(lambda g, a: jax.lax.dynamic_update_slice_in_dim(zeros, g, a, 0))(
+            g_window, self.start)
+
+    def kv_len(self):
+        return jnp.maximum(self.length, 1)
+
+
+def _layout(segments, ways: int):
+    """(the gathered segment ids in natural order, the two pieces' prefixes, c)."""
+    c = segments.shape[1] // 2
+    natural = context.to_natural(_gather(segments), ways)
+    r = jax.lax.axis_index(AXIS)
+    prefixes = [_Prefix(segments[:, :c], natural, r, (ways - 1) * c),
+                _Prefix(segments[:, c:], natural, 2 * ways - 1 - r, (2 * ways - 1) * c)]
+    return natural, prefixes, c
+
+
+def _padded_natural(x_local, ways: int, pad: int):
+    x = context.to_natural(_gather(x_local), ways)
+    return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+
+
+def _diagonal_bias(segments, dtype):
+    same = _pieces(segments)[:, :, None] == _pieces(segments)[:, None, :]
+    return jnp.where(same, jnp.asarray(0, dtype), jnp.finfo(dtype).min / 2)[:, None]
+
+
+def _merge(parts):
+    """[(out [b, c, N, H], lse [b, N, c])] -> the merged (out float32, lse)."""
+    lse = functools.reduce(jnp.logaddexp, [l for _, l in parts])
+    out = sum(o.astype(jnp.float32) * jnp.exp(l - lse).transpose(0, 2, 1)[..., None]
+              for o, l in parts)
+    return out, lse
+
+
+def _cp_forward(q, k, v, segments, ways):
+    natural, prefixes, c = _layout(segments, ways)
+    pad = prefixes[1].window
+    bias = _diagonal_bias(segments, q.dtype)
+    out_d, lse_d = cudnn_forward(_pieces(q), _pieces(k), _pieces(v), bias, None, None, True)
+    out_d, lse_d = _unpieces(out_d), lse_d.reshape(q.shape[0], 2, *lse_d.shape[1:])
+    k_nat, v_nat = (_padded_natural(x, ways, pad) for x in (k, v))
+    outs, lses = [], []
+    for i, prefix in enumerate(prefixes):
+        rows = slice(i * c, (i + 1) * c)
+        out_p, lse_p = cudnn_forward(q[:, rows], prefix.take(k_nat), prefix.take(v_nat), None,
+                                     prefix.rows, prefix.kv_len(), False)
+        has_bNc = prefix.has[:, None, :]
+        out, lse = _merge([(out_d[:, rows], lse_d[:, i]),
+                           (jnp.where(prefix.has[..., None, None], out_p, 0),
+                            jnp.where(has_bNc, lse_p, -jnp.inf))])
+        outs.append(out)
+        lses.append(lse)
+    return jnp.concatenate(outs, 1).astype(q.dtype), jnp.stack(lses, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cp_cudnn(q, k, v, segments, ways):
+    return _cp_forward(q, k, v, segments, ways)[0]
+
+
+def _cp_cudnn_fwd(q, k, v, segments, ways):
+    out, lse = _cp_forward(q, k, v, segments, ways)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _cp_cudnn_bwd(ways, residuals, d_out):
+    q, k, v, segments, out, lse = residuals
+    natural, prefixes, c = _layout(segments, ways)
+    pad = prefixes[1].window
+    bias = _diagonal_bias(segments, q.dtype)
+    lse_pieces = lse.reshape(-1, *lse.shape[2:])
+    dq, dk, dv = cudnn_backward(_pieces(q), _pieces(k), _pieces(v), bias, None, None, True,
+                                _pieces(out), lse_pieces, _pieces(d_out))
+    dq, dk, dv = _unpieces(dq).astype(jnp.float32), _unpieces(dk), _unpieces(dv)
+    k_nat, v_nat = (_padded_natural(x, ways, pad) for x in (k, v))
+    total = k_nat.shape[1]
+    dk_nat = jnp.zeros(k_nat.shape, jnp.float32)
+    dv_nat = jnp.zeros(v_nat.shape, jnp.float32)
+    dq_parts = []
+    for i, prefix in enumerate(prefixes):
+        rows = slice(i * c, (i + 1) * c)
+        d_rows = jnp.where(prefix.has[..., None, None], d_out[:, rows], 0).astype(d_out.dtype)
+        dq_p, dk_w, dv_w = cudnn_backward(q[:, rows], prefix.take(k_nat), prefix.take(v_nat),
+                                          None, prefix.rows, prefix.kv_len(), False,
+                                          out[:, rows], lse[:, i], d_rows)
+        dq_parts.append(jnp.where(prefix.has[..., None, None], dq_p, 0))
+        dk_nat = dk_nat + prefix.put(dk_w.astype(jnp.float32), total)
+        dv_nat = dv_nat + prefix.put(dv_w.astype(jnp.float32), total)
+    dq = (dq + jnp.concatenate(dq_parts, 1)).astype(q.dtype)
+    t = total - pad
+    scatter = lambda g: jax.lax.psum_scatter(context.to_balanced(g[:, :t], ways), AXIS,
+                                             scatter_dimension=1, tiled=True)
+    dk = (dk.astype(jnp.float32) + scatter(dk_nat)).astype(k.dtype)
+    dv = (dv.astype(jnp.float32) + scatter(dv_nat)).astype(v.dtype)
+    return dq, dk, dv, None
+
+
+_cp_cudnn.defvjp(_cp_cudnn_fwd, _cp_cudnn_bwd)
+
+
+def _sealed(q, k, v, segments, *, ways: int) -> jax.Array:
+    """`_cp_cudnn` behind the two remats of `attention._sealed` (the zero-element placeholders of
+    jax's cuDNN calls stay inside the manual program)."""
+    kernel = lambda *args: _cp_cudnn(*args, ways)
+    inner = jax.checkpoint(kernel, policy=jax.checkpoint_policies.nothing_saveable,
+                           prevent_cse=False)
+    outer = jax.checkpoint(inner, policy=kernels._from_arrays, prevent_cse=False)
+    return outer(q, k, v, segments)
