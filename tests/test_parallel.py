@@ -33,6 +33,7 @@ MESHES = [
     # context parallelism: each rank holds two pieces of every packed row
     {"context": 4, "fsdp": 2},
     {"context": 2, "tensor": 2, "fsdp": 2},
+    {"stage": 2, "context": 2, "fsdp": 2},
 ]
 MESH_IDS = [",".join(f"{k}={v}" for k, v in m.items()) for m in MESHES]
 

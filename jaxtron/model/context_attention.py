@@ -135,8 +135,7 @@ class _Prefix:
         self.length = piece * c - self.start
         self.rows = jnp.sum(segments_piece == first[:, None], axis=1).astype(jnp.int32)
         self.window = window
-        self.has = ((jnp.arange(c)[None] < self.rows[:, None]) & (self.length[:, None] > 0)
-                    & (first[:, None] != 0))
+        self.has = (jnp.arange(c)[None] < self.rows[:, None]) & (self.length[:, None] > 0)
 
     def take(self, kv_natural_padded):
         return jax.vmap(lambda x, a: jax.lax.dynamic_slice_in_dim(x, a, self.window))(

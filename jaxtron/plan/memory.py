@@ -57,6 +57,10 @@ from jaxtron.model.vocab import chunks as loss_chunks
 from jaxtron.parallel import pipeline
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds
+# Context parallelism's K and V per key position (of one kv head's H): gathered (2 x 2 bytes),
+# natural and padded (2 x 2T: 8), the prefix windows (2 x 1.5T: 6), and the float32 gradients
+# of the padded ones with their scatter's temporaries (2 x 2 x 2T x 4: 32)
+CONTEXT_KV = 50
 
 
 def _rows(cfg: Config, sizes: dict[str, int], axes: tuple[str, ...]) -> int:
@@ -75,7 +79,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     act = jnp.dtype(m.dtype).itemsize
     params = plan.bytes_per_device("params")
     b = _rows(cfg, sizes, ("data", "fsdp", "expert"))
-    seq, d, v = t.seq_len, m.d_model, m.vocab_size
+    seq, d, v = _local_seq(cfg, sizes), m.d_model, m.vocab_size
     layer_weights = (2 * d * m.num_heads * m.head_size + 2 * d * m.num_kv_heads * m.head_size
                      + 3 * d * _mlp_width(cfg, sizes)) // tp
     slab = b * seq * d * act // tp  # one layer's input [b, T/t, D]
@@ -105,7 +109,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     # Last, the embedding's backward, once the saved activations are gone: its float32 gradient
     # [V/t, D] summed whole, twice (the zeros and the scatter-add's result), beside the head's
     # bf16 gradient (8B TP2 FSDP32, one row per GPU: 2 x 1002 + 501 MiB at the peak, the end).
-    saved = _layer_runs(cfg, sizes) * _saved_per_layer(cfg, kernel, b, tp, slab, many)
+    saved = _layer_runs(cfg, sizes) * _saved_per_layer(cfg, kernel, b, tp, slab, many, seq)
     embed_peak = 2 * 4 * v * d // tp + table - saved
     phases = {"layer_backward": layer, "lm_head_and_loss": head_peak,
               "embedding_backward": embed_peak}
@@ -129,6 +133,12 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
         **{name: max(size, 0) if name == last else 0 for name, size in phases.items()},
         "workspace": WORKSPACE,
     }
+
+
+def _local_seq(cfg: Config, sizes: dict[str, int]) -> int:
+    """The positions of each sequence one device computes on: all of them, or under context
+    parallelism its context rank's share."""
+    return cfg.train.seq_len // sizes.get("context", 1)
 
 
 def _mlp_width(cfg: Config, sizes: dict[str, int]) -> int:
@@ -160,7 +170,8 @@ def _transposed_weights(plan, cfg: Config) -> int:
     layers = plan.abstract["params"]["layers"]
     specs = plan.specs["params"]["layers"]
     sizes, experts = plan.mesh_sizes, cfg.model.num_experts
-    names = (("attn", "wo"), ("mlp", "w_down")) if sizes["fsdp"] > 1 and not experts else ()
+    zero = sizes["fsdp"] * sizes.get("context", 1)  # the ways W_o and W_down are split on D
+    names = (("attn", "wo"), ("mlp", "w_down")) if zero > 1 and not experts else ()
     if experts:
         # The experts [E, D, F] need no copy to gather (E is split before D), but with more
         # than one expert per device XLA keeps W_down [E', D, F] transposed for the kernels'
@@ -174,11 +185,21 @@ def _transposed_weights(plan, cfg: Config) -> int:
 def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) -> int:
     """One layer's attention working set in the backward. cuDNN: the [b, 1, T, S] mask and its
     float32 bias. XLA: float32 scores and their gradient, bf16 probabilities, the mask: 11 bytes
-    per score, 15 where weights move every layer (the scheduler overlaps two layers)."""
+    per score, 15 where weights move every layer (the scheduler overlaps two layers).
+
+    Under context parallelism (C ranks, T/C queries each against all T keys): XLA's scores are
+    [T/C, T]; cuDNN's masks are the two pieces' diagonal blocks [T/2C, T/2C], and K and V come
+    gathered, in natural order padded for the prefix windows, and as the windows themselves,
+    with their float32 gradients: CONTEXT_KV bytes per key position and K/t * H of a row."""
     m, seq, tp = cfg.model, cfg.train.seq_len, sizes["tensor"]
+    local = _local_seq(cfg, sizes)
+    if kernel == "cudnn" and local < seq:
+        piece = local // 2
+        return 2 * b * piece * piece * 3 + CONTEXT_KV * b * seq * m.num_kv_heads // tp \
+            * m.head_size
     if kernel == "cudnn":
         return 4 * b * seq * seq
-    scores = b * m.num_heads * seq * seq // tp
+    scores = b * m.num_heads * local * seq // tp
     if m.remat == "none":  # the saved scores are the working set; only their gradient is new
         return 4 * scores
     return scores * (15 if sizes["fsdp"] * sizes.get("expert", 1) * tp * sizes["stage"] > 1 else 11)
@@ -201,8 +222,9 @@ def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
     ways = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * sizes["stage"]
     rows = max(t.batch_size // (cfg.pipeline.passes if sizes["stage"] > 1 else t.microbatches)
                // ways, 1)
-    chunks = loss_chunks(t.seq_len, t.loss_chunk)
-    logits = rows * (t.seq_len // chunks) * m.vocab_size // tp * 4
+    local = _local_seq(cfg, sizes)
+    chunks = loss_chunks(local, t.loss_chunk)
+    logits = rows * (local // chunks) * m.vocab_size // tp * 4
     table = m.vocab_size * m.d_model // tp * act  # the head in the compute dtype, or its gradient
     held = chunks if tp == 1 else min(chunks, 2)
     if math.prod(sizes.values()) == 1:  # no mesh: the plain loss, one chunk's logits at a time
@@ -212,11 +234,12 @@ def _head_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
             "backward": logits + held * logits * act // 4 + 2 * table}
 
 
-def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many: bool) -> int:
-    """Bytes autodiff keeps per layer for the backward, by remat policy. With the cuDNN kernel,
-    XLA keeps more per layer where collectives run (`many` devices) than on one device: the
-    numbers are read off compiled programs."""
-    m, seq = cfg.model, cfg.train.seq_len
+def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many: bool,
+                     seq: int) -> int:
+    """Bytes autodiff keeps per layer for the backward, by remat policy, for `seq` positions
+    per sequence on a device. With the cuDNN kernel, XLA keeps more per layer where collectives
+    run (`many` devices) than on one device: the numbers are read off compiled programs."""
+    m = cfg.model
     act = jnp.dtype(m.dtype).itemsize
     q = b * seq * m.num_heads * m.head_size * act // tp
     kv = 2 * b * seq * m.num_kv_heads * m.head_size * act // tp
@@ -239,7 +262,8 @@ def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many:
     if kernel == "cudnn":  # float32 norms and activations besides; no scores (softmax stats)
         return (3 * everything // 2 if many else 2 * everything) + 2 * chunks
     # the XLA attention's float32 scores, bf16 probabilities and mask are kept too
-    return everything + b * m.num_heads * seq * seq * (4 + act + 1) // tp + 2 * chunks
+    return (everything + b * m.num_heads * seq * cfg.train.seq_len * (4 + act + 1) // tp
+            + 2 * chunks)
 
 
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:

@@ -25,6 +25,9 @@ estimates one step's time as
     travel in FP8 (one byte), their gradients in bf16.
   - data: the gradients' all-reduce, once per step, exposed.
   - stage: each microbatch's activations between neighbouring stages, forward and backward.
+  - context (context parallelism, sequences of LONG_CONTEXT positions or more): each layer's
+    K and V all-gathered over it in the forward and backward and their gradients
+    reduce-scattered, overlapped like fsdp's; its weights' ZeRO-3 gathers count with fsdp's.
   - expert (a mixture of experts): the expert ring's permutes, each layer's tokens and partial
     outputs passed |expert| times, in the forward, the backward and each ring step's recompute;
     half hidden behind the experts' kernels (the compiled presets: 44%).
@@ -70,6 +73,9 @@ LATENCY_S = 25e-6
 # (`--devices 8 train.batch_size=8 mesh.fsdp=8`): 36.7 of 42.9 GiB over fsdp; the llama3_70b_pp8
 # preset (`--devices 128`): 955 of 2309 GiB over tensor. The rest is taken as exposed.
 FSDP_OVERLAP = 0.85
+# Context parallelism is planned for sequences this long and longer (shorter ones fit a GPU's
+# attention as they are; the planner then keeps to the other axes)
+LONG_CONTEXT = 16384
 TENSOR_OVERLAP = 0.4
 # The expert ring's permutes hidden behind the experts' kernels: 44% of the bytes in the compiled
 # mixtral_8x7b and qwen3_30b_a3b presets (docs/compile_for.md).
@@ -103,14 +109,15 @@ class Layout:
                                                       else "")) if m["stage"] > 1 else ""
         whole = " grad_sum=whole" if self.grad_sum == "whole" else ""
         ep = f" EP{m['expert']}" if m.get("expert", 1) > 1 else ""
+        ep += f" CP{m['context']}" if m.get("context", 1) > 1 else ""
         return (f"TP{m['tensor']}{pipe}{ep} FSDP{m['fsdp']} DP{m['data']} M{self.microbatches} "
                 f"remat={self.remat}{whole}")
 
     def overrides(self) -> str:
         """The config overrides that run this layout."""
         m = self.mesh
-        out = [f"mesh.{axis}={m[axis]}" for axis in ("data", "stage", "fsdp", "expert", "tensor")
-               if axis != "expert" or m.get(axis, 1) > 1]
+        out = [f"mesh.{axis}={m.get(axis, 1)}" for axis in parallel.MESH_AXES
+               if axis not in parallel.OPTIONAL_AXES or m.get(axis, 1) > 1]
         if m["stage"] > 1:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.repeats={self.repeats}",
                     f"pipeline.grad_sum={self.grad_sum}"]
@@ -130,10 +137,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _contexts(cfg: Config, tensor: int, rest: int) -> list[int]:
+    """Context sizes to try: for a dense model's sequences of LONG_CONTEXT positions or more,
+    those dividing `rest` GPUs that split them into 2 * context * tensor pieces."""
+    t = cfg.train.seq_len
+    if cfg.model.num_experts or t < LONG_CONTEXT:
+        return [1]
+    return [c for c in _divisors(rest) if t % (2 * c * tensor) == 0]
+
+
 def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
     """Meshes over `gpus`: tensor within a node and dividing the heads, stages dividing the
     layers, fsdp and data the rest; for a mixture of experts, expert within a node beside
-    tensor and dividing the experts, and no stages (pipelines refuse experts)."""
+    tensor and dividing the experts, and no stages (pipelines refuse experts); for long
+    sequences, context too (`_contexts`)."""
     m = cfg.model
     out = []
     for tensor in _divisors(min(per_node, gpus)):
@@ -141,16 +158,16 @@ def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
             continue
         experts = [e for e in _divisors(min(per_node // tensor, gpus // tensor))
                    if m.num_experts % e == 0] if m.num_experts else [1]
-        for expert in experts:
-            rest = gpus // tensor // expert
+        for expert, context in itertools.product(experts, _contexts(cfg, tensor, gpus // tensor)):
+            rest = gpus // tensor // expert // context
             for stage in ([1] if m.num_experts else _divisors(rest)):
                 if m.num_layers % stage or stage > m.num_layers:
                     continue
                 for fsdp in _divisors(rest // stage):
                     mesh = {"data": rest // stage // fsdp, "stage": stage, "fsdp": fsdp,
-                            "expert": expert, "tensor": tensor}
-                    out.append(mesh if m.num_experts else {k: v for k, v in mesh.items()
-                                                           if k != "expert"})
+                            "context": context, "expert": expert, "tensor": tensor}
+                    out.append({k: v for k, v in mesh.items()
+                                if k not in parallel.OPTIONAL_AXES or v > 1})
     return out
 
 
@@ -208,18 +225,18 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     iterations = t.microbatches * repeats + stages - 1 if stages > 1 else t.microbatches
     bubble = compute * (stages - 1) / (t.microbatches * repeats) if stages > 1 else 0.0
     layers = m.num_layers // stages  # layers each GPU runs per sequence
-    ep = mesh.get("expert", 1)
+    ep, cp = mesh.get("expert", 1), mesh.get("context", 1)
     seqs = t.batch_size // (mesh["data"] * mesh["fsdp"] * ep)  # sequences per GPU per step
     passes = 3 if flops.RECOMPUTED[m.remat] else 2  # the recomputed forward gathers again
     act = 2  # bf16 activations and gathered weights
     parts = {"compute": compute, "bubble": bubble}
-    slab = t.seq_len * m.d_model * act  # one sequence's [T, D] activations
+    slab = t.seq_len // cp * m.d_model * act  # one sequence's [T, D] activations on a GPU
     tensor_bytes = 4 * passes * layers * seqs * slab * (tp - 1) / tp
     tensor_time = _seconds(tensor_bytes, "tensor" in crossing)
     parts["tensor"] = tensor_time / tp if m.collective_matmul else tensor_time * (
         1 - TENSOR_OVERLAP)
     layer_params = metrics.matmul_params(dataclasses.replace(m, vocab_size=0)) / m.num_layers
-    f = mesh["fsdp"]
+    f = mesh["fsdp"] * cp  # ZeRO-3 over fsdp and context
     # Without a pipeline each microbatch gathers a layer's weights twice (forward, recompute or
     # backward) and reduce-scatters its gradient; a pipeline gathers a stage's weights once per
     # pass and reduce-scatters their gradient every iteration, or (grad_sum=whole) once, in
@@ -230,18 +247,25 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     gathers = 1 if stages > 1 else 2 * t.microbatches
     units = fsdp_uses - (gathers / 2 if m.fp8 != "none" else 0)  # FP8 gathers: half a unit
     fsdp_bytes = units * layers * layer_params / tp * act * (f - 1) / f
-    fsdp_time = _seconds(fsdp_bytes, "fsdp" in crossing)
+    fsdp_time = _seconds(fsdp_bytes, bool({"fsdp", "context"} & crossing))
     parts["fsdp"] = fsdp_time * (1 - FSDP_OVERLAP) + max(0.0, fsdp_time * FSDP_OVERLAP - compute)
     d = mesh["data"]
     grads = metrics.matmul_params(m) * 4 / (tp * stages * f)  # float32 gradients per GPU
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
     stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
+    # context: each layer's K and V gathered forward and backward, their gradients scattered
+    kv_bytes = 3 * passes / 2 * layers * seqs * t.seq_len * 2 * m.num_kv_heads * m.head_size \
+        // tp * act * (cp - 1) / cp
+    context_time = _seconds(kv_bytes, "context" in crossing)
+    parts["context"] = context_time * (1 - FSDP_OVERLAP) + max(
+        0.0, context_time * FSDP_OVERLAP - compute)
     # the expert ring: a layer's tokens and partial sums passed |expert| times, forward, in each
     # step's recompute and backward
     expert_bytes = 2 * 3 * layers * seqs * slab * (ep - 1) if ep > 1 else 0.0
     parts["expert"] = _seconds(expert_bytes, "expert" in crossing) * (1 - EXPERT_OVERLAP)
     messages = (4 * passes * layers * runs * (tp > 1) + layers * fsdp_uses * (f > 1)
+                + 3 * layers * runs * (cp > 1)
                 + iterations * (stages > 1) * 2 + (d > 1))
     parts["latency"] = LATENCY_S * messages
     return parts
