@@ -125,6 +125,19 @@ def test_cudnn_stand_ins_match_the_reference(cudnn_stand_ins):
         np.testing.assert_allclose(a, r, atol=1e-5)
 
 
+@pytest.mark.parametrize("ways", [2, 4])
+def test_the_gpu_self_check_simulates_the_ranks_on_one_device(cudnn_stand_ins, monkeypatch, ways):
+    """`context_attention.simulated`: the ranks as a vmap on one device (what model.attention_check
+    runs on a GPU before a context-parallel run) passes the self-check, forward and gradients;
+    a prefix call that reads its window one key too far fails it, naming the split form."""
+    errors = attention.self_check("cudnn", jnp.float32, 1e-5, context_attention.simulated(ways))
+    assert max(errors.values()) < 1e-5
+    monkeypatch.setattr(context_attention._Prefix, "kv_len", lambda self: self.length + 1)
+    with pytest.raises(ConfigError, match=r"split over mesh.context\) disagrees"):
+        attention.self_check("cudnn", jnp.float32, 1e-2, context_attention.simulated(ways),
+                             form=" (split over mesh.context)")
+
+
 @pytest.mark.parametrize("overrides,names", [
     (("mesh.context=4", "mesh.fsdp=2", "train.seq_len=100"), ("train.seq_len", "mesh.context")),
     (("mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "train.seq_len=36"),

@@ -154,12 +154,15 @@ def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla") -> jax.
     return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
-def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2) -> dict[str, float]:
+def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,
+               kernel: Callable[..., jax.Array] | None = None,
+               form: str = "") -> dict[str, float]:
     """Run `impl` against `xla_attention` on a small packed batch (three documents per row,
     padding at the end), forward and gradient, on the local default device; the relative errors
     of output, dq, dk and dv. Raise a ConfigError naming the kernel and the error when they
     differ (a kernel that lets packed documents see each other, or reads K/V of the wrong group,
-    fails here before training starts)."""
+    fails here before training starts). `kernel`: another form of `impl` to check in its place
+    (`form` names it in the error: context parallelism's)."""
     b, t, n, k, h = 2, 64, 4, 2, 64
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, n, h), dtype)
@@ -174,14 +177,14 @@ def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2) -> dict[s
         return (out, *jax.grad(loss, argnums=(0, 1, 2))(q, *kv))
 
     want = jax.jit(lambda: run(xla_attention))()
-    got = jax.jit(lambda: run(ATTENTION_IMPLS[impl]))()
+    got = jax.jit(lambda: run(kernel or ATTENTION_IMPLS[impl]))()
     errors = {}
     for name, a, r in zip(("output", "dq", "dk", "dv"), got, want):
         a, r = a.astype(jnp.float32), r.astype(jnp.float32)
         error = errors[name] = float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
         if not error <= tolerance:
             raise ConfigError(
-                f"model.attention={impl} disagrees with the xla reference on a packed batch: "
-                f"{name} off by {error:.3g} (relative, tolerance {tolerance}); use "
+                f"model.attention={impl}{form} disagrees with the xla reference on a packed "
+                f"batch: {name} off by {error:.3g} (relative, tolerance {tolerance}); use "
                 "model.attention=xla, or model.attention_check=false to train anyway")
     return errors

@@ -62,7 +62,7 @@ def _xla_local(q, k, v, segments, *, ways: int) -> jax.Array:
     """q[b, 2c, n, H] of this rank against the gathered keys, masked by natural position."""
     segments_all = _gather(segments)
     t = segments_all.shape[1]
-    position = jnp.asarray(order_cached(t, ways))  # natural position of each balanced one
+    position = jnp.asarray(_order(t, ways))  # natural position of each balanced one
     mine = jax.lax.dynamic_slice_in_dim(position, jax.lax.axis_index(AXIS) * q.shape[1],
                                         q.shape[1])
     mask = ((segments[:, :, None] == segments_all[:, None, :])
@@ -71,7 +71,8 @@ def _xla_local(q, k, v, segments, *, ways: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def order_cached(t: int, ways: int) -> np.ndarray:
+def _order(t: int, ways: int) -> np.ndarray:
+    """`context.order`, made once per shape."""
     return context.order(t, ways)
 
 
@@ -151,18 +152,17 @@ class _Prefix:
         return jnp.maximum(self.length, 1)
 
 
-def _layout(segments, ways: int):
-    """(the gathered segment ids in natural order, the two pieces' prefixes, c)."""
+def _prefixes(segments, segments_all, rank, ways: int) -> list[_Prefix]:
+    """The rank's two pieces' prefixes, from its segment ids and everyone's (balanced order)."""
     c = segments.shape[1] // 2
-    natural = context.to_natural(_gather(segments), ways)
-    r = jax.lax.axis_index(AXIS)
-    prefixes = [_Prefix(segments[:, :c], natural, r, (ways - 1) * c),
-                _Prefix(segments[:, c:], natural, 2 * ways - 1 - r, (2 * ways - 1) * c)]
-    return natural, prefixes, c
+    natural = context.to_natural(segments_all, ways)
+    return [_Prefix(segments[:, :c], natural, rank, (ways - 1) * c),
+            _Prefix(segments[:, c:], natural, 2 * ways - 1 - rank, (2 * ways - 1) * c)]
 
 
-def _padded_natural(x_local, ways: int, pad: int):
-    x = context.to_natural(_gather(x_local), ways)
+def _padded_natural(x_all, ways: int, pad: int):
+    """Everyone's [b, T, ...] in balanced order -> natural order, `pad` zero positions after."""
+    x = context.to_natural(x_all, ways)
     return jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
 
 
@@ -179,47 +179,38 @@ def _merge(parts):
     return out, lse
 
 
-def _cp_forward(q, k, v, segments, ways):
-    natural, prefixes, c = _layout(segments, ways)
-    pad = prefixes[1].window
+def _forward(q, k, v, segments, k_all, v_all, segments_all, rank, ways):
+    """One rank: (out [b, 2c, N, H], the merged log-sum-exp [b, 2, N, c]), given its own q, k,
+    v and segment ids and everyone's K, V and segment ids (gathered, balanced order)."""
+    prefixes = _prefixes(segments, segments_all, rank, ways)
+    c, pad = segments.shape[1] // 2, prefixes[1].window
     bias = _diagonal_bias(segments, q.dtype)
     out_d, lse_d = cudnn_forward(_pieces(q), _pieces(k), _pieces(v), bias, None, None, True)
     out_d, lse_d = _unpieces(out_d), lse_d.reshape(q.shape[0], 2, *lse_d.shape[1:])
-    k_nat, v_nat = (_padded_natural(x, ways, pad) for x in (k, v))
+    k_nat, v_nat = (_padded_natural(x, ways, pad) for x in (k_all, v_all))
     outs, lses = [], []
     for i, prefix in enumerate(prefixes):
         rows = slice(i * c, (i + 1) * c)
         out_p, lse_p = cudnn_forward(q[:, rows], prefix.take(k_nat), prefix.take(v_nat), None,
                                      prefix.rows, prefix.kv_len(), False)
-        has_bNc = prefix.has[:, None, :]
         out, lse = _merge([(out_d[:, rows], lse_d[:, i]),
                            (jnp.where(prefix.has[..., None, None], out_p, 0),
-                            jnp.where(has_bNc, lse_p, -jnp.inf))])
+                            jnp.where(prefix.has[:, None, :], lse_p, -jnp.inf))])
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, 1).astype(q.dtype), jnp.stack(lses, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _cp_cudnn(q, k, v, segments, ways):
-    return _cp_forward(q, k, v, segments, ways)[0]
-
-
-def _cp_cudnn_fwd(q, k, v, segments, ways):
-    out, lse = _cp_forward(q, k, v, segments, ways)
-    return out, (q, k, v, segments, out, lse)
-
-
-def _cp_cudnn_bwd(ways, residuals, d_out):
-    q, k, v, segments, out, lse = residuals
-    natural, prefixes, c = _layout(segments, ways)
-    pad = prefixes[1].window
+def _backward(q, k, v, segments, k_all, v_all, segments_all, rank, ways, out, lse, d_out):
+    """One rank's gradients: dq, and of its own k and v (the diagonal calls'), and of everyone's
+    K and V (the prefix windows', float32, balanced order: summed over the ranks)."""
+    prefixes = _prefixes(segments, segments_all, rank, ways)
+    c, pad = segments.shape[1] // 2, prefixes[1].window
     bias = _diagonal_bias(segments, q.dtype)
-    lse_pieces = lse.reshape(-1, *lse.shape[2:])
     dq, dk, dv = cudnn_backward(_pieces(q), _pieces(k), _pieces(v), bias, None, None, True,
-                                _pieces(out), lse_pieces, _pieces(d_out))
+                                _pieces(out), lse.reshape(-1, *lse.shape[2:]), _pieces(d_out))
     dq, dk, dv = _unpieces(dq).astype(jnp.float32), _unpieces(dk), _unpieces(dv)
-    k_nat, v_nat = (_padded_natural(x, ways, pad) for x in (k, v))
+    k_nat, v_nat = (_padded_natural(x, ways, pad) for x in (k_all, v_all))
     total = k_nat.shape[1]
     dk_nat = jnp.zeros(k_nat.shape, jnp.float32)
     dv_nat = jnp.zeros(v_nat.shape, jnp.float32)
@@ -234,11 +225,31 @@ def _cp_cudnn_bwd(ways, residuals, d_out):
         dk_nat = dk_nat + prefix.put(dk_w.astype(jnp.float32), total)
         dv_nat = dv_nat + prefix.put(dv_w.astype(jnp.float32), total)
     dq = (dq + jnp.concatenate(dq_parts, 1)).astype(q.dtype)
-    t = total - pad
-    scatter = lambda g: jax.lax.psum_scatter(context.to_balanced(g[:, :t], ways), AXIS,
-                                             scatter_dimension=1, tiled=True)
-    dk = (dk.astype(jnp.float32) + scatter(dk_nat)).astype(k.dtype)
-    dv = (dv.astype(jnp.float32) + scatter(dv_nat)).astype(v.dtype)
+    balanced = lambda g: context.to_balanced(g[:, :total - pad], ways)
+    return dq, dk, dv, balanced(dk_nat), balanced(dv_nat)
+
+
+def _gathered(k, v, segments):
+    return _gather(k), _gather(v), _gather(segments), jax.lax.axis_index(AXIS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cp_cudnn(q, k, v, segments, ways):
+    return _forward(q, k, v, segments, *_gathered(k, v, segments), ways)[0]
+
+
+def _cp_cudnn_fwd(q, k, v, segments, ways):
+    out, lse = _forward(q, k, v, segments, *_gathered(k, v, segments), ways)
+    return out, (q, k, v, segments, out, lse)
+
+
+def _cp_cudnn_bwd(ways, residuals, d_out):
+    q, k, v, segments, out, lse = residuals  # K and V gathered again: not kept
+    dq, dk, dv, dk_all, dv_all = _backward(q, k, v, segments, *_gathered(k, v, segments), ways,
+                                           out, lse, d_out)
+    scatter = lambda g: jax.lax.psum_scatter(g, AXIS, scatter_dimension=1, tiled=True)
+    dk = (dk.astype(jnp.float32) + scatter(dk_all)).astype(k.dtype)
+    dv = (dv.astype(jnp.float32) + scatter(dv_all)).astype(v.dtype)
     return dq, dk, dv, None
 
 
@@ -253,3 +264,62 @@ def _sealed(q, k, v, segments, *, ways: int) -> jax.Array:
                            prevent_cse=False)
     outer = jax.checkpoint(inner, policy=kernels._from_arrays, prevent_cse=False)
     return outer(q, k, v, segments)
+
+
+# ------------------------------------------------------------------------------------------------
+# The same calls on one device, the ranks simulated (the start-up self-check on a GPU).
+
+
+def _ranks(x, ways: int):
+    """Natural [b, T, ...] -> [C, b, 2c, ...]: each rank's two pieces."""
+    x = context.to_balanced(x, ways)
+    return jnp.moveaxis(x.reshape(x.shape[0], ways, -1, *x.shape[2:]), 1, 0)
+
+
+def _from_ranks(x, ways: int):
+    """The inverse of `_ranks`."""
+    x = jnp.moveaxis(x, 0, 1)
+    return context.to_natural(x.reshape(x.shape[0], -1, *x.shape[3:]), ways)
+
+
+def _ranks_of(ways: int, *xs):
+    return [_ranks(x, ways) for x in xs]
+
+
+def _each_rank(fn, ways: int, own, everyone, *per_rank):
+    """fn for every rank in turn (jax's batching rule of the cuDNN call does not take a batched
+    bias), its outputs stacked [C, ...]."""
+    outs = [fn(*(x[r] for x in own), *everyone, jnp.int32(r), ways, *(x[r] for x in per_rank))
+            for r in range(ways)]
+    return [jnp.stack(parts) for parts in zip(*outs)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _simulated(q, k, v, segments, ways):
+    return _simulated_fwd(q, k, v, segments, ways)[0]
+
+
+def _simulated_fwd(q, k, v, segments, ways):
+    everyone = [context.to_balanced(x, ways) for x in (k, v, segments)]
+    out, lse = _each_rank(_forward, ways, _ranks_of(ways, q, k, v, segments), everyone)
+    return _from_ranks(out, ways), (q, k, v, segments, out, lse)
+
+
+def _simulated_bwd(ways, residuals, d_out):
+    q, k, v, segments, out, lse = residuals
+    everyone = [context.to_balanced(x, ways) for x in (k, v, segments)]
+    dq, dk, dv, dk_all, dv_all = _each_rank(_backward, ways, _ranks_of(ways, q, k, v, segments),
+                                            everyone, out, lse, _ranks(d_out, ways))
+    add = lambda own, all_: (_from_ranks(own.astype(jnp.float32), ways)
+                             + context.to_natural(all_.sum(0), ways)).astype(k.dtype)
+    return _from_ranks(dq, ways), add(dk, dk_all), add(dv, dv_all), None
+
+
+_simulated.defvjp(_simulated_fwd, _simulated_bwd)
+
+
+def simulated(ways: int):
+    """The cuDNN form on one device with `ways` context ranks simulated (each rank's calls in
+    turn, their gathers given whole and their reduce-scatters summed): a kernel q, k, v, segments ->
+    out in natural order, for the start-up self-check before a context-parallel run."""
+    return lambda q, k, v, segments: _simulated(q, k, v, segments, ways)

@@ -30,7 +30,7 @@ from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
 from jaxtron.lifecycle import Preemption
 from jaxtron.model import attention as attention_lib
-from jaxtron.model import check_remat, moe
+from jaxtron.model import check_remat, context_attention, moe
 from jaxtron.parallel import pipeline
 from jaxtron.plan import autofit, memory
 from jaxtron.plan import metrics as metrics_lib
@@ -120,6 +120,9 @@ def _set_up(cfg: Config, devices: list) -> tuple[Setup, Mesh]:
     mesh = parallel.make_mesh(cfg.mesh, devices)
     if _kernel_checked(cfg):
         attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
+        if cfg.model.attention == "cudnn" and cfg.mesh.context > 1:  # its split form too
+            attention_lib.self_check("cudnn", kernel=context_attention.simulated(2),
+                                     form=" (split over mesh.context)")
     return setup, mesh
 
 
