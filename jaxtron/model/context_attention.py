@@ -173,9 +173,9 @@ def _diagonal_bias(segments, dtype):
 
 def _merge(parts):
     """[(out [b, c, N, H], lse [b, N, c])] -> the merged (out float32, lse)."""
-    lse = functools.reduce(jnp.logaddexp, [l for _, l in parts])
-    out = sum(o.astype(jnp.float32) * jnp.exp(l - lse).transpose(0, 2, 1)[..., None]
-              for o, l in parts)
+    lse = functools.reduce(jnp.logaddexp, [part_lse for _, part_lse in parts])
+    out = sum(o.astype(jnp.float32) * jnp.exp(part_lse - lse).transpose(0, 2, 1)[..., None]
+              for o, part_lse in parts)
     return out, lse
 
 

@@ -73,7 +73,7 @@ def _rows(cfg: Config, sizes: dict[str, int], axes: tuple[str, ...]) -> int:
 
 def estimate(cfg: Config, plan) -> dict[str, int]:
     """Bytes per device of every large term of the step on GPUs (see the module docstring)."""
-    m, t, sizes = cfg.model, cfg.train, plan.mesh_sizes
+    m, sizes = cfg.model, plan.mesh_sizes
     tp, stages = sizes["tensor"], sizes["stage"]
     kernel = attention.resolve(m.attention, "gpu", m.dtype)
     act = jnp.dtype(m.dtype).itemsize
