@@ -61,8 +61,8 @@ def load(text: str):
 def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a preset, merging it over the file its `base:` names (relative to it)."""
     if path.exists() and not path.is_file():  # a directory, /dev/null
-        presets = (", ".join(sorted(p.name for p in path.glob("*.yaml"))[:12])
-                   if path.is_dir() else "")
+        names = sorted(p.name for p in path.glob("*.yaml")) if path.is_dir() else []
+        presets = ", ".join(names[:20]) + (f", and {len(names) - 20} more" if names[20:] else "")
         raise ConfigError(f"--config {path} is {'a directory' if path.is_dir() else 'not a file'}"
                           "; give one preset file" + (f" from it ({presets})" if presets else ""))
     if not path.is_file():
