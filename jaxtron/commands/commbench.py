@@ -353,7 +353,8 @@ def run(args: argparse.Namespace) -> None:
     if not main_process:
         return
     if args.json:
-        shape = {a: n for a, n in mesh.shape.items() if a != "expert" or n != 1}
+        from jaxtron.parallel import OPTIONAL_AXES
+        shape = {a: n for a, n in mesh.shape.items() if a not in OPTIONAL_AXES or n != 1}
         meta = {"device": devices[0].device_kind, "devices": len(devices), "mesh": shape,
                 "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters}
         args.json.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")

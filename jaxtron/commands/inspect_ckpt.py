@@ -81,7 +81,7 @@ def mesh_summary(sharding: Any) -> str | None:
     if names is None or shape is None:
         return None
     return " ".join(f"{n}={int(s)}" for n, s in zip(names, np.asarray(shape).ravel())
-                    if n != "expert" or int(s) != 1)  # the expert axis where it splits
+                    if n not in ("context", "expert") or int(s) != 1)  # where they split
 
 
 def print_listing(checkpoints_dir: Path) -> dict[Path, str]:
