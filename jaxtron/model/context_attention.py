@@ -4,9 +4,10 @@
 Each rank holds two pieces of c = T / 2C positions of every sequence (jaxtron/parallel/context.py):
 piece j = r and piece j = 2C-1-r, natural positions [jc, (j+1)c). Keys and values are gathered over
 `context` (grouped-query attention keeps them small: K heads against N); the gradient of the
-gather is one reduce-scatter. Chosen over a ring of `ppermute`s: the gather moves the same bytes
-in one collective that XLA overlaps with the layer's other work, the ring would need C steps per
-layer with the dK/dV ring in the backward.
+gather is one reduce-scatter. Chosen over a ring of `ppermute`s by the compiled 8B step at
+131,072 tokens on 8 H100s: XLA overlaps three quarters of the K/V gathers with other kernels, and
+what is left (8 GiB per GPU per step, ~30 ms of NVLink) is all a ring could hide, with C steps per
+layer and a dK/dV ring in the backward (docs/parallelism.md).
 
 Two kernels (`model.attention`):
 - xla: the mask from segment ids and natural positions, over all T keys. The reference.
@@ -14,9 +15,10 @@ Two kernels (`model.attention`):
   ranges, so each piece is two calls merged by their log-sum-exps:
   D, the diagonal block: the piece against its own keys, causal, with the same-segment mask
   as a bias [c, c]; P, the prefix: only the piece's first document can reach keys before it
-  (documents are contiguous runs), so its first n0 rows attend to the keys from that document's
-  start a0 up to the piece's start jc: a window of the natural-order keys starting at a0, with
-  cuDNN's padding mask (q_seqlen = n0, kv_seqlen = jc - a0). The backward is cuDNN's backward
+  (documents are contiguous runs, the packer's padding at a row's end one more), so its first
+  n0 rows attend to the keys from that document's start a0 up to the piece's start jc: a window
+  of the natural-order keys starting at a0, with cuDNN's padding mask (q_seqlen = n0,
+  kv_seqlen = jc - a0). The backward is cuDNN's backward
   kernel per call, given the merged output and log-sum-exp (a part's softmax is exp(s - lse)
   with the merged lse), which is exact.
 """
@@ -85,15 +87,20 @@ def _cudnn():
     return fa
 
 
+def _mask_type(fa, padded: bool, causal: bool):
+    if padded:
+        return fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+    return fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+
+
 def cudnn_forward(q, k, v, bias, q_len, kv_len, causal: bool):
     """cuDNN's fused attention forward: (out [B, T, N, H], log-sum-exp [B, N, T] float32 of the
     scaled scores). `bias` [B, 1, T, S] or None; `q_len`/`kv_len` [B] (padding mask: rows and keys
     past them are out) or None; `causal`: top-left causal mask."""
     fa = _cudnn()
-    mask = (fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK) if q_len is None else (
-        fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING)
     out, lse = fa.dot_product_attention(q, k, v, bias=bias, q_seqlen=q_len, kv_seqlen=kv_len,
-                                        scale=q.shape[-1] ** -0.5, mask_type=mask,
+                                        scale=q.shape[-1] ** -0.5,
+                                        mask_type=_mask_type(fa, q_len is not None, causal),
                                         return_residual=True)
     return out, lse
 
@@ -102,14 +109,13 @@ def cudnn_backward(q, k, v, bias, q_len, kv_len, causal: bool, out, lse, d_out):
     """cuDNN's fused attention backward from a given output and log-sum-exp: (dq, dk, dv). The
     bias gets no gradient (it is a mask)."""
     fa = _cudnn()
-    mask = (fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK) if q_len is None else (
-        fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING)
     unused = jnp.zeros(0, q.dtype)
     grads = fa._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, unused if bias is None else bias, unused if q_len is None else q_len,
         unused if kv_len is None else kv_len, unused, unused, unused, unused, lse, out, d_out,
         scale=q.shape[-1] ** -0.5, seed=42, dropout_rate=0.0,
-        variadic_args=(bias is not None, False), mask_type=mask,
+        variadic_args=(bias is not None, False),
+        mask_type=_mask_type(fa, q_len is not None, causal),
         layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
     return tuple(grads[:3])
 
