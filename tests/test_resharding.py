@@ -29,6 +29,8 @@ SAVED_STEP = 2
 TARGETS = {
     "data=2,fsdp=2,tensor=2": ({"data": 2, "fsdp": 2, "tensor": 2}, 8),  # loss 0, grad norm 0
     "one_device": ({"fsdp": 1}, 1),  # loss 5.5e-7 (5 ulp of a sum over 1024 tokens), grad norm 0
+    # context parallelism: the weights split over fsdp x context, each sequence over context
+    "context=2,fsdp=4": ({"context": 2, "fsdp": 4}, 8),
 }
 
 
@@ -83,10 +85,10 @@ def test_resume_on_another_mesh(saved, tmp_path, target):
             paths, jax.tree.leaves(saved_state), jax.tree.leaves(shardings)):
         assert isinstance(sharding, NamedSharding) and restored.sharding == sharding, path
         np.testing.assert_array_equal(np.asarray(restored), expected, err_msg=str(path))
-    embed = state["params"]["embed"]  # W_emb[V_(tensor,stage), D_(fsdp,expert)]: split that way
-    assert embed.sharding.spec == P(("tensor", "stage"), ("fsdp", "expert"))
-    assert embed.addressable_shards[0].data.shape == (8192 // mesh.get("tensor", 1),
-                                                      256 // mesh["fsdp"])
+    embed = state["params"]["embed"]  # W_emb[V_(tensor,stage), D_(fsdp,context,expert)]
+    assert embed.sharding.spec == P(("tensor", "stage"), ("fsdp", "context", "expert"))
+    assert embed.addressable_shards[0].data.shape == (
+        8192 // mesh.get("tensor", 1), 256 // (mesh["fsdp"] * mesh.get("context", 1)))
 
     # (b) Training on from there: step 3 as on fsdp=8.
     rows = _continue(run_dir, tmp_path / "run", mesh, devices)
