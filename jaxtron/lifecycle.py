@@ -87,7 +87,8 @@ def one_line_errors(run: Callable[[], int | None],
     """run()'s exit status; a ConfigError (status 2), or an exception of a type in `statuses`,
     becomes one line `<script>: error: <message>` on stderr and that status. Ctrl-C or SIGTERM
     becomes one line `<script>: stopped by a signal` and status 130, unless the command handles
-    its signals itself (launch.py, prepare_data.py: their KeyboardInterrupt goes back to them)."""
+    its signals itself (launch.py, prepare_data.py: their KeyboardInterrupt goes back to them;
+    also where only its SIGTERM handler is in place, SIGINT ignored in a background job)."""
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
     stopped_early = take_over_signals()
     own = _own_handler()
@@ -170,9 +171,11 @@ def _stop_on_signals() -> dict:
 
 
 def _own_handler() -> bool:
-    """Whether the command installed a SIGINT handler of its own, which says what a stop means."""
-    handler = signal.getsignal(signal.SIGINT)
-    return callable(handler) and handler not in (signal.default_int_handler, _raise_stop)
+    """Whether the command installed a SIGINT or SIGTERM handler of its own, which says what a
+    stop means (launch.py: 75). Both are asked: a job a script starts in the background (`cmd &`)
+    begins with SIGINT ignored, and its own handler is then on SIGTERM only."""
+    return any(callable(handler) and handler not in (signal.default_int_handler, _raise_stop)
+               for handler in map(signal.getsignal, _PYTHON_HANDLERS))
 
 
 def _stopped() -> int:

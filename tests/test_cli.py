@@ -167,6 +167,20 @@ def test_a_stop_is_one_line_in_process_and_left_to_a_command_that_handles_signal
     assert capsys.readouterr() == ("", "")
 
 
+
+def test_a_stop_goes_back_to_a_command_whose_own_handler_is_on_sigterm_only():
+    """A job a script starts with `&` begins with SIGINT ignored: launch.py's handler is then on
+    SIGTERM alone, and its KeyboardInterrupt (75) became `stopped by a signal` and 130."""
+    from jaxtron import lifecycle
+
+    def stop():
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # conftest restores both
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    with pytest.raises(KeyboardInterrupt):
+        lifecycle.one_line_errors(stop)
+
 PROBE = """
 import os, signal, sys, time
 sys.path.insert(0, {tools!r})

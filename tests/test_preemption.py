@@ -329,6 +329,42 @@ def test_a_signal_in_the_first_second_stops_with_75(tmp_path, sig):
         assert not (run_dir / "checkpoints").exists()
 
 
+# A batch script's way to start a run: `cmd &` in a non-interactive shell starts it with SIGINT
+# ignored; the script then signals it mid-compile, as a batch system's end does.
+IN_THE_BACKGROUND = """
+"$@" > "$RUN_OUT" 2> "$RUN_ERR" &
+pid=$!
+for _ in $(seq 3000); do
+    grep -q "compiling the train step" "$RUN_OUT" && break
+    kill -0 $pid || break
+    sleep 0.1
+done
+kill -$SIG $pid
+wait $pid
+echo $?
+"""
+
+
+@pytest.mark.parametrize("sig", ["TERM", "HUP"])
+def test_a_signal_during_the_compile_of_a_background_job_stops_with_75(tmp_path, sig):
+    """Started by a script with `&` (SIGINT ignored from the start), a SIGTERM or SIGHUP during
+    the compile ended in `launch.py: stopped by a signal` and 130, which Slurm does not requeue:
+    one_line_errors looked for the run's own handler on SIGINT only. Now 75 and launch.py's
+    line, as in the foreground."""
+    run_dir, out, err = tmp_path / "run", tmp_path / "out.txt", tmp_path / "err.txt"
+    env = {**os.environ, "RUN_OUT": str(out), "RUN_ERR": str(err), "SIG": sig}
+    script = subprocess.run(["bash", "-c", IN_THE_BACKGROUND, "batch-script",
+                             *_cmd(run_dir, "checkpoint.every=1000", "model.num_layers=8")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in err.read_text().splitlines() if not line.startswith(PLUGIN_NOISE)]
+    assert script.stdout == "75\n", err.read_text()[-2000:]
+    assert lines == ["stopped by a signal before training started (nothing to save); run the same "
+                     "command to start"]
+    log = out.read_text()
+    assert "compiling the train step" in log and "compiled the train step" not in log
+    assert not run_dir.exists()  # no step ran: the start made run.dir and removed it again
+
+
 def test_nohup_keeps_a_run_going_when_the_terminal_hangs_up(tmp_path):
     """A SIGHUP the run was started ignoring (nohup) is not taken over: the run trains on. (The
     same signal without nohup checkpoints and exits 75: the SIGHUP test above.)"""
