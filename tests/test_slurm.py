@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import assert_refused
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -75,3 +76,18 @@ def test_the_coordinator_stays_off_proxies(tmp_path):
     status, sruns, _ = _run(tmp_path, [0], ("no_proxy", "localhost"))
     assert status == 0 and len(sruns) == 1
     assert (tmp_path / "proxy.log").read_text().split() == ["localhost,node1,node2"] * 2
+
+
+def test_without_slurm_it_says_so_in_one_line_and_starts_nothing(tmp_path):
+    """`bash train.sbatch` outside a job died on `SLURM_SUBMIT_DIR: unbound variable`; now one
+    line names sbatch and the local command, and nothing is started or written."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "srun", f"touch {tmp_path}/srun-called\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    proc = subprocess.run(["bash", str(SCRIPT), "--config", "configs/tiny.yaml", "mesh.fsdp=8"],
+                          env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert_refused(proc.returncode, proc.stderr, "sbatch --nodes=N scripts/slurm/train.sbatch",
+                   "python launch.py --config configs/tiny.yaml mesh.fsdp=8")
+    assert proc.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
