@@ -259,6 +259,32 @@ def test_a_find_part_no_layout_name_has_is_refused_before_planning(capsys):
     assert_refused(rc, err, "--find TP1 XX9", "'XX9'", "TP8", "PP2", "FSDP16", "remat=full")
 
 
+
+def test_find_accepts_every_part_a_layout_name_prints():
+    """`--find EP2` was refused as 'not a layout part' though the ranking of a mixture of experts
+    prints EP2 (and a long context's CP2): every part of names with each axis, schedule, remat
+    policy and gradient sum passes the check."""
+    from jaxtron.model import REMAT_POLICIES
+
+    names = [planner.Layout(_mesh(stage=4, tensor=2, fsdp=2, data=2, expert=2, context=2),
+                            schedule, 2, 8, remat, grad_sum, 1, True, 1.0, {}).name()
+             for schedule in ("gpipe", "circular") for remat in REMAT_POLICIES
+             for grad_sum in ("sharded", "whole")]
+    parts = {part for name in names for part in name.split()}
+    assert {"EP2", "CP2", "PP4", "R2", "circular", "grad_sum=whole", "remat=offload_dots"} <= parts
+    plan_tool.check_find([" ".join(sorted(parts))])
+
+
+def test_find_places_an_expert_layout_of_a_mixture_of_experts(capsys):
+    rc = plan_tool.main(["--config", str(ROOT / "configs" / "tiny_moe.yaml"), "--devices", "8",
+                         "--top", "1", "--find", "EP2", "--find", "EP4 FSDP2"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    found = {line.split(":")[0]: line for line in text.splitlines() if line.startswith("--find ")}
+    assert sorted(found) == ["--find EP2", "--find EP4 FSDP2"]
+    assert re.search(r": #\d+\. TP\d+ EP2 ", found["--find EP2"])
+    assert re.search(r": #\d+\. TP\d+ EP4 FSDP2 ", found["--find EP4 FSDP2"])
+
 def test_json_under_a_file_is_refused_before_planning(tmp_path, capsys):
     (tmp_path / "runs").write_text("a file, not a directory")
     rc = plan_tool.main(["--config", str(TINY), "--devices", "8", "--json",

@@ -86,7 +86,8 @@ def print_ranking(ranked: list[planner.Layout], top: int, usable: int) -> None:
     """The best `top`, each with why it loses to the one above."""
     fits = sum(x.fits for x in ranked)
     print(f"{len(ranked)} layouts estimated, {fits} fit; the best {min(top, len(ranked))} "
-          "(TP tensor, PP stages, R circular repeats, FSDP, DP data, M microbatches per pass):")
+          "(TP tensor, PP stages, R circular repeats, EP experts, CP context, FSDP, DP data, "
+          "M microbatches per pass):")
     if not fits:
         print(f"none fits in {1 - SPARE:.0%} of the {usable / 2**30:.1f} GiB jax may use per GPU; "
               f"the smallest needs {min(x.peak_bytes for x in ranked) / 2**30:.1f} GiB: use more "
@@ -107,15 +108,14 @@ def _line(layout: planner.Layout) -> str:
             f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts}){crossing}")
 
 
-FIND_PART = r"(TP|PP|R|FSDP|DP|M)\d+|gpipe|circular|remat=\w+|grad_sum=\w+"  # Layout.name's
-
-
 def check_find(queries: list[str]) -> None:
-    """Each --find part is one a layout's name can have."""
+    """Each --find part is one a layout's name can have (planner.NAME_PART: every part the
+    ranking prints)."""
     for query in queries:
-        if bad := [p for p in query.split() if not re.fullmatch(FIND_PART, p)]:
+        if bad := [p for p in query.split() if not re.fullmatch(planner.NAME_PART, p)]:
             raise ConfigError(f"--find {query}: '{bad[0]}' is not a layout part (TP8, PP2, "
-                              "gpipe, circular, R2, FSDP16, DP2, M8, remat=full, grad_sum=whole)")
+                              "gpipe, circular, R2, EP2, CP2, FSDP16, DP2, M8, remat=full, "
+                              "grad_sum=whole)")
 
 
 def print_found(ranked: list[planner.Layout], queries: list[str], usable: int) -> None:

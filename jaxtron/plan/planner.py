@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
+from jaxtron.parallel.pipeline import SCHEDULES
 from jaxtron.plan import flops, memory, metrics
 from jaxtron.plan.autofit import SPARE
 from jaxtron.plan.setup import set_up
@@ -87,6 +88,13 @@ EXPERT_OVERLAP = 0.44
 FP8_SPEEDUP = 1.46
 
 
+# One part of Layout.name: a mesh axis and its size (TP tensor, PP stage, EP expert, CP context,
+# FSDP, DP data), the pipeline schedule and its repeats (R), microbatches (M), the remat policy,
+# a whole gradient sum. `jaxtron plan --find` accepts these.
+NAME_PART = (r"(TP|PP|R|EP|CP|FSDP|DP|M)\d+|" + "|".join(SCHEDULES)
+             + r"|remat=\w+|grad_sum=whole")
+
+
 @dataclass(frozen=True)
 class Layout:
     """One candidate: its settings, its estimates, and what the estimates are made of."""
@@ -104,6 +112,8 @@ class Layout:
     crossing: tuple[str, ...] = ()  # the mesh axes whose groups span nodes
 
     def name(self) -> str:
+        """The parts of the layout that differ between layouts, e.g. `TP8 PP2 gpipe EP2 FSDP4
+        DP1 M8 remat=full`; NAME_PART matches each (what `jaxtron plan --find` accepts)."""
         m = self.mesh
         pipe = (f" PP{m['stage']} {self.schedule}" + (f" R{self.repeats}" if self.repeats > 1
                                                       else "")) if m["stage"] > 1 else ""
