@@ -59,7 +59,8 @@ def load(text: str):
 
 
 def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """Read a preset, merging it over the file its `base:` names (relative to it)."""
+    """Read a preset, merging it over the file its `base:` names (relative to it). `seen`: the
+    presets whose `base:` led here, as named, first the one given (a cycle names them all)."""
     if path.exists() and not path.is_file():  # a directory, /dev/null
         names = sorted(p.name for p in path.glob("*.yaml")) if path.is_dir() else []
         presets = ", ".join(names[:20]) + (f", and {len(names) - 20} more" if names[20:] else "")
@@ -71,8 +72,10 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
                 and (len(path.parts) == 1 or path.parent.resolve() == PRESETS))
         raise ConfigError(f"config file not found: {path}"
                           + (f" (did you mean --config {_shown(preset)}?)" if hint else ""))
-    if path.resolve() in seen:
-        raise ConfigError(f"config files extend each other in a cycle: {path}")
+    if (resolved := path.resolve()) in (looped := [p.resolve() for p in seen]):
+        cycle = " -> ".join(_shown(p) for p in (*seen[looped.index(resolved):], path))
+        raise ConfigError(f"config files extend each other in a cycle: {cycle} (each names the "
+                          "next in base:); remove base: from one of them")
     try:
         tree = load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
@@ -96,7 +99,7 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not (path.parent / base).is_file():
         raise ConfigError(f"{path}: base: {base} names no file ({path.parent / base}); a base "
                           "path is relative to the preset that names it")
-    return _merged(read(path.parent / base, seen + (path.resolve(),)), tree)
+    return _merged(read(path.parent / base, seen + (path,)), tree)
 
 
 def _merged(base: dict, preset: dict) -> dict:
