@@ -11,6 +11,7 @@ and exit status 2.
 import dataclasses
 import importlib
 import itertools
+import json
 import re
 import shutil
 import subprocess
@@ -226,63 +227,120 @@ def tool():
     return importlib.import_module("jaxtron.commands.generate")
 
 
-def _word_tokenizer(path: Path, bos: bool = True) -> None:
-    """A tokenizer.json over the tiny vocabulary: ids 3.. are the words w3.., <s> 1 and </s> 2
-    (the BOS and EOS a Llama tokenizer has, BOS put before a prompt by the post-processor as
-    Llama's tokenizer.json does; none with bos=False, as Qwen2's), and text is the words with
-    spaces between."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+def _word_tokenizer(path: Path, bos: bool = True, specials: tuple[str, str] = ("<s>", "</s>"),
+                    named: dict[int, str] | None = None, config: dict | None = None) -> None:
+    """A tokenizer.json over the tiny vocabulary: ids 3.. are the words w3.. (or the names in
+    `named`), `specials` 1 and 2 (Llama's BOS and EOS by default, BOS put before a prompt by the
+    post-processor as Llama's tokenizer.json does; none with bos=False, as Qwen2's), and
+    `config` written as tokenizer_config.json. Text is the words with spaces between."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    words = {i: f"w{i}" for i in range(3, VOCAB)} | (named or {})
+    vocab = {"<unk>": 0, specials[0]: 1, specials[1]: 2} | {word: i for i, word in words.items()}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True)
+                            for t in (*specials, *(named or {}).values())])
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                           special_tokens=[("<s>", 1)])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{specials[0]} $A", special_tokens=[(specials[0], 1)])
     tok.save(str(path / "tokenizer.json"))
+    if config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _import(convert, hf_dir: Path, out: Path) -> Path:
+    """A jaxtron import of `hf_dir` (its tokenizer copied beside it, named by data.tokenizer)."""
+    assert convert.main(["import", str(hf_dir), str(out), "--compute-dtype", "float32"]) == 0
+    return out
 
 
 def test_cli_prompt_text_on_hf_dir_and_on_its_jaxtron_import(case, tool, tmp_path, capsys):
-    """--prompt reads the directory's tokenizer.json, which puts BOS in front; prints text: the
-    words of transformers' greedy ids, stopping at </s>. The same from the jaxtron checkpoint
-    tools/convert_hf.py imports (its tokenizer is copied beside it): --tokens there gives the ids
-    without stopping (no tokenizer is read, so no end id)."""
-    model, path, cfg, params = case
-    hf_dir, imported = tmp_path / "hf", tmp_path / "imported"
+    """--prompt reads the directory's tokenizer.json, which puts BOS in front; prints text
+    without special tokens: the words of transformers' greedy ids, stopping at </s>, which is
+    not printed (it was). The same from the jaxtron checkpoint tools/convert_hf.py imports (its
+    tokenizer is copied beside it)."""
+    model, path, _, _ = case
+    hf_dir = tmp_path / "hf"
     shutil.copytree(path, hf_dir)
     _word_tokenizer(hf_dir)
-    convert = importlib.import_module("jaxtron.commands.convert_hf")
-    assert convert.main(["import", str(hf_dir), str(imported), "--compute-dtype", "float32"]) == 0
+    imported = _import(importlib.import_module("jaxtron.commands.convert_hf"), hf_dir,
+                       tmp_path / "imported")
     capsys.readouterr()
     want = _hf_greedy(model, [1, 17, 42, 99, 5], 12, eos=2)
     for directory in (hf_dir, imported):
         assert tool.main([str(directory), "--prompt", "w17 w42  w99 w5", "--max-new-tokens",
                           "12"]) == 0
         text = capsys.readouterr().out
-        assert text == " ".join("</s>" if i == 2 else f"w{i}" for i in want) + "\n", directory
-    assert tool.main([str(imported), "--tokens", "1,17,42,99,5", "--max-new-tokens", "12"]) == 0
-    ids = [int(i) for i in capsys.readouterr().out.split(",")]
-    assert ids == gen.generate(cfg, params, [1, 17, 42, 99, 5], 12)
+        assert text == " ".join(f"w{i}" for i in want if i != 2) + "\n", directory
 
 
-def test_cli_empty_prompt_starts_at_bos_or_is_one_line(case, tool, tmp_path, capsys):
-    """--prompt "" is BOS alone where the tokenizer adds one (transformers' greedy from [1]);
-    with a tokenizer that adds none it is no tokens: one line (it was 'the prompt must be a
-    non-empty list of token ids, not shape (0,) of float64')."""
-    model, path, _, _ = case
-    for bos in (True, False):
-        hf_dir = tmp_path / f"hf{bos}"
+def _stops_early(case_name: str) -> None:
+    """The tests of where a jaxtron checkpoint stops run on one model: the stop is the
+    command's, the same for every architecture, and each import costs a compile."""
+    if case_name != "llama3_gqa":
+        pytest.skip("run on llama3_gqa only")
+
+
+def test_cli_tokens_on_an_import_and_its_checkpoint_stop_at_the_tokenizers_eos(
+        request, case, tool, tmp_path, capsys):
+    """--tokens on a jaxtron import, or on its checkpoint (the tokenizer then found through
+    data.tokenizer, as for a run fine-tuned from it), stops at the tokenizer's end ids. It ran
+    to --max-new-tokens (the issue's '16,2,2,16,2,2,...'): no tokenizer was read for --tokens.
+    The vocabulary is arranged so that the end comes early: the id the free greedy continuation
+    gives fifth is named the document end (tokenizer_config.json's eos_token), or a chat turn
+    end (<|im_end|>, eos_token of an instruct config, which ends generation beside </s> 2)."""
+    _stops_early(request.node.callspec.params["case"])
+    _, path, cfg, params = case
+    prompt, new = [1, 17, 42, 99, 5], 24
+    free = gen.generate(cfg, params, prompt, new)
+    end = free[4]
+    assert end > 2 and end not in free[:4] and 2 not in free[:4], free
+    convert = importlib.import_module("jaxtron.commands.convert_hf")
+    for kind, named, config in [("document end", {}, {"eos_token": f"w{end}"}),
+                                ("turn end", {end: "<|im_end|>"}, {"eos_token": "<|im_end|>"})]:
+        hf_dir = tmp_path / kind.replace(" ", "_")
         shutil.copytree(path, hf_dir)
-        _word_tokenizer(hf_dir, bos)
-        status = tool.main([str(hf_dir), "--prompt", "", "--max-new-tokens", "6"])
-        out, err = capsys.readouterr()
-        if bos:
-            want = _hf_greedy(model, [1], 6, eos=2)
-            assert (status, out) == (0, " ".join("</s>" if i == 2 else f"w{i}" for i in want)
-                                     + "\n"), err
-        else:
-            assert (status, out, err) == (2, "", "generate.py: error: --prompt '' encodes to no "
-                                                 "tokens; give some text\n")
+        _word_tokenizer(hf_dir, named=named, config=config)
+        imported = _import(convert, hf_dir, tmp_path / f"imp_{hf_dir.name}")
+        capsys.readouterr()
+        for where in (imported, imported / "checkpoints" / "0"):
+            assert tool.main([str(where), "--tokens", ",".join(map(str, prompt)),
+                              "--max-new-tokens", str(new)]) == 0
+            out, err = capsys.readouterr()
+            assert (out, err) == (",".join(map(str, free[:5])) + "\n", ""), (kind, where)
+    assert len(free) == new and free[5:] != []  # without the end id it goes on
+
+
+def test_cli_prompt_starts_with_bos_once_as_training_does(case, tool, tmp_path, capsys,
+                                                          monkeypatch):
+    """The ids --prompt feeds the model start with the BOS training puts before each document,
+    once: whether the tokenizer.json's post-processor adds it (Llama 3) or not (a Llama 2
+    tokenizer.json without the template), and the document start of a vocabulary without a BOS
+    (Qwen2's <|endoftext|>, here id 2), which transformers does not add; a prompt that writes
+    the BOS out keeps one. --tokens are fed as given. --prompt "" is BOS alone (it was no
+    tokens, refused, for a tokenizer that adds none)."""
+    _, path, _, _ = case
+    fed = []
+    monkeypatch.setattr(tool, "generate", lambda cfg, params, prompt, *a, **k: fed.append(
+        list(prompt)) or [7, 2])
+    qwen = ("<|im_start|>", "<|endoftext|>")  # no BOS in the vocabulary: EOS starts documents
+    for name, bos, specials, text, want in [
+            ("template", True, ("<s>", "</s>"), "w17 w42", [1, 17, 42]),
+            ("template", True, ("<s>", "</s>"), "<s> w17 w42", [1, 17, 42]),
+            ("plain", False, ("<s>", "</s>"), "w17 w42", [1, 17, 42]),
+            ("plain", False, ("<s>", "</s>"), "", [1]),
+            ("qwen", False, qwen, "w17 w42", [2, 17, 42]),
+            ("qwen", False, qwen, "", [2])]:
+        hf_dir = tmp_path / name
+        if not hf_dir.exists():
+            shutil.copytree(path, hf_dir)
+            _word_tokenizer(hf_dir, bos, specials)
+        assert tool.main([str(hf_dir), "--prompt", text, "--max-new-tokens", "4"]) == 0
+        assert fed.pop() == want, (name, text)
+        assert capsys.readouterr().out == "w7\n"  # the end token 2 is not printed
+    assert tool.main([str(path), "--tokens", "17,42", "--max-new-tokens", "4"]) == 0
+    assert fed.pop() == [17, 42] and capsys.readouterr().out == "7,2\n"
 
 
 @pytest.mark.parametrize("args, match", [
@@ -298,7 +356,8 @@ def test_cli_empty_prompt_starts_at_bos_or_is_one_line(case, tool, tmp_path, cap
     (["--tokens", " , "], "argument --tokens: ' , ' is not a list of token ids"),
     (["--tokens=-5"], "argument --tokens: '-5' is not a list of token ids"),
     (["--tokens", "1,2", "--top-k", "two"], "argument --top-k: invalid int value"),
-    (["--prompt", "hello"], "no tokenizer.json or tokenizer.model for --prompt"),
+    (["--prompt", "hello"], "no tokenizer.json or tokenizer.model; --prompt needs one: give "
+                            "--tokens ids instead$"),
     (["--tokens", ",".join(["5"] * 63)], (
         r"\(63 tokens\) and --max-new-tokens 64 pass the 64 positions the model takes "
         r"\(max_position_embeddings in config.json\); use --max-new-tokens 1 or less")),
@@ -337,14 +396,20 @@ def test_cli_missing_directory(tool, tmp_path, capsys):
 
 def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_path, capsys):
     """No tokenizer came with the import: --prompt says so (rather than training one on the
-    default corpus for a vocabulary it was never meant for)."""
-    _, path, _, _ = case
+    default corpus for a vocabulary it was never meant for); --tokens generates every token
+    asked for, with a note that no end id is known."""
+    _, path, cfg, params = case
     convert = importlib.import_module("jaxtron.commands.convert_hf")
     assert convert.main(["import", str(path), str(tmp_path / "imp")]) == 0
     capsys.readouterr()
     assert_refused(tool.main([str(tmp_path / "imp"), "--prompt", "hi", "--max-new-tokens", "2"]),
                    capsys.readouterr().err, str(tmp_path / "imp"), "tokenizer", "--prompt",
                    "--tokens")
+    assert tool.main([str(tmp_path / "imp"), "--tokens", "1,2", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ",".join(map(str, gen.generate(cfg, params, [1, 2], 2))) + "\n"
+    assert err == (f"generate.py: note: no end-of-sequence id known ({tmp_path / 'imp'}: "
+                   "imported without a tokenizer); generating all 2 tokens\n")
 
 
 @pytest.mark.parametrize("name, text, message", [

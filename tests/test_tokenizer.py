@@ -309,14 +309,50 @@ def test_prepare_refuses_a_tokenizer_json_without_eos_in_one_line(tmp_path):
     assert not (tmp_path / "ds").exists() or not any((tmp_path / "ds").iterdir())
 
 
-def test_prompts_get_the_special_tokens_transformers_adds(llama3, qwen2):
-    """Generation prompts: Llama 3's tokenizer.json prepends <|begin_of_text|> through its
-    post-processor, Qwen2's prepends nothing, as transformers' tokenizers do."""
-    from transformers import PreTrainedTokenizerFast
-
+def test_prompts_start_as_training_documents_with_one_bos(llama3, qwen2, sp_model):
+    """Generation prompts are what training feeds a document's first tokens (data.chunk_dataset:
+    BOS, then the text): for Llama 3 that is what transformers' tokenizer gives (its
+    post-processor adds <|begin_of_text|>); Qwen2's starts with <|endoftext|>, the id its documents
+    start with, which transformers does not add; SentencePiece puts its bos piece first. BOS comes
+    once, also when the text starts with it written out (it gave two before a fix)."""
     text = "def f(x):\n    return x"
-    for path in (llama3, qwen2):
-        ref = PreTrainedTokenizerFast(tokenizer_file=str(path)).encode(text)
-        assert from_path(path).encode_prompt(text) == ref
-    assert from_path(llama3).encode_prompt(text)[0] == ids_of(llama3, LLAMA3[0])[0]
-    assert from_path(qwen2).encode_prompt(text) == from_path(qwen2).encode(text)
+    for path in (llama3, qwen2, sp_model):
+        tok = from_path(path)
+        trained = data_lib.chunk_dataset([np.array(tok.encode(text))], 64, tok.bos_id(),
+                                         tok.eos_id())[0]["tokens"]
+        prompt = tok.encode_prompt(text)
+        assert prompt == trained.tolist() and prompt.count(tok.bos_id()) == 1, path
+        assert tok.encode_prompt("") == [tok.bos_id()]
+    assert from_path(llama3).encode_prompt(text) == \
+        PreTrainedTokenizerFast(tokenizer_file=str(llama3)).encode(text)
+    assert from_path(llama3).encode_prompt(f"{LLAMA3[0]}{text}") == \
+        from_path(llama3).encode_prompt(text)
+    qwen = from_path(qwen2)
+    assert qwen.encode_prompt(text) == [*ids_of(qwen2, "<|endoftext|>"), *qwen.encode(text)]
+    assert from_path(sp_model).encode_prompt(text)[0] == 1  # the trainer's bos_id
+
+
+@pytest.mark.parametrize("specials, config, ends", [
+    (LLAMA3, None, ["<|end_of_text|>"]),
+    (LLAMA3, {"eos_token": "<|eot_id|>"}, ["<|end_of_text|>", "<|eot_id|>"]),  # instruct
+    (QWEN2, {"eos_token": "<|endoftext|>"}, ["<|endoftext|>"]),
+    (QWEN2, {"eos_token": {"content": "<|im_end|>"}}, ["<|endoftext|>", "<|im_end|>"]),
+    (["<|begin_of_text|>", "<|eot_id|>"], {"eos_token": "<|eot_id|>"}, ["<|eot_id|>"]),
+])
+def test_a_continuation_ends_at_the_document_end_or_the_configs_turn_end(tmp_path, specials,
+                                                                        config, ends):
+    """end_ids: the ids generation stops at, as an export's generation_config.json lists them."""
+    path = build_bpe(tmp_path, specials, config)
+    assert from_path(path).end_ids() == ids_of(path, *ends)
+
+
+def test_decode_skips_special_tokens_when_asked(llama3, sp_model):
+    """A continuation's text leaves out its end token, as transformers' skip_special_tokens."""
+    tok = from_path(llama3)
+    bos, eos = ids_of(llama3, "<|begin_of_text|>", "<|end_of_text|>")
+    ids = [bos, *tok.encode("x = 1"), eos]
+    assert tok.decode(ids) == "<|begin_of_text|>x = 1<|end_of_text|>"
+    assert tok.decode(ids, skip_special=True) == "x = 1"
+    sp = from_path(sp_model)
+    assert sp.decode([1, *sp.encode("x = 1"), 2], skip_special=True) == "x = 1"
+    assert sp.end_ids() == [2]

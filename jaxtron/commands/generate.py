@@ -7,12 +7,14 @@
 PATH is a Hugging Face directory (config.json and *.safetensors) or a jaxtron run, checkpoints or
 checkpoint directory. --prompt text is encoded by the model's tokenizer (a tokenizer.json or
 tokenizer.model in PATH; else the run's own: data.tokenizer, its datasets' or the default
-corpus's) with the special tokens it adds to a prompt (Llama's BOS, none for Qwen2), and the
-continuation is printed as text. --tokens takes comma-separated ids, needs no tokenizer, and
-prints the new ids the same way. Generation stops after --max-new-tokens or at an
-end-of-sequence id: a Hugging Face directory's (its generation_config.json, else config.json), or
-the tokenizer's when --prompt reads one. Greedy output equals transformers'
-generate(do_sample=False). Bad input: one line on stderr, exit 2.
+corpus's) and starts with the BOS training puts before every document (Qwen2's <|endoftext|>
+too, which transformers does not add); the continuation is printed as text without special
+tokens. --tokens takes comma-separated ids, fed as given (no BOS added: put it first yourself),
+and prints the new ids the same way. Generation stops after --max-new-tokens or at any
+end-of-sequence id: a Hugging Face directory's (its generation_config.json, else config.json),
+else the tokenizer's (its document end, and the turn end its tokenizer_config.json names), read
+for --tokens too. Greedy output equals transformers' generate(do_sample=False) for the same ids.
+Bad input: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxtron import cli, hf
+from jaxtron import cli, hf, lifecycle
 from jaxtron.checkpoint import weights
 from jaxtron.cli import plural
 from jaxtron.config import ConfigError, ModelConfig
@@ -42,7 +45,7 @@ class Loaded:
     max_len: int | None  # positions the model takes (None: not recorded)
     limit: str  # where max_len comes from, for the error message
     open_tokenizer: Callable[[], tokenizer.Tokenizer]  # a ConfigError if there is none
-    eos_ids: list[int]  # ids that end a continuation, from the model's files (with --tokens too)
+    eos_ids: list[int]  # ids that end a continuation, from config files ([]: the tokenizer's)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a Hugging Face directory or a jaxtron run/checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue (needs the tokenizer in PATH)")
-    source.add_argument("--tokens", type=token_ids, help="token ids to continue, e.g. 1,2,3")
+    source.add_argument("--tokens", type=token_ids,
+                        help="token ids to continue, e.g. 1,2,3, fed as given: no BOS is added")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="tokens to generate at most (default 64; an end-of-text stops sooner)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -89,16 +93,26 @@ def run(args: argparse.Namespace) -> None:
     check(args.max_new_tokens, args.temperature, args.top_k, args.top_p, flags=True)  # first
     model = load(args.path)
     tok = model.open_tokenizer() if args.prompt is not None else None
-    prompt = tok.encode_prompt(args.prompt) if tok else args.tokens
-    if not len(prompt):  # a tokenizer that adds no BOS: nothing to continue from
-        raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens; give some text")
+    prompt = tok.encode_prompt(args.prompt) if tok else args.tokens  # BOS first, as trained
     prompt_array(model.cfg, prompt)  # ids the model has, before their count
     _check_length(model, len(prompt), args.max_new_tokens)
-    eos = model.eos_ids or ([tok.eos_id()] if tok else None)
+    eos = model.eos_ids or _tokenizer_ends(model, tok, args.max_new_tokens)
     new = generate(model.cfg, model.params, prompt, args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   seed=args.seed, eos_id=eos)
-    print(tok.decode(new) if tok else ",".join(map(str, new)))
+                   seed=args.seed, eos_id=eos or None)
+    print(tok.decode(new, skip_special=True) if tok else ",".join(map(str, new)))
+
+
+def _tokenizer_ends(model: Loaded, tok: tokenizer.Tokenizer | None, max_new: int) -> list[int]:
+    """The tokenizer's end ids, read for --tokens too (a run's or import's checkpoint records no
+    others); none, with a note on stderr, when there is no tokenizer to read them from."""
+    try:
+        return (tok or model.open_tokenizer()).end_ids()
+    except ConfigError as err:
+        reason = str(err).split(";")[0]
+        print(f"{lifecycle.script_name()}: note: no end-of-sequence id known ({reason}); "
+              f"generating all {plural(max_new, 'token')}", file=sys.stderr)
+        return []
 
 
 def load(path: Path) -> Loaded:
@@ -125,8 +139,8 @@ def _load_hf(path: Path) -> Loaded:
 
     def open_tokenizer() -> tokenizer.Tokenizer:
         if not _has_tokenizer(path):
-            raise ConfigError(f"{path}: no tokenizer.json or tokenizer.model for --prompt; give "
-                              "--tokens ids instead")
+            raise ConfigError(f"{path}: no tokenizer.json or tokenizer.model; --prompt needs "
+                              "one: give --tokens ids instead")
         return tokenizer.from_path(path)
 
     return Loaded(cfg, params, config.get("max_position_embeddings"),
@@ -136,7 +150,7 @@ def _load_hf(path: Path) -> Loaded:
 
 def _load_checkpoint(path: Path) -> Loaded:
     """Params as saved; the limit is the sequence length the run trained on; end ids come from
-    the tokenizer, read only for --prompt."""
+    the run's tokenizer (the checkpoint records none)."""
     cfg, params = weights.read_params(path)
 
     def open_tokenizer() -> tokenizer.Tokenizer:
@@ -144,8 +158,8 @@ def _load_checkpoint(path: Path) -> Loaded:
             return tokenizer.from_path(path)
         imported = weights.read_meta(weights.locate(path)[1]).get("layout") == weights.LAYERED
         if imported and not cfg.data.tokenizer:  # else the default corpus's would be trained
-            raise ConfigError(f"{path}: imported without a tokenizer, so --prompt cannot be "
-                              "encoded; give --tokens ids instead")
+            raise ConfigError(f"{path}: imported without a tokenizer; --prompt needs one: "
+                              "give --tokens ids instead")
         return prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # the run's own
 
     return Loaded(cfg.model, params, cfg.train.seq_len, "train.seq_len it was trained with",

@@ -8,6 +8,8 @@ adds no special tokens: the data pipeline puts BOS and EOS around every document
 tokenizer.json splits its special tokens out of the text, as transformers does by default (a
 document holding the text `<|end_of_text|>` gets that token), so the ids depend on tokenizer.json
 alone and `sha256` (of that file) identifies them; BOS and EOS are kept apart (`bos_id`, `eos_id`).
+A generation prompt starts as a document does (`encode_prompt`), and a continuation ends at the
+document end or at the turn end a tokenizer_config.json names as its eos_token (`end_ids`).
 
 BOS and EOS, the tokens each document starts and ends with:
 - SentencePiece: the model's bos and eos pieces.
@@ -88,6 +90,7 @@ class Tokenizer:
         self.file = SP_FILE if SP_FILE in files else HF_FILE  # the file the ids depend on
         self.sha256 = hashlib.sha256(files[self.file]).hexdigest()
         self._sp = self._hf = None
+        self._config: dict = {}  # tokenizer_config.json's settings (a tokenizer.json's)
         if self.file == SP_FILE:
             self._sp = _sentencepiece(files[SP_FILE], where)
             bos, eos = self._sp.bos_id(), self._sp.eos_id()
@@ -97,7 +100,7 @@ class Tokenizer:
                                   "with eos_id set")
         else:
             self._hf = _hf_tokenizer(files[HF_FILE], where)
-            config = _hf_config(files.get(HF_CONFIG), where)
+            self._config = config = _hf_config(files.get(HF_CONFIG), where)
             eos = _hf_eos(self._hf, config, where)
             bos = _hf_bos(self._hf, config, where)
             self._size = max(self._hf.get_vocab(with_added_tokens=True).values()) + 1
@@ -110,12 +113,11 @@ class Tokenizer:
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        """The ids of `text` as the model's own tokenizer makes a prompt: a tokenizer.json adds
-        what its post-processor adds (Llama 3's <|begin_of_text|>, nothing for Qwen2), as
-        transformers does; a SentencePiece model puts its bos piece first."""
-        if self._sp is not None:
-            return [self._sp.bos_id(), *self._sp.encode(text)]
-        return self._hf.encode(text, add_special_tokens=True).ids
+        """The ids of `text` as training starts a document: `bos_id()` then `encode(text)`, for
+        both kinds (so Qwen2's prompts start with <|endoftext|>, which transformers does not
+        add). A text that already starts with the BOS token (Llama 3's written out) keeps one."""
+        ids = self.encode(text)
+        return ids if ids[:1] == [self._bos] else [self._bos, *ids]
 
     def encode_batch(self, texts: Sequence[str], threads: int = 0) -> list[list[int]]:
         """`encode` of each text, on `threads` threads (0: every core). A tokenizer.json encodes on
@@ -124,13 +126,15 @@ class Tokenizer:
             return self._sp.encode(list(texts), num_threads=threads or os.cpu_count() or 1)
         return [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """The text of `ids`. SentencePiece drops its control pieces (bos, eos); a tokenizer.json
-        writes special tokens out, so decoding `encode(text)` gives `text` back."""
+        writes special tokens out, so decoding `encode(text)` gives `text` back, unless
+        `skip_special` (a continuation's text, without its `</s>`, as transformers'
+        skip_special_tokens=True)."""
         ids = [int(i) for i in ids]
         if self._sp is not None:
             return self._sp.decode(ids)
-        return self._hf.decode(ids, skip_special_tokens=False)
+        return self._hf.decode(ids, skip_special_tokens=skip_special)
 
     def bos_id(self) -> int:
         """The id each document starts with (the EOS id when the tokenizer has no BOS)."""
@@ -139,6 +143,14 @@ class Tokenizer:
     def eos_id(self) -> int:
         """The id each document ends with."""
         return self._eos
+
+    def end_ids(self) -> list[int]:
+        """The ids a generated continuation ends at: the document end, then the token a
+        tokenizer_config.json names as eos_token when that is another (an instruct model's
+        turn end, <|im_end|>), as an export's generation_config.json lists them."""
+        token = _named(self._config, "eos_token")
+        named = self._hf.token_to_id(token) if token is not None else None  # config: hf only
+        return [self._eos] + ([named] if named not in (None, self._eos) else [])
 
     def get_piece_size(self) -> int:
         """One more than the largest id, added and special tokens included: the smallest

@@ -92,10 +92,11 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids: Sequence[int] | np.ndar
              max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0,
              eos_id: int | Sequence[int] | None = None) -> list[int]:
-    """The ids that continue `prompt_ids` (not repeating it): `max_new_tokens` of them, or fewer
-    ending with the first id of `eos_id` produced. Greedy when temperature is 0; otherwise drawn
-    from softmax(logits / temperature) cut to `top_k` and then `top_p`, the same for one `seed`.
-    `params` is the model's pure nested dict (numpy or jax arrays)."""
+    """The ids that continue `prompt_ids` (used as given: no BOS added): `max_new_tokens` of
+    them, or fewer ending with the first produced id that `eos_id` (an id or a list) holds.
+    Greedy when temperature is 0; otherwise drawn from softmax(logits / temperature) cut to
+    `top_k` and then `top_p`, the same for one `seed`. `params` is the model's pure nested dict
+    (numpy or jax arrays)."""
     check(max_new_tokens, temperature, top_k, top_p)
     prompt = prompt_array(cfg, prompt_ids)
     check_window(cfg, prompt.shape[1], max_new_tokens)
