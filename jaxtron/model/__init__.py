@@ -261,7 +261,7 @@ class Block(nnx.Module):
         self.mlp = moe.MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq) -> tuple[jax.Array, dict]:
-        """(x [B, T, D], the MoE router's statistics, moe.STAT_KEYS; {} for a dense layer)."""
+        """(x [B, T, D], the MoE router's sums, moe.STAT_KEYS; {} for a dense layer)."""
         h_BTD = self._whole_seq(self.attn_norm(x_BTD))
         x_BTD = x_BTD + self.attn(h_BTD, positions_BT, segment_ids_BT, inv_freq)
         x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
@@ -340,9 +340,9 @@ class Transformer(nnx.Module):
     def hidden(self, tokens_BT, positions_BT, segment_ids_BT,
                run_layers: LayerRunner | None = None) -> tuple[jax.Array, dict]:
         """Token ids -> (the final-normed hidden states [B, T, D] that the LM head reads, the
-        MoE layers' statistics [L] per moe.STAT_KEYS, {} for a dense model). `run_layers`
-        applies the layer stack; the default runs every layer in order, a parallel strategy (the
-        pipeline, dense models only) hands in its own."""
+        MoE layers' router sums stacked [L, ...] per moe.STAT_KEYS, {} for a dense model).
+        `run_layers` applies the layer stack; the default runs every layer in order, a parallel
+        strategy (the pipeline, dense models only) hands in its own."""
         x_BTD = self._embed(tokens_BT)
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, graphdef)

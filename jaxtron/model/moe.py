@@ -14,8 +14,10 @@ outputs travelling with the tokens; a sum over `tensor` closes the row-parallel 
 Static shapes: a step's sorted buffer has room for all n * k pairs, the kernels work on the rows
 the group sizes cover. docs/parallelism.md says why a ring and not an all-to-all.
 
-Also here: the load-balancing loss (Switch/Mixtral), the router z-loss and the load statistics,
-returned per layer and summed into the objective by the step (jaxtron/step/__init__.py).
+Also here: the load-balancing loss (transformers' Mixtral form, per sequence), the router z-loss
+and the load statistics. Each layer returns sums (per sequence where the loss needs it); the step
+adds them over layers and microbatches and only then forms ratios, so that the objective and
+every statistic are the same however the step is split (microbatches, mesh): `sequence_aux`.
 
 Shape key: B batch, T sequence, D d_model, E experts, k experts per token, F expert width,
 n tokens on a device, R sorted rows.
@@ -41,8 +43,12 @@ KERNELS = ("auto", "xla", "mosaic", "triton")
 TOKAMAX = {"mosaic": "mosaic_gpu", "triton": "triton"}
 EXPERT_AXIS = "expert"
 _BATCH = ("data", "fsdp", EXPERT_AXIS)  # act_batch in parallel.RULES
-# what every layer returns, summed or maxed over layers by `summarize`
-STAT_KEYS = ("aux", "z", "load", "dropped")
+# what every layer returns (`_router_sums`): per sequence [B, E] the (token, choice) pairs that
+# picked each expert and the sum of its router probabilities over real tokens; the sum of the
+# squared router logsumexps; the routed pairs and those dropped over capacity
+STAT_KEYS = ("picked", "probs", "z", "routed", "dropped")
+# the dtypes tokamax's grouped kernels take (`check`)
+KERNEL_DTYPES = ("bfloat16", "float16")
 
 
 def check(cfg: ModelConfig) -> None:
@@ -53,6 +59,10 @@ def check(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} needs {_NEEDS[cfg.moe_kernel]} "
                           f"(here jax {jax.__version__}, tokamax {_version()}); pip install -e "
                           "'.[gpu-aot]' installs the one for this Python, or model.moe_kernel=xla")
+    if cfg.num_experts and cfg.moe_kernel in TOKAMAX and cfg.dtype not in KERNEL_DTYPES:
+        raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} takes bfloat16 or float16 experts, "
+                          f"not model.dtype={cfg.dtype}: model.dtype=bfloat16, or "
+                          "model.moe_kernel=xla")
 
 
 _NEEDS = {"mosaic": "tokamax (0.0.12 on jax 0.10, 0.0.17 on jax 0.11)",
@@ -96,11 +106,13 @@ def available(kind: str) -> bool:
 def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
     """The grouped-matmul kernel model.moe_kernel means on `platform` (jax's default backend;
     --compile-for settles it for GPUs before tracing, jaxtron/plan/aot.py): on GPUs tokamax's
-    Mosaic GPU kernel where it is installed, else XLA's."""
+    Mosaic GPU kernel where it is installed and takes the compute dtype (bf16, f16), else
+    XLA's."""
     if cfg.moe_kernel != "auto":
         return cfg.moe_kernel
     platform = platform or jax.default_backend()
-    return "mosaic" if platform in ("gpu", "cuda") and available("mosaic") else "xla"
+    gpu = platform in ("gpu", "cuda") and cfg.dtype in KERNEL_DTYPES
+    return "mosaic" if gpu and available("mosaic") else "xla"
 
 
 def configure(cfg, platform: str):
@@ -128,8 +140,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None
                  ) -> tuple[jax.Array, dict]:
-        """(outputs [B, T, D], this layer's router statistics `STAT_KEYS`). Padding tokens
-        (segment 0) are routed nowhere: their output is 0 and they count in no statistic."""
+        """(outputs [B, T, D], this layer's router sums `STAT_KEYS`). Padding tokens (segment
+        0) are routed nowhere: their output is 0 and they count in no statistic."""
         cfg = self.cfg
         real_BT = (jnp.ones(x_BTD.shape[:2], bool) if segment_ids_BT is None
                    else segment_ids_BT != 0)
@@ -140,11 +152,10 @@ class MoE(nnx.Module):
         if cfg.norm_topk_prob:
             weight_BTk = weight_BTk / jnp.sum(weight_BTk, axis=-1, keepdims=True)
         routed_BTk = jnp.broadcast_to(real_BT[..., None], expert_BTk.shape)
-        stats = _router_stats(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.num_experts)
+        stats = _router_sums(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.num_experts)
         if cfg.capacity_factor > 0:
             kept_BTk = within_capacity(expert_BTk, routed_BTk, cfg)
-            stats["dropped"] = (jnp.sum(routed_BTk & ~kept_BTk)
-                                / jnp.maximum(jnp.sum(routed_BTk), 1)).astype(jnp.float32)
+            stats["dropped"] = jnp.sum(routed_BTk & ~kept_BTk).astype(jnp.float32)
             routed_BTk = kept_BTk
         # a pair routed nowhere gets expert E: it sorts after every real group, and no kernel
         # reads it
@@ -161,34 +172,53 @@ def _expert_weights(cfg: ModelConfig, p: nnx.Param) -> jax.Array:
     return p[...].astype(cfg.dtype)
 
 
-def _router_stats(logits_BTE, probs_BTE, expert_BTk, real_BT, num_experts: int) -> dict:
-    """Load-balancing loss E * sum_e f_e P_e (f_e: the share of real tokens that picked expert
-    e among their k, P_e: the mean router probability of e; k when perfectly balanced, as
-    transformers' Mixtral computes it per layer), z-loss (mean logsumexp^2) and load (the most
-    loaded expert's pairs over the mean), over real tokens only."""
+def _router_sums(logits_BTE, probs_BTE, expert_BTk, real_BT, num_experts: int) -> dict:
+    """One layer's router sums over real tokens (`STAT_KEYS`): per sequence the pairs that
+    picked each expert [B, E] and the router probabilities [B, E], the squared logsumexps, the
+    routed pairs (dropped: 0, `MoE` sets it under a capacity). Sums, never ratios: the step adds
+    them over layers and microbatches before forming any (`sequence_aux`, `metrics`)."""
     real = real_BT.astype(jnp.float32)
-    tokens = jnp.maximum(jnp.sum(real), 1.0)
-    picked_E = jnp.sum(jax.nn.one_hot(expert_BTk, num_experts, dtype=jnp.float32)
-                       * real[..., None, None], axis=(0, 1, 2))
-    mean_prob_E = jnp.sum(probs_BTE * real[..., None], axis=(0, 1)) / tokens
-    aux = num_experts * jnp.sum(picked_E / tokens * mean_prob_E)
-    z = jnp.sum(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2 * real) / tokens
-    load = jnp.max(picked_E) / jnp.maximum(jnp.mean(picked_E), 1e-9)
-    return {"aux": aux, "z": z, "load": jax.lax.stop_gradient(load),
-            "dropped": jnp.zeros((), jnp.float32)}
+    picked_BE = jnp.sum(jax.nn.one_hot(expert_BTk, num_experts, dtype=jnp.float32)
+                        * real[..., None, None], axis=(1, 2))
+    probs_BE = jnp.sum(probs_BTE * real[..., None], axis=1)
+    z = jnp.sum(jax.nn.logsumexp(logits_BTE, axis=-1) ** 2 * real)
+    routed = jnp.sum(real) * expert_BTk.shape[-1]
+    return {"picked": jax.lax.stop_gradient(picked_BE), "probs": probs_BE, "z": z,
+            "routed": routed, "dropped": jnp.zeros((), jnp.float32)}
+
+
+def sequence_aux(picked_LBE: jax.Array, probs_LBE: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    """The load-balancing loss of each sequence, times its real tokens, summed over sequences
+    (the objective adds coef x this; divided by the step's tokens it is the logged
+    moe_aux_loss).
+
+    Per sequence b it is transformers' Mixtral / Qwen3-MoE loss (`load_balancing_loss_func`
+    with `output_router_logits=True`) of that sequence alone: E * sum_e f_e P_e with f_e the
+    share of its (token, choice) pairs over all L layers that picked e and P_e e's mean router
+    probability over its tokens and all layers; k when balanced. transformers pools f and P
+    over its whole batch instead; pooled over a step, f would need every microbatch's routing
+    before any backward, so the loss would change with the microbatch count (which auto
+    chooses) or cost a second forward. Per sequence, the objective is the same whatever the
+    split, as DeepSeek-V3's sequence-wise balance loss is."""
+    layers, _, experts = picked_LBE.shape
+    picked_BE, probs_BE = jnp.sum(picked_LBE, axis=0), jnp.sum(probs_LBE, axis=0)
+    tokens_B = tokens_B.astype(jnp.float32)
+    per_token_B = experts * jnp.sum(picked_BE * probs_BE, axis=-1) / layers ** 2
+    return jnp.sum(per_token_B / jnp.maximum(tokens_B, 1.0))
 
 
 def within_capacity(expert_BTk: jax.Array, routed_BTk: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Which routed pairs an expert takes under model.capacity_factor: each expert takes at most
-    ceil(cf * B * T * k / E) pairs of the step's batch, first choices before second ones, tokens
-    in batch order within a choice (Switch's priority). The same on every mesh."""
+    """Which routed pairs an expert takes under model.capacity_factor: from each sequence at most
+    ceil(cf * T * k / E) pairs, first choices before second ones, tokens in order within a
+    choice (Switch's priority; per sequence as MaxText's capacity). Per sequence, the same pairs
+    are dropped however the step is split (microbatches, mesh)."""
     b, t, k = expert_BTk.shape
-    capacity = math.ceil(cfg.capacity_factor * b * t * k / cfg.num_experts)
+    capacity = math.ceil(cfg.capacity_factor * t * k / cfg.num_experts)
     onehot = (jax.nn.one_hot(expert_BTk, cfg.num_experts, dtype=jnp.int32)
               * routed_BTk[..., None])  # [B, T, k, E]
-    by_choice = onehot.transpose(2, 0, 1, 3).reshape(k * b * t, cfg.num_experts)
-    position = jnp.cumsum(by_choice, axis=0) - by_choice  # pairs before this one, per expert
-    position = jnp.sum(position * by_choice, axis=-1).reshape(k, b, t).transpose(1, 2, 0)
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, cfg.num_experts)
+    position = jnp.cumsum(by_choice, axis=1) - by_choice  # pairs before this one, per expert
+    position = jnp.sum(position * by_choice, axis=-1).reshape(b, k, t).transpose(0, 2, 1)
     return routed_BTk & (position < capacity)
 
 
@@ -298,11 +328,29 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 def _grouped(kind: str):
     """dot(x [R, K], w [G, K, N], sizes [G]) -> [R, N]: row r times the weight of its group,
-    rows past sum(sizes) zero. `xla`: jax.lax.ragged_dot; `mosaic`, `triton`: tokamax's kernels."""
+    rows past sum(sizes) zero, and so their gradients. `xla`: jax.lax.ragged_dot (which writes
+    those zeros); `mosaic`, `triton`: tokamax's kernels, `_past_groups_zero` around them."""
     if kind in TOKAMAX:
         tokamax = _tokamax()
-        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, implementation=TOKAMAX[kind])
+        return _past_groups_zero(lambda x, w, sizes: tokamax.ragged_dot(
+            x, w, sizes, implementation=TOKAMAX[kind]))
     return jax.lax.ragged_dot
+
+
+def _past_groups_zero(dot):
+    """A grouped kernel whose rows past sum(sizes) are zero in the result and in x's gradient.
+    tokamax's kernels write only each group's own rows, forward and backward (its tests read
+    `out[:sum(sizes)]`), and XLA does not zero a custom call's buffer: what is there is whatever
+    the buffer held, NaN included. `_my_experts` parks other devices' and unrouted pairs there,
+    and permute's transpose would add those rows of x's gradient into their tokens'. A select
+    (not a product: 0 * NaN is NaN) on both sides keeps them out; the weights' gradient reads
+    only the groups' rows of x and of the output's gradient, both clean."""
+    def safe(x_RK, w_GKN, sizes_G):
+        inside_R = jnp.arange(x_RK.shape[0]) < jnp.sum(sizes_G)
+        x_RK = jnp.where(inside_R[:, None], x_RK, 0)
+        return jnp.where(inside_R[:, None], dot(x_RK, w_GKN, sizes_G), 0)
+
+    return safe
 
 
 @contextlib.contextmanager
@@ -335,28 +383,52 @@ def describe_params(cfg: ModelConfig, total: int) -> str:
            f"{cfg.num_experts} experts)"
 
 
+def step_sums(layer_stats: dict, tokens_B: jax.Array) -> dict:
+    """A batch's router sums from its layers' (`STAT_KEYS`, stacked [L, ...]): the balancing
+    loss times tokens (`sequence_aux`), the z-loss summed over tokens (mean over layers), and
+    per layer the pairs per expert [L, E], routed [L] and dropped [L]. All of them add up over
+    microbatches to the whole step's (`zero_stats`); `metrics` forms the ratios."""
+    return {"aux": sequence_aux(layer_stats["picked"], layer_stats["probs"], tokens_B),
+            "z": jnp.mean(layer_stats["z"]),
+            "picked": jnp.sum(layer_stats["picked"], axis=1),
+            "routed": layer_stats["routed"].astype(jnp.float32),
+            "dropped": layer_stats["dropped"].astype(jnp.float32)}
+
+
+def objective(sums: dict, cfg: ModelConfig) -> jax.Array:
+    """What the router losses add to the summed cross-entropy: moe_aux_coef x the balancing loss
+    and moe_z_coef x the z-loss, each summed over tokens (their means over the step's tokens
+    are what the coefficients weigh, as transformers adds router_aux_loss_coef x aux_loss to
+    its mean loss)."""
+    return cfg.moe_aux_coef * sums["aux"] + cfg.moe_z_coef * sums["z"]
+
+
 def zero_stats(params: dict) -> dict:
-    """Zeros of a step's router statistics for a model with MoE layers (a `router` weight in
+    """Zeros of `step_sums` for a model with MoE layers (a `router` weight [L, D, E] in
     `params`), {} for a dense one: where accumulation over microbatches starts."""
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
-    if not any("router" in jax.tree_util.keystr(path) for path, _ in paths):
+    routers = [leaf for path, leaf in paths if "router" in jax.tree_util.keystr(path)]
+    if not routers:
         return {}
-    return {key: jnp.zeros((), jnp.float32) for key in STAT_KEYS}
+    layers, _, experts = routers[0].shape
+    zero = lambda *shape: jnp.zeros(shape, jnp.float32)
+    return {"aux": zero(), "z": zero(), "picked": zero(layers, experts),
+            "routed": zero(layers), "dropped": zero(layers)}
 
 
-def summarize(stats: dict) -> dict:
-    """Per-layer statistics [L] -> the step's: aux and z the mean over layers, load and dropped
-    the largest."""
-    return {"aux": jnp.mean(stats["aux"]), "z": jnp.mean(stats["z"]),
-            "load": jnp.max(stats["load"]), "dropped": jnp.max(stats["dropped"])}
-
-
-def metrics(stats: dict, capacity: bool) -> dict:
-    """The step's router statistics as logged metrics (docs/metrics.md): moe_aux_loss,
-    moe_z_loss, moe_load (the most loaded expert's pairs over the mean, the largest over
-    layers), and with a capacity moe_dropped (the share of routed pairs dropped, the largest
-    over layers); {} for a dense model."""
-    if not stats:
+def metrics(sums: dict, tokens: jax.Array, capacity: bool) -> dict:
+    """The step's router statistics from its summed `step_sums` and real tokens, as logged
+    (docs/metrics.md): moe_aux_loss and moe_z_loss (means over tokens), moe_load (the most
+    loaded expert's pairs over the mean, the largest over layers), and with a capacity
+    moe_dropped (the share of routed pairs dropped, the largest over layers); {} for a dense
+    model."""
+    if not sums:
         return {}
-    out = {"moe_aux_loss": stats["aux"], "moe_z_loss": stats["z"], "moe_load": stats["load"]}
-    return out | ({"moe_dropped": stats["dropped"]} if capacity else {})
+    tokens = jnp.maximum(tokens.astype(jnp.float32), 1.0)
+    picked = sums["picked"]
+    load = jnp.max(jnp.max(picked, axis=-1) / jnp.maximum(jnp.mean(picked, axis=-1), 1e-9))
+    out = {"moe_aux_loss": sums["aux"] / tokens, "moe_z_loss": sums["z"] / tokens,
+           "moe_load": load}
+    if capacity:
+        out["moe_dropped"] = jnp.max(sums["dropped"] / jnp.maximum(sums["routed"], 1.0))
+    return out

@@ -32,10 +32,11 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
               chunk: int = 0, histories: dict | None = None, with_stats: bool = False):
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
 
-    A mixture of experts adds count x (moe_aux_coef x load-balancing loss + moe_z_coef x
-    z-loss, each the mean over layers) to the sum: the mean objective is the cross-entropy plus
-    the weighted router losses. `with_stats`: (objective sum, (count, cross-entropy sum, the
-    router statistics moe.STAT_KEYS of this batch, {} for a dense model)).
+    A mixture of experts adds moe_aux_coef x the load-balancing loss and moe_z_coef x the
+    z-loss, each summed over tokens (moe.objective): the mean objective is the cross-entropy plus
+    the weighted router losses, and a sum over rows, so microbatches add up to the whole batch.
+    `with_stats`: (objective sum, (count, cross-entropy sum, the router sums moe.step_sums of
+    this batch, {} for a dense model)).
 
     With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions
     (jaxtron/model/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
@@ -55,9 +56,8 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
                                    tied=model.cfg.tie_embeddings)
     count, entropy, stats = jnp.sum(mask_BT), total, {}
     if layer_stats:
-        stats, cfg = moe.summarize(layer_stats), model.cfg
-        total = total + count.astype(jnp.float32) * (cfg.moe_aux_coef * stats["aux"]
-                                                     + cfg.moe_z_coef * stats["z"])
+        stats = moe.step_sums(layer_stats, jnp.sum(mask_BT, axis=1))
+        total = total + moe.objective(stats, model.cfg)
     return (total, (count, entropy, stats)) if with_stats else (total, count)
 
 
@@ -69,8 +69,9 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
     when `pipe` is set). extras["fp8"]: the FP8 amaxes observed, the larger of each microbatch's;
     they (`fp8.observed_scale`, `observe_grad`) are the gradient with respect to `histories`;
     None without them, and under a pipeline, whose iterations would add them up. extras["moe"]:
-    the router statistics (moe.STAT_KEYS; aux and z token-weighted means over microbatches,
-    load and dropped the largest), {} for a dense model."""
+    the router sums (moe.step_sums) added over microbatches, {} for a dense model; extras
+    ["tokens"]: the real tokens. Every term is a sum over rows, so the objective and its
+    gradient are the same for any microbatch count."""
     observe = histories is not None and pipe is None
 
     def grad_fn(micro):
@@ -80,7 +81,7 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
             lambda p, h: fn(p, histories=h), argnums=(0, 1) if observe else 0,
             has_aux=True)(params, histories)
         g, seen = grads if observe else (grads, None)
-        return entropy, n, g, (seen, _weighted(stats, n))
+        return entropy, n, g, (seen, stats)
 
     if microbatches == 1:
         total, count, grads, (observed, stats) = grad_fn(batch)
@@ -95,7 +96,7 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
             part, n, g, (seen, stats) = grad_fn(micro)
             total, count, grads, (observed, summed) = carry
             return (total + part, count + n, jax.tree.map(jnp.add, grads, g),
-                    (fp8.combine(observed, seen), _combined(summed, stats))), None
+                    (fp8.combine(observed, seen), jax.tree.map(jnp.add, summed, stats))), None
 
         zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
                  jax.tree.map(jnp.zeros_like, params),
@@ -103,23 +104,10 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
                   moe.zero_stats(params)))
         (total, count, grads, (observed, stats)), _ = jax.lax.scan(accumulate, zeros,
                                                                    jax.tree.map(split, batch))
+    tokens = count
     count = jnp.maximum(count, 1).astype(jnp.float32)
-    stats = {k: v / count if k in _WEIGHTED else v for k, v in stats.items()}
     return (total / count, jax.tree.map(lambda g: g / count, grads),
-            {"fp8": observed, "moe": stats})
-
-
-_WEIGHTED = ("aux", "z")  # router statistics averaged over tokens; the others are maxima
-
-
-def _weighted(stats: dict, count) -> dict:
-    """One microbatch's router statistics, aux and z times its token count (summed later)."""
-    return {k: v * count.astype(jnp.float32) if k in _WEIGHTED else v for k, v in stats.items()}
-
-
-def _combined(a: dict, b: dict) -> dict:
-    """Two microbatches' router statistics: weighted sums added, maxima maxed."""
-    return {k: a[k] + b[k] if k in _WEIGHTED else jnp.maximum(a[k], b[k]) for k in a}
+            {"fp8": observed, "moe": stats, "tokens": tokens})
 
 
 def empty_histories(histories: dict) -> dict | None:
@@ -166,7 +154,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
                "nonfinite": new_state["nonfinite"]}
     if observed is not None:
         metrics.update(fp8.statistics(seen_by, observed))
-    metrics.update(moe.metrics(extras["moe"], capacity))
+    metrics.update(moe.metrics(extras["moe"], extras["tokens"], capacity))
     return new_state, metrics
 
 
