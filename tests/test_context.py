@@ -14,6 +14,7 @@ from jaxtron import parallel
 from jaxtron.config import ConfigError, MeshConfig
 from jaxtron.model import attention, context_attention
 from jaxtron.parallel import context
+from jaxtron.step import check_segments
 
 B, T, N, K, H = 2, 64, 4, 2, 16  # C = 4 ranks: pieces of c = 8 positions
 # Documents across three pieces, a piece starting mid-document, one starting a document exactly,
@@ -162,3 +163,14 @@ def test_the_layout_names_context_only_where_it_splits():
     sizes = parallel.mesh_shape(MeshConfig(fsdp=-1, context=4), 8)
     assert sizes == {"data": 1, "stage": 1, "fsdp": 2, "context": 4, "tensor": 1}
     assert parallel.describe(sizes) == "data=1, stage=1, fsdp=2, context=4, tensor=1"
+
+
+def test_a_segment_id_reused_further_along_a_row_is_refused():
+    """The context split's prefix call finds a piece's first document by its id's first
+    occurrence: each document's ids must be one contiguous run. Packed rows pass (padding 0 at
+    the end, ids from 1); a row whose id 1 comes back after id 2 is refused before the model,
+    naming the id and the row."""
+    check_segments(np.array([[1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]))
+    check_segments(np.array([[0, 0, 0, 0]]))
+    with pytest.raises(ConfigError, match="segment id 1 .* row 1"):
+        check_segments(np.array([[1, 1, 2, 2, 3, 3, 0, 0], [1, 1, 2, 2, 1, 1, 0, 0]]))

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtron import parallel
-from jaxtron.config import Config
+from jaxtron.config import Config, ConfigError
 from jaxtron.data.rows import local_rows
 from jaxtron.model import fp8, moe, vocab
 from jaxtron.parallel import context, pipeline
@@ -220,6 +220,7 @@ def global_batch(batch: dict, mesh: Mesh, batch_size: int | None = None) -> dict
     them. Each local device takes its own shard out of those rows, so any mesh over any process
     layout works, also where a batch shard spans processes (pipeline stages or tensor ranks on
     other hosts)."""
+    check_segments(batch["segment_ids"])
     sharding = NamedSharding(mesh, parallel.batch_spec())
     seq_len = batch[BATCH_KEYS[0]].shape[1]
     mine = None if batch_size is None else local_rows(mesh, batch_size, seq_len)
@@ -234,6 +235,24 @@ def global_batch(batch: dict, mesh: Mesh, batch_size: int | None = None) -> dict
                                             lambda index: rows[mine.positions(index[0]), index[1]])
 
     return {k: put(batch[k]) for k in BATCH_KEYS}
+
+
+def check_segments(segment_ids: np.ndarray) -> None:
+    """Each document's segment id in a row is one contiguous run (0: padding): what the packer
+    makes, and what the context-parallel cuDNN split assumes (its prefix call finds a piece's
+    first document by the first occurrence of its id: model.context_attention). A batch made
+    elsewhere that reuses an id further along a row is refused before it reaches the model."""
+    ids = np.asarray(segment_ids)
+    starts = np.ones(ids.shape, bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    rows, cols = np.nonzero(starts & (ids != 0))
+    keys = rows.astype(np.int64) * (int(ids.max(initial=0)) + 1) + ids[rows, cols]
+    unique, counts = np.unique(keys, return_counts=True)
+    if len(unique) != len(keys):
+        row, seg = divmod(int(unique[counts > 1][0]), int(ids.max(initial=0)) + 1)
+        raise ConfigError(f"segment id {seg} appears in two separate runs of batch row {row}: "
+                          "each document's segment_ids must be one contiguous run (number "
+                          "documents 1, 2, ... along a row, 0 for padding)")
 
 
 def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
