@@ -197,3 +197,19 @@ def test_a_jax_platforms_that_cannot_start_here_is_no_damage(run_dir):
                           text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cuda"})
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
     assert proc.stdout == _inspect(run_dir).stdout
+
+
+def test_the_model_line_names_experts_fp8_and_qk_norm_where_set(run_dir):
+    """The model line left out experts, top-k, FP8 and q/k norms: a mixture of experts with FP8
+    read as the dense model of its attention. They are shown where set, and a dense run's line
+    has none of them."""
+    from jaxtron.commands.inspect_ckpt import model_summary
+
+    moe = config.load(["configs/tiny_moe.yaml"], ["model.fp8=delayed", "model.qk_norm=true",
+                                                  "model.moe_mlp_dim=192"])
+    line = model_summary(config.to_yaml(moe))
+    assert line.endswith(", remat=none, num_experts=8, experts_per_token=2, moe_mlp_dim=192, "
+                         "fp8=delayed, qk_norm=True"), line
+    dense = _field(_inspect(run_dir).stdout, "model")
+    assert not re.search("experts|moe_mlp_dim|fp8|qk_norm|qkv_bias|sliding_window", dense), dense
+    assert dense.startswith("num_layers=4, d_model=256")

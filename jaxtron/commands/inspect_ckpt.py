@@ -4,7 +4,8 @@
     jaxtron inspect-ckpt runs/tiny/checkpoints      # the same
     jaxtron inspect-ckpt runs/tiny/checkpoints/200  # one checkpoint
 
-Prints the step, the saved metadata (loss, tokens seen, save time, the model section of the config),
+Prints the step, the saved metadata (loss, tokens seen, save time, or where an import came from;
+the model section of the config, with experts, FP8 and q/k norms where set),
 every array of the `state` item with its shape, dtype and bytes (from Orbax's metadata: nothing is
 read but the small metadata files) and totals. Each listed checkpoint's files are checked against
 the sizes its OCDBT tree records: a truncated or missing one marks it damaged, as do metadata
@@ -33,6 +34,14 @@ from jaxtron.lifecycle import one_line_errors
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
+# Shown only where they change the model from the plain dense one: experts (with their top-k and
+# width), FP8 matmuls, q/k norms, QKV biases, an attention window.
+SET_KEYS = {"num_experts": lambda m: m.get("num_experts"),
+            "experts_per_token": lambda m: m.get("num_experts"),
+            "moe_mlp_dim": lambda m: m.get("num_experts") and m.get("moe_mlp_dim"),
+            "fp8": lambda m: m.get("fp8", "none") != "none",
+            "qk_norm": lambda m: m.get("qk_norm"), "qkv_bias": lambda m: m.get("qkv_bias"),
+            "sliding_window": lambda m: m.get("sliding_window")}
 
 
 def read_arrays(step_dir: Path) -> tuple[list[tuple[str, tuple, np.dtype]], Any]:
@@ -67,12 +76,17 @@ def human(num_bytes: int) -> str:
 
 
 def model_summary(config_yaml: str) -> str:
-    """The config's model section on one line (the keys of MODEL_KEYS that it has)."""
+    """The config's model section on one line: the keys of MODEL_KEYS that it has, then those of
+    SET_KEYS that are set."""
     try:
         model = (yaml.safe_load(config_yaml) or {}).get("model", {})
     except yaml.YAMLError:
         return "(config unreadable)"
-    return ", ".join(f"{k}={model[k]}" for k in MODEL_KEYS if k in model) or "(no model section)"
+    if not isinstance(model, dict):
+        return "(no model section)"
+    keys = [k for k in MODEL_KEYS if k in model]
+    keys += [k for k, is_set in SET_KEYS.items() if k in model and is_set(model)]
+    return ", ".join(f"{k}={model[k]}" for k in keys) or "(no model section)"
 
 
 def mesh_summary(sharding: Any) -> str | None:
@@ -92,8 +106,10 @@ def print_listing(checkpoints_dir: Path) -> dict[Path, str]:
     note = f", {len(damaged)} of them damaged" if damaged else ""
     print(f"{checkpoints_dir.absolute()}: {cli.plural(len(steps), 'complete checkpoint')}{note}")
     for step_dir in steps:
+        meta = {} if step_dir in damaged else read_meta(step_dir)
         status = (f"damaged ({damaged[step_dir]})" if step_dir in damaged
-                  else f"loss {read_meta(step_dir).get('loss')!r}")
+                  else f"imported from {meta['source']}" if "source" in meta  # never trained
+                  else f"loss {meta.get('loss')!r}")
         print(f"  step {int(step_dir.name):>8}  {status}")
     print()
     return damaged
