@@ -22,7 +22,13 @@ import pytest
 import torch
 from test_hf_parity import CASES, LLAMA3_ROPE, TOL, _case, _hf, _inputs
 from test_tokenizer import LLAMA3, build_bpe, ids_of
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 import launch
 from jaxtron import checkpoint, hf, parallel
@@ -609,6 +615,9 @@ def test_inspect_ckpt_shows_where_an_import_came_from(tmp_path):
     assert (f"imported:    from {tmp_path / 'hf'} (weights only; no loss, no optimizer state)"
             in shown.stdout.splitlines())
     assert "loss:" not in shown.stdout and "saved at:" not in shown.stdout
+    # the listing said `step 0  loss None`
+    assert f"  step        0  imported from {tmp_path / 'hf'}" in shown.stdout.splitlines()
+    assert "loss" not in shown.stdout.split("checkpoint:")[0], shown.stdout
 
 
 def test_what_a_killed_import_left_is_removed_by_the_next(tmp_path, capsys):
@@ -703,3 +712,136 @@ def test_the_fine_tune_command_can_be_pasted(tmp_path, capsys):
     assert shlex.split(command)[-1] == str(out / "config.yaml")
     assert (out / "config.yaml").read_text().splitlines()[1] == (
         f"# by jaxtron convert-hf; fine-tune: {command}")
+
+
+def test_a_windowed_mixtral_keeps_its_window_and_round_trips_through_transformers(tmp_path):
+    """Mixtral slides whenever config.json's sliding_window is set (it has no use_sliding_window
+    switch), and import read it as full causal attention, silently. The window is kept as
+    model.sliding_window, as Mistral's is: the preset trains at most that many tokens, a longer
+    input is refused, export writes it back, and transformers then gives the source's logits.
+    Measured: the window moves transformers' logits (up to 4.3) by 3.7 at 24 tokens; ours within
+    the window are within 4.3e-6 of the source's, and the export (the same tensors) gives the
+    source's logits exactly."""
+    tiny = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                num_experts_per_tok=2, tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    windowed = MixtralForCausalLM(MixtralConfig(**tiny, sliding_window=16)).eval()
+    with torch.no_grad():
+        for name, p in windowed.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+                    else 0.2 * torch.randn_like(p))
+    windowed.save_pretrained(tmp_path / "hf")
+    full = MixtralForCausalLM(MixtralConfig(**tiny, sliding_window=None)).eval()
+    full.load_state_dict(windowed.state_dict())
+    tokens, positions, _ = _inputs(24)
+    tokens %= 128
+    want = _hf(windowed, tokens, positions)
+    assert np.abs(_hf(full, tokens, positions) - want).max() > 100 * TOL  # the window matters
+
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
+    assert (preset.model.sliding_window, preset.train.seq_len) == (16, 16)
+    cfg, params = weights.read_params(tmp_path / "imp")
+    with pytest.raises(ConfigError, match="24 tokens exceed the model's attention window of 16"):
+        hf.logits(cfg.model, params, tokens)
+    assert np.abs(hf.logits(cfg.model, params, tokens[:, :16]) - want[:, :16]).max() < TOL
+
+    assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 16
+    _assert_same_tensors(tmp_path / "hf", tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert np.abs(_hf(back.eval(), tokens, positions) - want).max() < TOL
+
+
+MOE_RUN = ["model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
+           "model.mlp_dim=48", "model.moe_mlp_dim=24", "model.num_experts=4",
+           "model.experts_per_token=2", "model.init_std=0.3", "train.steps=1"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_experts_narrower_than_mlp_dim_export_to_transformers_and_back(tmp_path, family):
+    """A run whose experts (model.moe_mlp_dim=24) are narrower than model.mlp_dim=48 was written
+    with intermediate_size=48, which transformers' Mixtral refused (size mismatch), as did the
+    import back. Mixtral's config.json now gives its experts' width as intermediate_size,
+    Qwen3-MoE's as moe_intermediate_size: transformers loads every tensor and computes our
+    logits, its tokenizer starts text with the BOS training put before each document, and the
+    import back holds the same weights. Measured max |logit diff| 2.9e-5 (Mixtral) and 1.2e-5
+    (Qwen3-MoE) at logits up to 8.3 (asserted 1e-4)."""
+    run = tmp_path / "run"
+    qk_norm = [f"model.qk_norm={str(family == 'qwen3_moe').lower()}"]
+    assert launch.main([*RUN, *MOE_RUN, *qk_norm, f"run.dir={run}"]) == 0
+    cfg, params = weights.read_params(run)
+    assert _convert("export", run, tmp_path / "hf") == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    widths = {"mixtral": {"intermediate_size": 24},
+              "qwen3_moe": {"intermediate_size": 48, "moe_intermediate_size": 24}}[family]
+    assert {k: config.get(k) for k in widths} == widths
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(model).__name__ == hf.ARCHITECTURES[family]
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 32))
+    theirs = _hf(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
+    diff = np.abs(hf.logits(cfg.model, params, tokens) - theirs).max()
+    print(f"{family}: max |logit diff| {diff:.1e}, logits up to {np.abs(theirs).max():.1f}")
+    assert diff < TOL and np.abs(theirs).max() > 1
+
+    text = "def f(x):\n    return x  # é\n"
+    ours = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text).input_ids == [
+        ours.bos_id(), *ours.encode(text)]
+
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    again, back = weights.read_params(tmp_path / "imp")
+    assert (again.model.num_experts, again.model.moe_mlp_dim or again.model.mlp_dim) == (4, 24)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_exported_sentencepiece_tokenizer_adds_bos_in_transformers(pipeline_run, tmp_path):
+    """Training puts BOS before every document; transformers loaded the exported tokenizer.model
+    adding none. tokenizer_config.json now says add_bos_token, and AutoTokenizer's ids are the
+    run's: [bos] + its pieces, decoding back to the text."""
+    cfg, _ = weights.read_params(pipeline_run)
+    assert _convert("export", pipeline_run, tmp_path / "hf") == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)
+    text = "import os\n\nclass A:\n    x = 1  # ünï\n"
+    ids = tok(text).input_ids
+    assert ids == [ours.bos_id(), *ours.encode(text)] and ids[0] == tokenizer_lib.BOS_ID
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer_lib.from_path(tmp_path / "hf").sha256 == ours.sha256  # the same model file
+
+
+def test_a_tokenizer_with_ids_past_vocab_size_is_refused_naming_the_fix(tmp_path, capsys):
+    """A tokenizer with 66 ids beside a 64-row embedding imported without a word; its fine-tune
+    command then asked to raise model.vocab_size, which the restore refused as another model.
+    The import refuses in one line naming the fix, and the fix (resize the embeddings in
+    transformers) imports and fine-tunes with the printed command."""
+    _tiny_llama(tmp_path / "hf")
+    _first_last_tokenizer(tmp_path / "hf", 66)
+    err = _one_line(capsys, 2, "import", tmp_path / "hf", tmp_path / "imp")
+    assert_refused(2, err, str(tmp_path / "hf"), "66 ids", "vocab_size is 64",
+                   "model.resize_token_embeddings(66)")
+    assert not (tmp_path / "imp").exists()
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    model.resize_token_embeddings(66)
+    model.save_pretrained(tmp_path / "fixed")
+    _first_last_tokenizer(tmp_path / "fixed", 66)
+    capsys.readouterr()
+    assert _convert("import", tmp_path / "fixed", tmp_path / "imp") == 0
+    command = capsys.readouterr().out.splitlines()[-1].removeprefix("fine-tune: ")
+    assert shlex.split(command)[:2] == ["python", "launch.py"]
+    assert launch.main([*shlex.split(command)[2:], *RUN, "train.steps=1",
+                        f"run.dir={tmp_path / 'tuned'}"]) == 0
+
+
+def test_export_help_gives_the_default_model_type_a_run_gets(capsys):
+    """The help said the default was qwen2 or llama, while a MoE run exports as mixtral or
+    qwen3_moe (tests above) and a windowed one as mistral."""
+    assert _convert("export", "--help") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("default: the imported model's, else the family that computes the model: qwen3_moe "
+            "(experts, q/k norms), mixtral (experts), qwen2 (QKV biases), qwen3 (q/k norms), "
+            "mistral (an attention window), else llama") in text, text

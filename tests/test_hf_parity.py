@@ -237,3 +237,31 @@ def test_pickled_checkpoints_are_refused(tmp_path):
     torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")  # the older pickled layout
     with pytest.raises(ConfigError, match="only pickled weights .*pytorch_model.bin"):
         hf.from_pretrained(tmp_path)
+
+
+def test_a_missing_router_aux_loss_coef_is_transformers_default():
+    """A config.json without router_aux_loss_coef imported model.moe_aux_coef=0.01; transformers
+    trains such a model with its config class's default, 0.001 for Mixtral and Qwen3-MoE."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    for config_cls in (MixtralConfig, Qwen3MoeConfig):
+        config = config_cls(**{k: v for k, v in TINY.items() if k != "attn_implementation"},
+                            num_attention_heads=4).to_dict()
+        default = config.pop("router_aux_loss_coef")
+        assert default == config_cls().router_aux_loss_coef == 0.001
+        assert hf_mapping.config_from_hf(config)["moe_aux_coef"] == default
+        assert hf_mapping.config_from_hf({**config, "router_aux_loss_coef": 0.02})[
+            "moe_aux_coef"] == 0.02
+
+
+def test_a_windowed_model_exports_as_mistral_not_llama(tmp_path):
+    """Llama has no attention window: a Llama-style model with model.sliding_window is Mistral
+    by default, and written as llama it is refused in one line rather than lose its window."""
+    _, cfg, _, params = _case("mistral")
+    windowed = dataclasses.replace(cfg, sliding_window=16)
+    assert (hf.model_type_of(cfg), hf.model_type_of(windowed)) == ("llama", "mistral")
+    with pytest.raises(ConfigError, match=r"'llama' has no attention window.*"
+                                          r"model.sliding_window=16\); write it as 'mistral'$"):
+        hf.save_pretrained(windowed, params, tmp_path / "llama", "llama")
+    hf.save_pretrained(windowed, params, tmp_path / "out", hf.model_type_of(windowed))
+    assert hf.read_config(tmp_path / "out").sliding_window == 16

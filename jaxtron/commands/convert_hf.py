@@ -12,7 +12,8 @@ weights_only set) and the tokenizer files. `export` takes a checkpoint saved on 
 pipeline layout (a step directory, or the newest of a run or import directory) and writes
 config.json (with `architectures`, and the tokenizer's bos/eos/pad ids, also written as
 generation_config.json, which transformers' generate() reads), safetensors shards with an index,
-and the run's tokenizer files.
+and the run's tokenizer files (a SentencePiece model with a tokenizer_config.json that makes
+transformers add the BOS training put before each document).
 Host memory stays near one layer plus the largest tensor either way. Bad input: one line, exit 2.
 Either way the output is written beside OUT_DIR and renamed to it when complete, so a failure or
 a stop (Ctrl-C, SIGTERM: one line, exit 130) leaves no OUT_DIR; an export is refused inside a
@@ -184,14 +185,22 @@ def _write_tokenizer(tok: tokenizer_lib.Tokenizer, out: Path) -> str:
             f"eos {tok.eos_id()})")
 
 
-def _import_tokenizer(source: Path, out: Path) -> tuple[str | None, str]:
-    """Copy the directory's tokenizer next to the checkpoint: (its file for data.tokenizer, or
-    None without a usable one; a line saying what was copied or why not)."""
+def _source_tokenizer(source: Path, vocab_size: int) -> tuple[tokenizer_lib.Tokenizer | None, str]:
+    """(the directory's tokenizer, or None without a usable one; why not). A tokenizer with ids
+    past config.json's vocab_size is refused: those ids have no embedding row, and fine-tuning
+    on it is refused later, where raising model.vocab_size makes it another model."""
     try:
         tok = tokenizer_lib.from_path(source)
     except ConfigError as err:
         return None, f"no tokenizer copied ({err}); set data.tokenizer before training on text"
-    return tok.file, f"tokenizer: {_write_tokenizer(tok, out)}"
+    if tok.get_piece_size() > vocab_size:
+        raise ConfigError(
+            f"{source}: the tokenizer ({tok.file}) has {tok.get_piece_size()} ids but "
+            f"config.json's vocab_size is {vocab_size}, so ids {vocab_size} and up have no "
+            f"embedding row; give the model one per id first (in transformers: "
+            f"model.resize_token_embeddings({tok.get_piece_size()}); model.save_pretrained(DIR)) "
+            "and import DIR, or move the tokenizer files out to import the weights alone")
+    return tok, ""
 
 
 def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
@@ -210,11 +219,12 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
     get = hf.check_tensors(source, cfg, allow_pickle)
     stored = get("model.embed_tokens.weight").dtype.name
     compute_dtype = compute_dtype or (stored if stored in DTYPES else "float32")
+    tok, no_tokenizer = _source_tokenizer(source, cfg.vocab_size)
 
     def write(into: Path) -> tuple:
         try:
-            tokenizer_file, tokenizer_note = _import_tokenizer(source, into)
-            preset = _preset(cfg, out, tokenizer_file, _context(config_json), compute_dtype)
+            note = f"tokenizer: {_write_tokenizer(tok, into)}" if tok else no_tokenizer
+            preset = _preset(cfg, out, tok and tok.file, _context(config_json), compute_dtype)
             text = (f"# {config_json['model_type']} weights imported from {source.absolute()}\n"
                     f"# by jaxtron convert-hf; fine-tune: {_fine_tune(out)}\n"
                     + yaml.safe_dump(preset, sort_keys=False))
@@ -228,7 +238,7 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
             with _signals_held():  # a stop waits for the layer in hand (one partial save)
                 weights.write_layers(into.absolute() / "checkpoints" / "0",  # Orbax: absolute
                                      top, _layers(get, cfg), meta)
-            return run_cfg, tokenizer_note
+            return run_cfg, note
         except ConfigError:
             raise
         except (ValueError, KeyError) as err:  # a tensor that does not fit
@@ -268,8 +278,14 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     def write(into: Path) -> str:
         hf.write_pretrained(cfg.model, get, into, kind, dtype, _trained_context(cfg, meta),
                             token_ids=_token_ids(tok) if tok else None)
-        return (f"tokenizer: {_write_tokenizer(tok, into)}" if tok
-                else "no tokenizer (pass --tokenizer)")
+        if not tok:
+            return "no tokenizer (pass --tokenizer)"
+        note = _write_tokenizer(tok, into)
+        if tokenizer_lib.SP_FILE in tok.files:
+            config = _sentencepiece_config(tok)
+            (into / tokenizer_lib.HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            note += f" with {tokenizer_lib.HF_CONFIG} (add_bos_token)"
+        return f"tokenizer: {note}"
 
     note = _write_new_dir(out, write)
     print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; "
@@ -323,6 +339,22 @@ def _named_ids(tok: tokenizer_lib.Tokenizer) -> tuple[int | None, int | None]:
     return vocab_id("eos_token"), vocab_id("pad_token")
 
 
+def _sentencepiece_config(tok: tokenizer_lib.Tokenizer) -> dict:
+    """tokenizer_config.json beside an exported SentencePiece model. From the .model alone
+    transformers (5.x) adds no BOS, where every training document starts with one, and a Qwen
+    model_type picks Qwen2's tokenizer class, which splits text otherwise: the generic class and
+    add_bos_token make AutoTokenizer encode as training did, [bos] + the model's pieces (the
+    eos piece first when the model has no bos piece, as the data pipeline does)."""
+    sp = spm.SentencePieceProcessor(model_proto=tok.files[tokenizer_lib.SP_FILE])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
+              "add_eos_token": False, "bos_token": tok.id_to_piece(tok.bos_id()),
+              "eos_token": tok.id_to_piece(tok.eos_id())}
+    for name, i in (("unk_token", sp.unk_id()), ("pad_token", sp.pad_id())):
+        if i >= 0:
+            config[name] = sp.id_to_piece(i)
+    return config
+
+
 def _run_tokenizer(cfg, meta: dict) -> tokenizer_lib.Tokenizer | None:
     """The tokenizer the run trained with: data.tokenizer, the prepared datasets' own, or the
     default corpus's. None for an import that came without one."""
@@ -349,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("ckpt_dir", type=Path, help="a checkpoint, or a run or import directory")
     exp.add_argument("hf_dir", type=Path)
     exp.add_argument("--model-type", choices=sorted(hf.ARCHITECTURES),
-                     help="default: the imported model's, else qwen2 with QKV biases, else llama")
+                     help="default: the imported model's, else the family that computes the "
+                     "model: qwen3_moe (experts, q/k norms), mixtral (experts), qwen2 (QKV "
+                     "biases), qwen3 (q/k norms), mistral (an attention window), else llama")
     exp.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's param dtype")
     exp.add_argument("--tokenizer", type=Path,
                      help="tokenizer file or directory to include (default: the run's own)")

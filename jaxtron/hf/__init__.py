@@ -209,7 +209,8 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
     return {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+        "intermediate_size": _intermediate_size(cfg, model_type),
+        "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_size, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "rope_parameters": rope,
@@ -237,19 +238,34 @@ def _experts(cfg: ModelConfig, model_type: str) -> dict:
     return out
 
 
+def _intermediate_size(cfg: ModelConfig, model_type: str) -> int:
+    """config.json's intermediate_size: Mixtral's experts are that wide (it has no
+    moe_intermediate_size); elsewhere the dense MLP's width (Qwen3-MoE's experts are
+    moe_intermediate_size wide, and its intermediate_size is for dense layers, of which jaxtron
+    makes none)."""
+    if model_type == "mixtral":
+        return cfg.moe_mlp_dim or cfg.mlp_dim
+    return cfg.mlp_dim
+
+
 def model_type_of(cfg: ModelConfig) -> str:
     """The Hugging Face family that computes what `cfg` does, where only one does: Qwen2 (QKV
-    biases), Qwen3 (q/k norms), Qwen3-MoE (experts, q/k norms), Mixtral (experts); else llama."""
+    biases), Qwen3 (q/k norms), Qwen3-MoE (experts, q/k norms), Mixtral (experts); else Mistral
+    with an attention window (Llama has none), else llama."""
     if cfg.num_experts:
         return mlp_family(cfg)
-    return "qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama"
+    return ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
+            "mistral" if cfg.sliding_window else "llama")
 
 
 def _check_family(cfg: ModelConfig, model_type: str) -> None:
     """`model_type` computes what `cfg` does (one line naming what differs otherwise)."""
     needed = model_type_of(cfg)
-    if needed in ("llama",) and model_type in ("llama", "mistral"):
+    if needed == "llama" and model_type == "mistral":
         return
+    if needed == "mistral" and model_type == "llama":
+        raise ConfigError(f"model_type 'llama' has no attention window, and this model has one "
+                          f"(model.sliding_window={cfg.sliding_window}); write it as 'mistral'")
     if needed != model_type:
         raise ConfigError(f"model_type '{model_type}' does not compute this model (QKV biases "
                           f"{cfg.qkv_bias}, q/k norms {cfg.qk_norm}, experts {cfg.num_experts}); "
@@ -260,13 +276,17 @@ def _check_family(cfg: ModelConfig, model_type: str) -> None:
 
 
 def _window(cfg: ModelConfig, model_type: str) -> dict:
-    """The config.json keys of the attention window (Qwen2 turns it on per layer from
-    max_window_layers: 0 puts it on every layer, as model.sliding_window means)."""
+    """The config.json keys of the attention window. Mistral and Mixtral slide whenever
+    sliding_window is set; the Qwen families only with use_sliding_window, Qwen2 and Qwen3 on the
+    layers from max_window_layers on (0: every layer, as model.sliding_window means), Qwen3-MoE
+    on every layer."""
     window = cfg.sliding_window or None
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return {"sliding_window": window}
-    if model_type == "qwen2" and window:
+    if model_type in ("qwen2", "qwen3") and window:
         return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0}
+    if model_type == "qwen3_moe" and window:
+        return {"use_sliding_window": True, "sliding_window": window}
     return {}
 
 

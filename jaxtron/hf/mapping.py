@@ -1,8 +1,9 @@
 """Hugging Face Llama-family tensors <-> jaxtron params, through one name-mapping table.
 
-Covers `LlamaForCausalLM`, `MistralForCausalLM` and `Qwen2ForCausalLM` (QKV bias); an attention
-window is kept as model.sliding_window, which bounds the sequence length (attention is full
-causal): adding a family that computes the same function is adding rows or a config reading.
+Covers `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (QKV bias), `Qwen3ForCausalLM`
+(q/k norms), `MixtralForCausalLM` and `Qwen3MoeForCausalLM` (experts); an attention window is kept
+as model.sliding_window, which bounds the sequence length (attention is full causal): adding a
+family that computes the same function is adding rows or a config reading.
 Conversions go one layer at a time (`layer_params`, `hf_layout`), so a converter never needs a
 whole stacked weight in memory. Directories and the public API are in `jaxtron.hf`.
 
@@ -268,9 +269,10 @@ def _check_supported(hf: dict) -> None:
 
 def _sliding_window(hf: dict) -> int | None:
     """The attention window transformers applies for this config; None means full causal."""
-    # HF Mistral slides whenever sliding_window is set: it has no use_sliding_window switch and
-    # ignores one left in config.json. Qwen2 slides only with use_sliding_window=true.
-    if hf.get("model_type") == "mistral" or hf.get("use_sliding_window", False):
+    # HF Mistral and Mixtral slide whenever sliding_window is set: they have no
+    # use_sliding_window switch and ignore one left in config.json. Qwen2 and Qwen3(-MoE) slide
+    # only with use_sliding_window=true.
+    if hf.get("model_type") in ("mistral", "mixtral") or hf.get("use_sliding_window", False):
         return hf.get("sliding_window")
     return None
 
@@ -342,5 +344,7 @@ def _experts(hf: dict) -> dict:
         "moe_mlp_dim": (_setting(hf, "moe_intermediate_size", int) if kind == "qwen3_moe"
                         else 0),
         "norm_topk_prob": kind == "mixtral" or _setting(hf, "norm_topk_prob", bool, False),
-        "moe_aux_coef": _setting(hf, "router_aux_loss_coef", float, 0.01),
+        # transformers' default when the key is absent: MixtralConfig and Qwen3MoeConfig both
+        # say router_aux_loss_coef: float = 0.001 (transformers 5.24)
+        "moe_aux_coef": _setting(hf, "router_aux_loss_coef", float, 0.001),
     }
