@@ -38,6 +38,29 @@ def test_three_step_run_writes_metrics_config_and_events(tmp_path):
     assert saved["train"]["steps"] == 3 and saved["train"]["seq_len"] == 128
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert "parameters: 7,342,336" in proc.stdout
+    # After "compiled", what comes and when (the first logged step was a long silence); before
+    # the first evaluation, that it compiles; at the end, the commands that use the run.
+    said = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line[:2].isdigit()]
+    compiled = next(i for i, line in enumerate(said) if line.startswith("compiled the train"))
+    assert said[compiled + 1] == (
+        "training steps 1..3: the loss every step (train.log_every), the held-out loss every 50 "
+        "steps (train.eval_every; the first evaluation compiles its step), a checkpoint every 50 "
+        "steps")
+    assert said.index("evaluating at step 3 on 4 held-out batches (compiling the eval step "
+                      "first)") == said.index(next(x for x in said if x.startswith("eval "))) - 1
+    assert said[-3].startswith("done: step 3") and said[-2].startswith("goodput ")
+    assert said[-1] == (f"next: jaxtron generate {run_dir} --prompt TEXT (continue a prompt); "
+                        f"jaxtron convert-hf export {run_dir} OUT_DIR (a Hugging Face model); "
+                        f"jaxtron plot {run_dir} (the loss curves)")
+    from jaxtron import commands  # each command as printed runs
+
+    for command in said[-1].removeprefix("next: ").split("; "):
+        args = command.split(" (")[0].split()[1:]
+        args = [{"TEXT": "def", "OUT_DIR": str(tmp_path / "hf")}.get(a, a) for a in args]
+        extra = ["--max-new-tokens", "2"] if args[0] == "generate" else []
+        extra += ["--out", str(tmp_path / "plots")] if args[0] == "plot" else []
+        assert commands.main([*args, *extra]) == 0, command
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 def test_dry_run_plans_llama3_70b_without_allocating(capsys):
@@ -74,6 +97,8 @@ BAD_INPUTS = [
     (["run.compile_cache=/proc/jaxtron-cache"], ["run.compile_cache=/proc/jaxtron-cache"]),
     (["xla.flags=--foo"], ["xla.flags=[--foo]"]),
     (["=3"], ["'=3'", "section.key=value"]),
+    (["run.dir=runs/a\nb"], ["run.dir='runs/a\\nb'", "control character"]),  # not "runs/a b"
+    (["run.compile_cache=/tmp/c\tx"], ["run.compile_cache='/tmp/c\\tx'", "control character"]),
     (["--config", "tiny"], ["tiny", "--config configs/tiny.yaml"]),
     (["--gpus-per-host", "4", "train.steps=1"], ["--gpus-per-host", "--compile-for"]),
     (["--gpu", "h100", "train.steps=1", "train.seq_len=64", "train.eval_every=0"],
@@ -333,9 +358,9 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
     assert run_launch(*SMALL_RUN, f"run.dir={run_dir}").returncode == 0
     proc = run_launch(*SMALL_RUN, "train.steps=2", "model.num_layers=2", f"run.dir={run_dir}")
     assert_refused(proc.returncode, proc.stderr,
-                              f"{run_dir} holds checkpoints of another model "
-                              "(model.num_layers=4 -> 2); set run.dir to a new directory, or set "
-                              "those fields back")
+                   f"{run_dir} holds checkpoints of another model (model.num_layers=4 -> 2); start "
+                   "a new run.dir, or drop the override to resume with the checkpoints' "
+                   "model.num_layers=4")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1"]
     assert not (run_dir / "damaged_checkpoints").exists()
     assert "num_layers: 4" in (run_dir / "config.yaml").read_text()  # the refused run wrote nothing
@@ -357,6 +382,99 @@ def test_a_changed_model_on_a_run_dir_is_one_line_and_moves_nothing(tmp_path, ca
         assert_refused(rc, err, message)
         assert out == ""
     assert not (tmp_path / "other").exists()
+
+
+# A one-layer tiny_moe run that writes everything a run writes (its TensorBoard events too).
+MOE_RUN = ["--config", "configs/tiny_moe.yaml", "model.num_layers=1", "train.steps=1",
+           "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "run.progress=lines"]
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    """Every file under run_dir with its bytes (the lock file's: whose pid holds it)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file()}
+
+
+# Changed on resume: (override, the field as the checkpoints hold it). Arrays of other shapes
+# (these were "unreadable" checkpoints, with advice to move good ones aside), and the same arrays
+# computing another function (experts_per_token was taken silently: top-1 from there on).
+CHANGED_ON_RESUME = [("model.num_experts=4", "model.num_experts=8"),
+                     ("model.moe_mlp_dim=512", "model.moe_mlp_dim=0"),
+                     ("model.qk_norm=true", "model.qk_norm=false"),
+                     ("model.experts_per_token=1", "model.experts_per_token=2"),
+                     ("model.norm_topk_prob=false", "model.norm_topk_prob=true"),
+                     ("model.rope_theta=500000", "model.rope_theta=10000.0")]
+
+
+def test_a_resume_that_changes_the_model_is_refused_before_writing(tmp_path, capsys):
+    """Each change of CHANGED_ON_RESUME: one line naming the field, the checkpoints' value and
+    this start's, and the fix; status 2; run.dir's files and their bytes as they were (no
+    config.yaml, goodput record or TensorBoard file); the dry run says the same line. An
+    implementation choice, or a training knob, resumes."""
+    run_dir = tmp_path / "run"
+    proc = run_launch(*MOE_RUN, f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = _snapshot(run_dir)
+    assert "config.yaml" in before and "goodput.json" in before
+    assert any(name.startswith("tensorboard/events") for name in before)
+    for override, saved in CHANGED_ON_RESUME:
+        new = override.split("=")[1]
+        new = str(float(new)) if "rope" in override else new
+        line = (f"{run_dir} holds checkpoints of another model ({saved} -> {new}); start a new "
+                f"run.dir, or drop the override to resume with the checkpoints' {saved}")
+        for dry in ([], ["--dry-run"]):
+            rc = _main([*MOE_RUN, "train.steps=2", *dry, override, f"run.dir={run_dir}"])
+            out, err = capsys.readouterr()
+            assert_refused(rc, err, line)
+            assert out == ""
+            assert _snapshot(run_dir) == before, override
+    proc = run_launch(*MOE_RUN, "train.steps=2", "model.experts_per_token=1", f"run.dir={run_dir}")
+    assert_refused(proc.returncode, proc.stderr, "model.experts_per_token=2 -> 1")
+    assert _snapshot(run_dir) == before
+    for override in ("model.moe_kernel=xla", "model.capacity_factor=1.5", "model.moe_aux_coef=0.1",
+                     "model.remat=full", "model.moe_mlp_dim=384"):  # 384 = mlp_dim: the same width
+        assert _main([*MOE_RUN, "train.steps=2", "--dry-run", override,
+                      f"run.dir={run_dir}"]) == 0, override
+        assert f"start: resumes from {run_dir}/checkpoints/1" in capsys.readouterr().out
+
+
+def test_a_start_refused_after_the_lock_leaves_run_dir_as_it_was(tmp_path):
+    """The one refusal that comes with reading the arrays (no checkpoint reads back) leaves
+    run.dir's files as they were: config.yaml, goodput.json, metrics.jsonl and TensorBoard's
+    events; the lock file names the last start that held it."""
+    run_dir = tmp_path / "run"
+    proc = run_launch(*MOE_RUN, f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run_dir / "metrics.jsonl").unlink()  # a run.dir without it: the refused start adds none
+    for f in (run_dir / "checkpoints" / "1" / "state").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:10])
+    before = _snapshot(run_dir)
+    proc = run_launch(*MOE_RUN, "train.steps=2", "train.log_every=1", f"run.dir={run_dir}")
+    assert_refused(proc.returncode, proc.stderr, f"the one checkpoint in {run_dir}/checkpoints "
+                   "is unreadable")
+    after = _snapshot(run_dir)
+    assert after.pop(".jaxtron-run.lock") != before.pop(".jaxtron-run.lock")
+    assert after == before
+
+
+def test_a_run_dir_removed_while_compiling_is_one_line(tmp_path, capsys, monkeypatch):
+    """run.dir deleted while the step compiles: one line naming it, status 4 (nothing could be
+    saved), no traceback; run.dir is not made again."""
+    from jaxtron.train import loop
+
+    run_dir = tmp_path / "run"
+    compile_step = loop._compile
+
+    def removed_meanwhile(*args, **kwargs):
+        compiled = compile_step(*args, **kwargs)
+        shutil.rmtree(run_dir)
+        return compiled
+
+    monkeypatch.setattr(loop, "_compile", removed_meanwhile)
+    rc = _main([*SMALL_RUN, f"run.dir={run_dir}"])
+    assert_refused(rc, capsys.readouterr().err, f"run.dir {run_dir} was removed while the run "
+                   "went on", code=4)
+    assert not run_dir.exists()
 
 
 def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, capsys):

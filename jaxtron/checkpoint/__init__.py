@@ -76,6 +76,9 @@ class Checkpoints:
         started, or when the previous save's background write failed (naming that one)."""
         self.wait()  # Orbax would wait for it anyway; a failure is the previous step's
         directory = Path(self.manager.directory)
+        if not directory.parent.is_dir():  # removed while the run went on: not made again
+            raise CheckpointSaveError(f"checkpoint {step} was not saved: run.dir "
+                                      f"{directory.parent} was removed")
         if not directory.is_dir():
             raise self._failed(step, NotADirectoryError(20, "Not a directory"))
         latest = self.manager.latest_step()
@@ -269,16 +272,22 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
             raise ConfigError(f"run.dir={run_dir} holds an import (weights only); set run.dir to a "
                               f"new directory with checkpoint.restore={run_dir} "
                               "checkpoint.weights_only=true")
-        changed = weights.model_changes(meta, model)
-        if changed:
-            raise ConfigError(f"{run_dir} holds checkpoints of another model "
-                              f"({', '.join(changed)}); set run.dir to a new directory, or set "
-                              "those fields back")
+        if changed := weights.model_changes(meta, model, resume=True):
+            raise ConfigError(_another_model(run_dir, changed))
         if data_change and "config" in meta and (
                 change := data_change(weights.config_of(meta).data, "")):
             raise ConfigError(change)
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
         _restore_dir(restore, None if steps else model, data_change)
+
+
+def _another_model(run_dir: Path, changed: list[str]) -> str:
+    """The refusal of a resume whose model is not its checkpoints' (`changed`: as model_changes
+    says them): each field with the checkpoints' value and this start's, and the two ways on."""
+    back = " ".join(change.split(" -> ")[0] for change in changed)
+    return (f"{run_dir} holds checkpoints of another model ({', '.join(changed)}); start a new "
+            f"run.dir, or drop the override{'s' if len(changed) > 1 else ''} to resume with the "
+            f"checkpoints' {back}")
 
 
 def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:

@@ -139,26 +139,60 @@ def read_meta(step_dir: Path) -> dict:
         raise ConfigError(f"{step_dir}: unreadable meta item ({e})") from None
 
 
-SHAPED = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
-          "mlp_dim", "tie_embeddings", "qkv_bias", "param_dtype")  # what the saved arrays fix
+# What a start may not change of the model its checkpoints hold, per ModelConfig field. Any other
+# field may change on resume: an implementation of the same function (scan_layers, remat,
+# attention, attention_check, collective_matmul, moe_kernel), the compute precision (dtype; fp8
+# between none and tensorwise, which keep no state), the init (init_std: read at step 0 only), and
+# the training objective's knobs, which the weights' meaning does not depend on, as optim.* may
+# change: moe_aux_coef, moe_z_coef and capacity_factor (a compute budget per sequence: the pairs
+# over it are dropped, the router and experts stay those of the same dropless model).
+ARRAYS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
+          "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype",
+          "num_experts")  # the saved arrays' shapes and dtypes: a restore into others fails
+MOE_ARRAYS = ("moe_mlp_dim",)  # the experts' width (0: mlp_dim), where both have experts
+# The same arrays, another function: a resume in run.dir that changed one would go on training
+# (and save as the run's) another model than its steps so far trained, with no error. A new run
+# that starts from the checkpoint (checkpoint.restore, e.g. fine-tuning with a longer RoPE) may.
+FUNCTION = ("rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+            "rope_original_max_len", "norm_eps", "sliding_window")
+MOE_FUNCTION = ("experts_per_token", "norm_topk_prob")  # where both have experts
 
 
-def model_changes(meta: dict, model: config_lib.ModelConfig) -> list[str]:
-    """The model fields that give this config other arrays than the checkpoint's, as
-    `model.key=saved -> now` (empty when its weights fit; compute settings may change)."""
+def model_changes(meta: dict, model: config_lib.ModelConfig, resume: bool = False) -> list[str]:
+    """The model fields that give this config other arrays than the checkpoint's, and with
+    `resume` (run.dir's own checkpoints) also another function of them (FUNCTION), each as
+    `model.key=saved -> now`; empty when the model is the checkpoint's (an older or foreign meta
+    is left to the restore)."""
     try:
         saved = config_lib.ModelConfig(**{k: v for k, v in
                                           yaml.safe_load(meta["config"])["model"].items()
                                           if k in config_lib.ModelConfig.__dataclass_fields__})
     except (KeyError, TypeError, ValueError, AttributeError):
         return []  # an older or foreign meta: the restore itself decides
-    name = lambda key: "head_dim" if key == "head_size" else key
-    changed = [f"model.{name(k)}={getattr(saved, k)} -> {getattr(model, k)}" for k in SHAPED
-               if getattr(saved, k) != getattr(model, k)]
+    keys = [*ARRAYS, *(FUNCTION if resume else ())]
+    if saved.num_experts and model.num_experts:  # a dense model reads none of these
+        keys += [*MOE_ARRAYS, *(MOE_FUNCTION if resume else ())]
+    changed = [_change(k, saved, model) for k in keys if _differs(k, saved, model)]
     if _histories(saved) != _histories(model):  # model.fp8=delayed's amax histories
-        changed += [f"model.{k}={getattr(saved, k)} -> {getattr(model, k)}"
+        changed += [_change(k, saved, model)
                     for k in ("fp8", "fp8_history") if getattr(saved, k) != getattr(model, k)]
     return changed
+
+
+def _differs(key: str, saved: config_lib.ModelConfig, model: config_lib.ModelConfig) -> bool:
+    """Field `key` differs as the checkpoint depends on it: moe_mlp_dim as the experts' width
+    (0 and mlp_dim's value are the same width)."""
+    if getattr(saved, key) == getattr(model, key):
+        return False
+    width = lambda m: m.moe_mlp_dim or m.mlp_dim
+    return key != "moe_mlp_dim" or width(saved) != width(model)
+
+
+def _change(key: str, saved: config_lib.ModelConfig, model: config_lib.ModelConfig) -> str:
+    """`model.key=saved -> now`, as the key and values are written in an override."""
+    shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
+    name = "head_dim" if key == "head_size" else key
+    return f"model.{name}={shown(getattr(saved, key))} -> {shown(getattr(model, key))}"
 
 
 def _histories(model: config_lib.ModelConfig) -> int:

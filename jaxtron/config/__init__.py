@@ -71,9 +71,10 @@ class ModelConfig:
     moe_mlp_dim: int = 0
     norm_topk_prob: bool = True
     # 0: dropless (every token reaches its experts); > 0: an expert takes at most
-    # ceil(capacity_factor * tokens * experts_per_token / num_experts) of a step's tokens, in order
+    # ceil(capacity_factor * seq_len * experts_per_token / num_experts) of each sequence's pairs
     capacity_factor: float = 0.0
-    moe_aux_coef: float = 0.01  # load-balancing loss (Switch/Mixtral), mean over layers
+    # load-balancing loss: transformers' Mixtral form per sequence, over all layers (moe.sequence_aux)
+    moe_aux_coef: float = 0.01
     moe_z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
     # the experts' grouped matmuls: auto (mosaic on GPUs, where tokamax is installed; else xla),
     # mosaic (tokamax's Mosaic GPU ragged_dot), triton (its Triton one: jax 0.10 only), xla
@@ -261,6 +262,9 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
 
 def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     """Schema defaults <- each YAML file (with its bases) <- `section.key=value` overrides."""
+    for item in overrides:  # YAML folds a newline in a value into a space: check it as typed
+        key, _, value = item.partition("=")
+        _check_no_control(key.strip(), value)
     layers = [(f"{f}: ", presets.read(Path(f))) for f in files]  # errors name the file
     layers += [("", presets.parse_override(item)[1]) for item in overrides]  # the last one wins
     layers = [(where, presets.auto_microbatches(layer)) for where, layer in layers]
@@ -276,6 +280,17 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     cfg = _home_expanded(OmegaConf.to_object(merged))
     check_values(cfg)
     return cfg
+
+
+CREATED_DIRS = ("run.dir", "run.compile_cache")  # directories a run makes when they are missing
+
+
+def _check_no_control(key: str, value: str) -> None:
+    """A directory a run would make, named with a control character (a newline or tab from a
+    paste or a broken quote): refused, as it would be made under a name no one meant."""
+    if key in CREATED_DIRS and (bad := [c for c in value if ord(c) < 32 or ord(c) == 127]):
+        raise ConfigError(f"{key}={value!r} holds a control character ({bad[0]!r}), probably "
+                          f"from a paste or a broken quote; retype {key} without it")
 
 
 def _home_expanded(cfg: Config) -> Config:
@@ -333,6 +348,8 @@ def check_values(cfg: Config) -> None:
     that other modules define (remat policies, attention kernels) are checked by their owners
     (model.check), so the schema imports nothing of the code that uses it."""
     m, t = cfg.model, cfg.train
+    _check_no_control("run.dir", cfg.run.dir)  # a YAML file's "a\nb" keeps its newline
+    _check_no_control("run.compile_cache", cfg.run.compile_cache)
     for key, value, holds, words in _ranges(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} is not a finite number; it must be {words}")

@@ -11,6 +11,7 @@ persistent compilation cache in run.compile_cache (jaxtron/train/compile_cache.p
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import threading
 import time
@@ -24,7 +25,8 @@ from jax.sharding import Mesh
 from jaxtron import cli, parallel
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron.checkpoint import Checkpoints, RunDirLock, check_start, weights
+from jaxtron.checkpoint import Checkpoints, CheckpointSaveError, RunDirLock, check_start, weights
+from jaxtron.checkpoint.lock import LOCK_FILE
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
@@ -62,12 +64,12 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     cfg = setup.cfg
     feed = _Input.of(cfg, mesh)  # checked against the model before run.dir is written
 
-    # Run directory and writers: every check above passed.
+    # Run directory and writers: every check above passed. The refusals left (no checkpoint
+    # reads back) come with the state: what this start added to run.dir is removed again then.
     is_main = jax.process_index() == 0
     fresh = not run_dir.exists()  # made by this start: removed again if it fails before a step
     lock = RunDirLock(run_dir) if is_main else None  # a second run stops here, writing nothing
-    if is_main:
-        (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
+    held = set(os.listdir(run_dir)) if is_main else set()  # what run.dir held before this start
     log = metrics_lib.MetricsWriter(run_dir, cfg.train.steps, cfg.run.progress,
                                     cfg.run.tensorboard, is_main)
     _say_start(log, setup, devices, hosts.per_host, feed)
@@ -84,12 +86,14 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
                 return []
+            if is_main:  # the state is in place: this config is the run's from here on
+                (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
             step_fn, eval_fn = _compile(setup, run, state, devices[0].platform)
-            return _loop(cfg, run, step_fn, eval_fn, state, start, tokens_seen)
+            _check_kept(run_dir)
+            history = _loop(cfg, run, step_fn, eval_fn, state, start, tokens_seen)
     except BaseException as e:
         distributed.end_if_lost(e)  # another process is gone: one line, exit 75, no clean-up
-        outcome = ("preempted" if isinstance(e, Preempted) else "stopped before training"
-                   if isinstance(e, KeyboardInterrupt) else f"failed: {type(e).__name__}")
+        outcome = _outcome(e, run.account)
         raise
     finally:
         try:
@@ -105,6 +109,48 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
                 lock.release()
             if fresh and is_main and outcome != "done" and not run.account.last_step:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run.dir
+            elif outcome == REFUSED and is_main:
+                _remove_added(run_dir, held)
+    log.info(_next_commands(cfg.run.dir))  # after the goodput account: the run's last words
+    return history
+
+
+REFUSED = "refused"  # a start stopped by bad input (a ConfigError) before its loop: no attempt
+
+
+def _outcome(e: BaseException, account: goodput.Attempt) -> str:
+    """How the attempt ended, for goodput.json (a refused start is not recorded)."""
+    if isinstance(e, Preempted):
+        return "preempted"
+    if isinstance(e, KeyboardInterrupt):
+        return "stopped before training"
+    if isinstance(e, ConfigError) and account.loop_start is None:
+        return REFUSED
+    return f"failed: {type(e).__name__}"
+
+
+def _remove_added(run_dir: Path, held: set[str]) -> None:
+    """Remove what a refused start added to run.dir (its log files, an empty checkpoints
+    directory), so that run.dir is as it was; the lock file stays (another start may hold it)."""
+    if not run_dir.is_dir():
+        return
+    for name in set(os.listdir(run_dir)) - held - {LOCK_FILE}:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _check_kept(run_dir: Path) -> None:
+    """run.dir removed while the run compiled or trained (a clean-up script, a user's rm):
+    nothing it trains could be saved, so it stops in one line (status 4) rather than train for
+    nothing. It is not made again: its checkpoints and logs are gone, and whoever removed it
+    meant it gone."""
+    if not run_dir.is_dir():
+        raise CheckpointSaveError(f"run.dir {run_dir} was removed while the run went on; nothing "
+                                  "it trains could be saved there: run the same command to start "
+                                  "again")
 
 
 def _set_up(cfg: Config, devices: list) -> tuple[Setup, Mesh]:
@@ -235,6 +281,9 @@ def _evaluate(run: RunContext, eval_fn: Callable, step: int, state: dict) -> boo
     """Evaluate and log; True when a signal came meanwhile (one process: the evaluation is left
     unfinished, for the stop to save now rather than after every eval batch)."""
     jax.block_until_ready(state)  # the step's device work is the step's time, not eval's
+    if "eval" not in run.watch.totals:  # the first: compiling it is the longest silence
+        run.log.info(f"evaluating at step {step} on {len(run.eval_batches)} held-out batches "
+                     "(compiling the eval step first)")
     alone = jax.process_count() == 1  # several: jax's sync point picks the step all stop at
     with run.watch.time("eval"):  # not a step's time (StepWindow leaves it out)
         def stopped() -> bool:  # asked before each batch
@@ -278,8 +327,8 @@ def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
     with run.watch.time("checkpoint"):
         run.ckpt.close()  # the last async save is on disk before we return, also on error
     record = run.account.record(outcome)
-    if not run.log.is_main:
-        return
+    if not run.log.is_main or outcome == REFUSED or not run_dir.is_dir():
+        return  # a refused start writes nothing; a removed run.dir is not made again
     summary = goodput.summarize(goodput.append(run_dir, record, run.log.info))
     if record["last_step"] != record["resumed_from"]:  # a start that failed ends on its error
         run.log.info(goodput.format_summary(summary))
@@ -392,6 +441,7 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
     history, previous, window = [], None, metrics_lib.StepWindow(watch, start)
     run.account.start_loop(start)
     run.log.begin(start)
+    run.log.info(_what_follows(cfg, start))
     for step in range(start + 1, steps + 1):
         run.watchdog.tick(f"training step {step}")
         run.profile.before(step, state)
@@ -412,6 +462,7 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
             row = metrics_lib.make_row(step, fetched, window.close(step), run.cost, tokens_seen)
             history.append(row)
             run.log.write(row)
+            _check_kept(Path(cfg.run.dir))  # removed meanwhile: stop now, not at the next save
             run.account.persist()  # goodput.json holds this attempt also if it is killed
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps) \
                 and not stop:  # a stop saves at once: preemption's grace is seconds
@@ -443,4 +494,24 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
     run.log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for "
                  f"data, {watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
     return history
+
+
+def _next_commands(run_dir: str) -> str:
+    """The commands that use a trained run, as a finished run's last line."""
+    where = shlex.quote(run_dir)
+    return (f"next: jaxtron generate {where} --prompt TEXT (continue a prompt); jaxtron "
+            f"convert-hf export {where} OUT_DIR (a Hugging Face model); jaxtron plot {where} "
+            "(the loss curves)")
+
+
+def _what_follows(cfg: Config, start: int) -> str:
+    """What the loop will say and when, so that the wait for the first logged step (the first
+    steps run the compiled program for the first time) is not a silence."""
+    t, saves = cfg.train, cfg.checkpoint.every
+    every = lambda n: "every step" if n == 1 else f"every {n} steps"
+    line = f"training steps {start + 1}..{t.steps}: the loss {every(t.log_every)} (train.log_every)"
+    if t.eval_every:
+        line += (f", the held-out loss {every(t.eval_every)} (train.eval_every; the first "
+                 "evaluation compiles its step)")
+    return line + (f", a checkpoint {every(saves)}" if saves else ", a checkpoint at the end")
 
