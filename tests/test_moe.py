@@ -365,11 +365,18 @@ class _JunkKernels:
 
 
 @pytest.mark.parametrize("junk", [1e4, float("nan")])
-def test_a_kernel_that_leaves_rows_unwritten_changes_no_gradient(monkeypatch, junk):
+@pytest.mark.parametrize("where", ["tokamax", "any kernel"])
+def test_a_kernel_that_leaves_rows_unwritten_changes_no_gradient(monkeypatch, junk, where):
     """One layer, padding tokens and a capacity that drops pairs (both parked past the groups):
-    outputs and gradients (inputs, router, experts) through the junk-leaving stand-in equal
-    jax.lax.ragged_dot's. Without the mask around the kernel: NaN, or gradients ~1e5 off."""
-    monkeypatch.setattr(moe, "_tokamax", lambda: _JunkKernels(junk))
+    outputs and gradients (inputs, router, experts) through the junk-leaving stand-in, as
+    tokamax or as whatever grouped kernel the layer is given, equal jax.lax.ragged_dot's.
+    Without the select around the kernel: NaN, or gradients 4e4 off."""
+    stand_in = _JunkKernels(junk)
+    if where == "tokamax":
+        monkeypatch.setattr(moe, "_tokamax", lambda: stand_in)
+    else:
+        monkeypatch.setattr(moe, "_grouped", lambda kind: jax.lax.ragged_dot if kind == "xla"
+                            else functools.partial(stand_in.ragged_dot, implementation=kind))
     cfg = ModelConfig(d_model=16, mlp_dim=24, num_experts=4, experts_per_token=2,
                       capacity_factor=0.75, dtype="float32", init_std=0.3, moe_kernel="xla")
     graphdef, params = nnx.split(moe.MoE(cfg, nnx.Rngs(3)))

@@ -299,7 +299,7 @@ def _my_experts(cfg: ModelConfig, kind: str, x_nD, expert_nk, weight_nk, first, 
     # other devices' experts last, where no kernel reads or writes
     x_RD = permute(jnp.repeat(x_nD, k, axis=0), order_R, inverse_R)
     scale_R = permute(jnp.where(mine_nk, weight_nk, 0).reshape(-1), order_R, inverse_R)
-    dot = _grouped(kind)
+    dot = _past_groups_zero(_grouped(kind))  # whatever kernel: nothing trusted past the groups
     h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
     y_RD = dot(h_RF * scale_R[:, None].astype(h_RF.dtype), w_down, sizes)
     y_nkD = permute(y_RD, inverse_R, order_R).reshape(n, k, -1)  # (token, choice) order
@@ -327,13 +327,12 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def _grouped(kind: str):
-    """dot(x [R, K], w [G, K, N], sizes [G]) -> [R, N]: row r times the weight of its group,
-    rows past sum(sizes) zero, and so their gradients. `xla`: jax.lax.ragged_dot (which writes
-    those zeros); `mosaic`, `triton`: tokamax's kernels, `_past_groups_zero` around them."""
+    """dot(x [R, K], w [G, K, N], sizes [G]) -> [R, N]: row r times the weight of its group;
+    rows past sum(sizes) as the kernel leaves them (`_past_groups_zero` makes them zero). `xla`:
+    jax.lax.ragged_dot; `mosaic`, `triton`: tokamax's kernels."""
     if kind in TOKAMAX:
         tokamax = _tokamax()
-        return _past_groups_zero(lambda x, w, sizes: tokamax.ragged_dot(
-            x, w, sizes, implementation=TOKAMAX[kind]))
+        return lambda x, w, sizes: tokamax.ragged_dot(x, w, sizes, implementation=TOKAMAX[kind])
     return jax.lax.ragged_dot
 
 
