@@ -156,7 +156,7 @@ def test_generate_reads_a_pipeline_run_in_model_order(pipeline_run):
     from jaxtron.model import generate
 
     cfg, params = weights.read_params(pipeline_run)
-    want = generate.generate(cfg.model, params, [1, 40, 41, 42], 6)
+    want = generate.generate(cfg.model, params, [1, 40, 41, 42], 6, eos_id=2)  # the run's eos
     order = weights.read_meta(weights.locate(pipeline_run)[1])["layer_order"]
     stored = jax.tree_util.tree_map_with_path(
         lambda p, x: x[np.asarray(order)] if p[0].key == "layers" else x, params)
@@ -270,6 +270,7 @@ def _edit_tensors(src: Path, dst: Path, edit) -> None:
     ("not_empty", "already exists and is not empty"),
     ("untied", "an lm_head.weight other than its embedding, but its config ties them "
                r"\(tie_word_embeddings\); set tie_word_embeddings to false in config.json"),
+    ("eos", "generation_config.json: not valid JSON"),  # the end ids the import keeps
 ])
 def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, message):
     _save("llama2", tmp_path / "hf")
@@ -292,6 +293,8 @@ def test_bad_directories_are_refused_in_one_line(tmp_path, capsys, defect, messa
     if defect == "architecture":
         config = json.loads((bad / "config.json").read_text())
         (bad / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    if defect == "eos":
+        (bad / hf.GENERATION).write_text('{"eos_token_id": [2, ')
     if defect == "not_empty":
         out.mkdir()
         (out / "notes.txt").write_text("keep me")
@@ -365,6 +368,9 @@ def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
     LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     build_bpe(tmp_path / "hf", LLAMA3, {"bos_token": "<|begin_of_text|>",
                                         "eos_token": "<|eot_id|>"})
+    # the document end, then the instruct config's turn end, as Llama 3 instruct lists them
+    ends = ids_of(tmp_path / "hf" / "tokenizer.json", "<|end_of_text|>", "<|eot_id|>")
+    _set_eos(tmp_path / "hf", ends)  # not LlamaConfig's default 2
     assert _convert("import", tmp_path / "hf", tmp_path / "imp", "--compute-dtype",
                     "float32") == 0
     assert {p.name for p in (tmp_path / "imp").glob("tokenizer*")} == {
@@ -378,13 +384,19 @@ def test_a_llama3_import_fine_tunes_with_its_tokenizer_json(tmp_path):
                         "train.steps=2", f"run.dir={tmp_path / 'run'}"]) == 0
     assert _convert("export", tmp_path / "run", tmp_path / "out") == 0
     assert tokenizer_lib.from_path(tmp_path / "out").sha256 == tok.sha256
-    # the document end, then the instruct config's turn end, as Llama 3 instruct lists them
-    ends = ids_of(tmp_path / "hf" / "tokenizer.json", "<|end_of_text|>", "<|eot_id|>")
     generation = GenerationConfig.from_pretrained(tmp_path / "out")
     assert (generation.bos_token_id, generation.eos_token_id) == (tok.bos_id(), ends)
     # fine-tuned at 64 tokens, it is still the 131,072-token model it was imported as
     assert json.loads((tmp_path / "out" / "config.json").read_text())[
         "max_position_embeddings"] == 131072
+
+
+def _set_eos(folder: Path, ids) -> None:
+    """eos_token_id `ids` (an id, a list or None) in the HF directory's config.json and
+    generation_config.json."""
+    for name in ("config.json", hf.GENERATION):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "eos_token_id": ids}))
 
 
 def _first_last_tokenizer(folder: Path, vocab: int) -> None:
@@ -417,6 +429,7 @@ def test_an_export_carries_the_tokenizers_ids_and_generation_stops_at_its_eos(tm
     _edit_tensors(tmp_path / "src", tmp_path / "hf", lambda t: {
         **t, **{k: t[k][rows] for k in ("model.embed_tokens.weight", "lm_head.weight")}})
     _first_last_tokenizer(tmp_path / "hf", 64)
+    _set_eos(tmp_path / "hf", None)  # LlamaConfig's default 2 is not this tokenizer's
     assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0  # copies the tokenizer
     assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0  # the run's tokenizer
 
@@ -438,6 +451,55 @@ def test_an_export_carries_the_tokenizers_ids_and_generation_stops_at_its_eos(tm
     assert tool.main([str(tmp_path / "out"), "--tokens", ",".join(map(str, prompt)),
                       "--max-new-tokens", str(new)]) == 0
     assert capsys.readouterr().out.strip() == ",".join(map(str, want))
+
+
+def _llama2_words(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer.json with Llama 2's <unk> 0, <s> 1 and </s> 2, named so by a
+    tokenizer_config.json, and the words w3, w4, ... after them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def test_an_imports_own_end_ids_stop_generation_and_are_exported(tmp_path, capsys):
+    """The source's generation_config.json lists an end id that no tokenizer file names, as
+    Llama 3.1 instruct's lists <|eom_id|> beside the tokenizer's <|end_of_text|> and <|eot_id|>.
+    The import keeps it in its meta: generate --tokens stops there on the import and on a run
+    fine-tuned from it (lr 0: the same weights), as on the source directory, and the run's
+    export lists it after the tokenizer's eos. Generate stopped only at the tokenizer's eos 2
+    and ran on, and the export left the id out. The extra id is the one the free greedy
+    continuation reaches first after two tokens."""
+    _tiny_llama(tmp_path / "hf")
+    prompt, new = [10, 20, 30], 12
+    free = generate.generate(*hf.from_pretrained(tmp_path / "hf"), prompt, new)
+    stop = next(k for k in range(2, new) if free[k] > 2 and free[k] not in free[:k])
+    extra = free[stop]
+    assert stop < new - 1 and 2 not in free[:stop + 1], free
+    generation = json.loads((tmp_path / "hf" / hf.GENERATION).read_text())
+    (tmp_path / "hf" / hf.GENERATION).write_text(json.dumps(
+        {**generation, "eos_token_id": [2, extra]}))
+    _llama2_words(tmp_path / "hf", 64)
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp", "--compute-dtype",
+                    "float32") == 0
+    assert weights.read_meta(weights.locate(tmp_path / "imp")[1])["hf_eos_token_id"] == [2, extra]
+    assert launch.main(["--config", str(tmp_path / "imp" / "config.yaml"), *RUN, "optim.lr=0",
+                        "train.steps=1", f"run.dir={tmp_path / 'run'}"]) == 0
+    tool = importlib.import_module("jaxtron.commands.generate")
+    capsys.readouterr()
+    for where in ("hf", "imp", "run"):
+        assert tool.main([str(tmp_path / where), "--tokens", ",".join(map(str, prompt)),
+                          "--max-new-tokens", str(new)]) == 0
+        assert capsys.readouterr() == (",".join(map(str, free[:stop + 1])) + "\n", ""), where
+
+    assert _convert("export", tmp_path / "run", tmp_path / "out") == 0
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [2, extra]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [
+        2, extra]
 
 
 def test_generation_config_without_transformers_is_what_transformers_writes(tmp_path,

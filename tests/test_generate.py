@@ -394,22 +394,38 @@ def test_cli_missing_directory(tool, tmp_path, capsys):
                    f"generate.py: error: {missing}: no such file")
 
 
-def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(case, tool, tmp_path, capsys):
+def test_cli_prompt_on_an_import_without_tokenizer_is_one_line(request, case, tool, tmp_path,
+                                                               capsys):
     """No tokenizer came with the import: --prompt says so (rather than training one on the
-    default corpus for a vocabulary it was never meant for); --tokens generates every token
-    asked for, with a note that no end id is known."""
+    default corpus for a vocabulary it was never meant for); --tokens stops at the end id the
+    import kept from the directory's config.json (it was lost, and generation ran on), and
+    with none kept generates every token asked for, with a note that no end id is known."""
     _, path, cfg, params = case
     convert = importlib.import_module("jaxtron.commands.convert_hf")
-    assert convert.main(["import", str(path), str(tmp_path / "imp")]) == 0
+    free = gen.generate(cfg, params, [1, 2], 6)
+    end = next(i for k, i in enumerate(free) if k and i not in free[:k])
+    for name, eos in (("imp", end), ("bare", None)):
+        if name == "bare" and request.node.callspec.params["case"] != "llama3_gqa":
+            break  # the note is the command's, the same for every architecture
+        hf_dir = tmp_path / f"{name}_hf"
+        shutil.copytree(path, hf_dir, ignore=shutil.ignore_patterns("generation_config.json"))
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+        assert convert.main(["import", str(hf_dir), str(tmp_path / name)]) == 0
     capsys.readouterr()
     assert_refused(tool.main([str(tmp_path / "imp"), "--prompt", "hi", "--max-new-tokens", "2"]),
                    capsys.readouterr().err, str(tmp_path / "imp"), "tokenizer", "--prompt",
                    "--tokens")
-    assert tool.main([str(tmp_path / "imp"), "--tokens", "1,2", "--max-new-tokens", "2"]) == 0
-    out, err = capsys.readouterr()
-    assert out == ",".join(map(str, gen.generate(cfg, params, [1, 2], 2))) + "\n"
-    assert err == (f"generate.py: note: no end-of-sequence id known ({tmp_path / 'imp'}: "
-                   "imported without a tokenizer); generating all 2 tokens\n")
+    assert tool.main([str(tmp_path / "imp"), "--tokens", "1,2", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr() == (",".join(map(str, free[:free.index(end) + 1])) + "\n", "")
+    assert len(free) == 6 and free.index(end) < 5
+    if (tmp_path / "bare").exists():
+        assert tool.main([str(tmp_path / "bare"), "--tokens", "1,2", "--max-new-tokens",
+                          "6"]) == 0
+        out, err = capsys.readouterr()
+        assert out == ",".join(map(str, free)) + "\n"
+        assert err == (f"generate.py: note: no end-of-sequence id known ({tmp_path / 'bare'}: "
+                       "imported without a tokenizer); generating all 6 tokens\n")
 
 
 @pytest.mark.parametrize("name, text, message", [

@@ -11,7 +11,8 @@ the model section read from config.json, the tokenizer copied beside it, checkpo
 weights_only set) and the tokenizer files. `export` takes a checkpoint saved on any mesh or
 pipeline layout (a step directory, or the newest of a run or import directory) and writes
 config.json (with `architectures`, and the tokenizer's bos/eos/pad ids, also written as
-generation_config.json, which transformers' generate() reads), safetensors shards with an index,
+generation_config.json, which transformers' generate() reads; the eos ids of the directory a run
+was imported from join them), safetensors shards with an index,
 and the run's tokenizer files (a SentencePiece model with a tokenizer_config.json that makes
 transformers add the BOS training put before each document).
 Host memory stays near one layer plus the largest tensor either way. Bad input: one line, exit 2.
@@ -220,6 +221,7 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
     stored = get("model.embed_tokens.weight").dtype.name
     compute_dtype = compute_dtype or (stored if stored in DTYPES else "float32")
     tok, no_tokenizer = _source_tokenizer(source, cfg.vocab_size)
+    eos = hf.eos_ids(source, config_json)  # those no tokenizer file names too (<|eom_id|>)
 
     def write(into: Path) -> tuple:
         try:
@@ -233,6 +235,7 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
             meta = {"step": 0, "tokens_seen": 0, "config": text, "source": str(source.absolute()),
                     "hf_model_type": config_json["model_type"],
                     "hf_max_position_embeddings": config_json.get("max_position_embeddings"),
+                    "hf_eos_token_id": eos,
                     "layer_order": list(range(cfg.num_layers))}
             top = hf_mapping.nest(hf_mapping.top_params(get, cfg))
             with _signals_held():  # a stop waits for the layer in hand (one partial save)
@@ -275,9 +278,11 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     tok = tokenizer_lib.from_path(tokenizer) if tokenizer else _run_tokenizer(cfg, meta)
     _check_outside_checkpoints(out, step_dir)
 
+    source_ends = imported(cfg, meta, "hf_eos_token_id") or []
+
     def write(into: Path) -> str:
         hf.write_pretrained(cfg.model, get, into, kind, dtype, _trained_context(cfg, meta),
-                            token_ids=_token_ids(tok) if tok else None)
+                            token_ids=_token_ids(tok, source_ends) or None)
         if not tok:
             return "no tokenizer (pass --tokenizer)"
         note = _write_tokenizer(tok, into)
@@ -297,46 +302,50 @@ def _trained_context(cfg, meta: dict) -> int:
     train.seq_len), or the imported model's own when longer (fine-tuning Llama 3 at 2048 keeps
     its 131,072), or Llama 3 scaling's original length. An import keeps its number in its meta;
     a run that fine-tuned one finds it through checkpoint.restore."""
-    known = [cfg.train.seq_len, meta.get("hf_max_position_embeddings")]
+    known = [cfg.train.seq_len, imported(cfg, meta, "hf_max_position_embeddings")]
     if cfg.model.rope_scaling_factor > 0:
         known.append(cfg.model.rope_original_max_len)
-    if cfg.checkpoint.restore and meta.get("layout") != weights.LAYERED:
-        try:
-            known.append(weights.read_meta(weights.locate(cfg.checkpoint.restore)[1])
-                         .get("hf_max_position_embeddings"))
-        except (ConfigError, OSError):
-            pass  # the import was moved or removed: the run's own length stands
     return max(n for n in known if isinstance(n, int) and n > 0)
 
 
-def _token_ids(tok: tokenizer_lib.Tokenizer) -> dict:
-    """config.json's and generation_config.json's ids of the tokenizer: bos, eos (with the chat
-    turn's end that tokenizer_config.json may name as eos_token, which documents do not end
-    with: [document end, turn end], as Llama 3 instruct's config.json lists them) and pad where
-    it has one."""
-    ids: dict = {"bos_token_id": tok.bos_id(), "eos_token_id": tok.eos_id()}
-    named_eos, pad = _named_ids(tok)
-    if named_eos not in (None, tok.eos_id()):
-        ids["eos_token_id"] = [tok.eos_id(), named_eos]
+def imported(cfg, meta: dict, key: str):
+    """meta[key] of an import (an hf_ key: what it kept of the Hugging Face directory), or of
+    the import a run fine-tuned, found through checkpoint.restore (a run's own meta has none);
+    None for a run trained from scratch, or when that import was moved or removed."""
+    if key in meta or not cfg.checkpoint.restore or meta.get("layout") == weights.LAYERED:
+        return meta.get(key)
+    try:
+        return weights.read_meta(weights.locate(cfg.checkpoint.restore)[1]).get(key)
+    except (ConfigError, OSError):
+        return None
+
+
+def _token_ids(tok: tokenizer_lib.Tokenizer | None, source_ends: list[int]) -> dict:
+    """config.json's and generation_config.json's ids: the tokenizer's bos, eos (its end_ids():
+    the document end, and the chat turn's end that tokenizer_config.json may name as eos_token,
+    as Llama 3 instruct's config.json lists them) and pad where it has one; the eos list gets
+    `source_ends`, those of the directory the run was imported from, too ({} for neither)."""
+    ends = tok.end_ids() if tok else []
+    ends += [i for i in source_ends if i not in ends]
+    ids: dict = {"bos_token_id": tok.bos_id()} if tok else {}
+    if ends:
+        ids["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+    pad = _pad_id(tok) if tok else None
     if pad is not None:
         ids["pad_token_id"] = pad
     return ids
 
 
-def _named_ids(tok: tokenizer_lib.Tokenizer) -> tuple[int | None, int | None]:
-    """(eos, pad) as tokenizer_config.json names them beside a tokenizer.json, or (None, a
-    SentencePiece model's pad piece); None where there is no such token."""
+def _pad_id(tok: tokenizer_lib.Tokenizer) -> int | None:
+    """The pad id: a SentencePiece model's pad piece, or the pad_token tokenizer_config.json
+    names beside a tokenizer.json; None where there is no such token."""
     if tokenizer_lib.SP_FILE in tok.files:
         pad = spm.SentencePieceProcessor(model_proto=tok.files[tokenizer_lib.SP_FILE]).pad_id()
-        return None, pad if pad >= 0 else None
+        return pad if pad >= 0 else None
     config = json.loads(tok.files.get(tokenizer_lib.HF_CONFIG, b"{}"))  # checked by Tokenizer
-
-    def vocab_id(key: str) -> int | None:
-        token = config.get(key)
-        token = token.get("content") if isinstance(token, dict) else token  # an AddedToken
-        return tok.piece_to_id(token) if isinstance(token, str) else None
-
-    return vocab_id("eos_token"), vocab_id("pad_token")
+    token = config.get("pad_token")
+    token = token.get("content") if isinstance(token, dict) else token  # an AddedToken
+    return tok.piece_to_id(token) if isinstance(token, str) else None
 
 
 def _sentencepiece_config(tok: tokenizer_lib.Tokenizer) -> dict:

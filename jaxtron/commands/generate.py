@@ -13,7 +13,9 @@ tokens. --tokens takes comma-separated ids, fed as given (no BOS added: put it f
 and prints the new ids the same way. Generation stops after --max-new-tokens or at any
 end-of-sequence id: a Hugging Face directory's (its generation_config.json, else config.json),
 else the tokenizer's (its document end, and the turn end its tokenizer_config.json names), read
-for --tokens too. Greedy output equals transformers' generate(do_sample=False) for the same ids.
+for --tokens too; a jaxtron import, and a run fine-tuned from one, also stop at the ids of the
+directory it was imported from (Llama 3.1 instruct's <|eom_id|>, which no tokenizer file
+names). Greedy output equals transformers' generate(do_sample=False) for the same ids.
 Bad input: one line on stderr, exit 2.
 """
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 from jaxtron import cli, hf, lifecycle
 from jaxtron.checkpoint import weights
 from jaxtron.cli import plural
+from jaxtron.commands import convert_hf
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.data import prepared, tokenizer
 from jaxtron.lifecycle import one_line_errors
@@ -45,7 +47,8 @@ class Loaded:
     max_len: int | None  # positions the model takes (None: not recorded)
     limit: str  # where max_len comes from, for the error message
     open_tokenizer: Callable[[], tokenizer.Tokenizer]  # a ConfigError if there is none
-    eos_ids: list[int]  # ids that end a continuation, from config files ([]: the tokenizer's)
+    eos_ids: list[int]  # ids that end a continuation, from config files or an import's meta
+    with_tokenizer_ends: bool  # whether the tokenizer's end ids end it too
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,19 +99,25 @@ def run(args: argparse.Namespace) -> None:
     prompt = tok.encode_prompt(args.prompt) if tok else args.tokens  # BOS first, as trained
     prompt_array(model.cfg, prompt)  # ids the model has, before their count
     _check_length(model, len(prompt), args.max_new_tokens)
-    eos = model.eos_ids or _tokenizer_ends(model, tok, args.max_new_tokens)
+    eos = model.eos_ids
+    if model.with_tokenizer_ends:
+        ends = _tokenizer_ends(model, tok, args.max_new_tokens, known=bool(eos))
+        eos = ends + [i for i in eos if i not in ends]
     new = generate(model.cfg, model.params, prompt, args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    seed=args.seed, eos_id=eos or None)
     print(tok.decode(new, skip_special=True) if tok else ",".join(map(str, new)))
 
 
-def _tokenizer_ends(model: Loaded, tok: tokenizer.Tokenizer | None, max_new: int) -> list[int]:
-    """The tokenizer's end ids, read for --tokens too (a run's or import's checkpoint records no
-    others); none, with a note on stderr, when there is no tokenizer to read them from."""
+def _tokenizer_ends(model: Loaded, tok: tokenizer.Tokenizer | None, max_new: int,
+                    known: bool) -> list[int]:
+    """The tokenizer's end ids, read for --tokens too; none when there is no tokenizer to read
+    them from, with a note on stderr unless other end ids are `known`."""
     try:
         return (tok or model.open_tokenizer()).end_ids()
     except ConfigError as err:
+        if known:
+            return []
         reason = str(err).split(";")[0]
         print(f"{lifecycle.script_name()}: note: no end-of-sequence id known ({reason}); "
               f"generating all {plural(max_new, 'token')}", file=sys.stderr)
@@ -129,13 +138,7 @@ def _load_hf(path: Path) -> Loaded:
     """Weights in float32; the position limit and end ids from the directory's JSON files."""
     config = hf.read_hf_config(path)  # its own one-line error first
     cfg, params = hf.from_pretrained(path)
-    generation = path / "generation_config.json"  # what transformers' generate() reads first
-    try:
-        eos = json.loads(generation.read_text()) if generation.is_file() else config
-    except ValueError as err:
-        raise ConfigError(f"{generation}: not valid JSON ({err})") from None
-    if not isinstance(eos, dict):
-        raise ConfigError(f"{generation}: not a JSON object of settings")
+    eos = hf.eos_ids(path, config)
 
     def open_tokenizer() -> tokenizer.Tokenizer:
         if not _has_tokenizer(path):
@@ -144,39 +147,31 @@ def _load_hf(path: Path) -> Loaded:
         return tokenizer.from_path(path)
 
     return Loaded(cfg, params, config.get("max_position_embeddings"),
-                  "max_position_embeddings in config.json", open_tokenizer,
-                  _eos_list(eos.get("eos_token_id", config.get("eos_token_id")), path))
+                  "max_position_embeddings in config.json", open_tokenizer, eos, not eos)
 
 
 def _load_checkpoint(path: Path) -> Loaded:
-    """Params as saved; the limit is the sequence length the run trained on; end ids come from
-    the run's tokenizer (the checkpoint records none)."""
+    """Params as saved; the limit is the sequence length the run trained on; end ids are the
+    run's tokenizer's and those its import recorded from the Hugging Face directory."""
     cfg, params = weights.read_params(path)
+    meta = weights.read_meta(weights.locate(path)[1])
 
     def open_tokenizer() -> tokenizer.Tokenizer:
         if _has_tokenizer(path):
             return tokenizer.from_path(path)
-        imported = weights.read_meta(weights.locate(path)[1]).get("layout") == weights.LAYERED
-        if imported and not cfg.data.tokenizer:  # else the default corpus's would be trained
+        # an import without one: the default corpus's would be trained for a foreign vocabulary
+        if meta.get("layout") == weights.LAYERED and not cfg.data.tokenizer:
             raise ConfigError(f"{path}: imported without a tokenizer; --prompt needs one: "
                               "give --tokens ids instead")
         return prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)  # the run's own
 
     return Loaded(cfg.model, params, cfg.train.seq_len, "train.seq_len it was trained with",
-                  open_tokenizer, [])
+                  open_tokenizer, convert_hf.imported(cfg, meta, "hf_eos_token_id") or [], True)
 
 
 def _has_tokenizer(path: Path) -> bool:
     """Whether the directory holds a tokenizer file that tokenizer.from_path reads."""
     return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
-
-
-def _eos_list(value, path: Path) -> list[int]:
-    """config.json's eos_token_id (an id, a list of ids or null) as a list."""
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and v >= 0 for v in ids):
-        raise ConfigError(f"{path}: eos_token_id {value!r} is not a token id or a list of them")
-    return ids
 
 
 def _check_length(model: Loaded, prompt_len: int, max_new: int) -> None:

@@ -351,6 +351,25 @@ def write_generation_config(out_dir: Path, token_ids: dict) -> None:
     GenerationConfig(**token_ids).save_pretrained(out_dir)
 
 
+def eos_ids(path: Path, config: dict) -> list[int]:
+    """The end-of-sequence ids of the Hugging Face directory `path` whose config.json is
+    `config`: generation_config.json's eos_token_id (what transformers' generate() reads first),
+    else config.json's, as a list (an id, a list of ids or null there). A Llama 3.1 instruct
+    lists one no tokenizer file names (<|eom_id|>); a broken file or value is one line."""
+    generation = path / GENERATION
+    try:
+        settings = json.loads(generation.read_text()) if generation.is_file() else config
+    except ValueError as err:
+        raise ConfigError(f"{generation}: not valid JSON ({err})") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{generation}: not a JSON object of settings")
+    value = settings.get("eos_token_id", config.get("eos_token_id"))
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ConfigError(f"{path}: eos_token_id {value!r} is not a token id or a list of them")
+    return ids
+
+
 def save_pretrained(cfg: ModelConfig, params: dict, out_dir: str | Path,
                     model_type: str = "llama", dtype: Any = None,
                     context: int | None = None, *, token_ids: dict | None = None) -> Path:
