@@ -16,8 +16,8 @@ exit status 2.
 Exit status: 0 done; 2 bad input (one line says what to change), or with --strict a set-up
 problem; 3 stopped on a non-finite loss
 (train.on_nonfinite=stop); 4 a due checkpoint could not be saved (the line says why; the previous
-checkpoint is intact); 75 preempted by SIGTERM/SIGINT/SIGHUP after saving a
-checkpoint (rerun resumes).
+checkpoint is intact), or run.dir was removed while the run went on; 75 preempted by
+SIGTERM/SIGINT/SIGHUP after saving a checkpoint (rerun resumes).
 Several processes: when one is lost (killed, frozen, its node down), the others stop within
 run.peer_timeout_s (60 s) with one line naming it and status 75: the newest checkpoint is intact
 and the same command resumes (jaxtron/train/supervisor.py; each process trains in a
@@ -51,8 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                "(jaxtron/config/__init__.py lists every "
                "key). `base:` in a preset names another preset, relative to the preset's file. "
                "Exit status: 0 done, 2 bad input (one line says what to change), 3 stopped on a "
-               "non-finite loss, 4 a due checkpoint could not be saved, 75 preempted after a "
-               "checkpoint or another process lost (rerun to resume).")
+               "non-finite loss, 4 a due checkpoint could not be saved (or run.dir was removed), "
+               "75 preempted after a checkpoint or another process lost (rerun to resume).")
     parser.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
                         help="YAML preset (repeatable; later files override earlier ones; "
                              "default: configs/tiny.yaml)")
