@@ -202,7 +202,7 @@ def _dots(cfg: ModelConfig, x: jax.Array, w_scales: tuple, sites: fp8.Sites | No
     x_scale = fp8.observed_scale(x, sites.x, cfg.fp8 == "delayed")
     if cfg.fp8 == "tensorwise":
         return [fp8.bound_dot(x_scale, s) for s in w_scales]
-    return [fp8.bound_dot(x_scale, s, fp8.history_scale(h, None, fp8.BACKWARD))
+    return [fp8.bound_dot(x_scale, s, fp8.history_scale(h, fmt=fp8.BACKWARD))
             for s, h in zip(w_scales, sites.g)]
 
 

@@ -63,11 +63,10 @@ def scale(x: jax.Array, fmt=FORWARD) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(amax > 0, amax / largest, 1.0))
 
 
-def history_scale(history: jax.Array, x: None = None, fmt=FORWARD) -> jax.Array:
+def history_scale(history: jax.Array, fmt=FORWARD) -> jax.Array:
     """The delayed scale: the largest amax in `history` [H] / `fmt`'s largest value, 1 while the
     history is all zeros (a run's first step). Read from the history alone, so that no cast
-    waits on its tensor's own amax; `x` is not read (callers pass None)."""
-    del x
+    waits on its tensor's own amax."""
     amax = jnp.max(jax.lax.stop_gradient(history))
     largest = float(jnp.finfo(fmt).max)
     return jax.lax.stop_gradient(jnp.where(amax > 0, amax / largest, 1.0))

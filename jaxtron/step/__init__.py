@@ -153,7 +153,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr,
                "nonfinite": new_state["nonfinite"]}
     if observed is not None:
-        metrics.update(fp8.statistics(seen_by, observed))
+        metrics.update(fp8.statistics(seen_by, observed, delayed="fp8" in state))
     metrics.update(moe.metrics(extras["moe"], extras["tokens"], capacity))
     return new_state, metrics
 
