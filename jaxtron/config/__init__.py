@@ -73,7 +73,7 @@ class ModelConfig:
     # 0: dropless (every token reaches its experts); > 0: an expert takes at most
     # ceil(capacity_factor * seq_len * experts_per_token / num_experts) of each sequence's pairs
     capacity_factor: float = 0.0
-    # load-balancing loss: transformers' Mixtral form per sequence, over all layers (moe.sequence_aux)
+    # load-balancing loss: transformers' Mixtral form per sequence, all layers (moe.sequence_aux)
     moe_aux_coef: float = 0.01
     moe_z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
     # the experts' grouped matmuls: auto (mosaic on GPUs, where tokamax is installed; else xla),
