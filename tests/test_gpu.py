@@ -6,6 +6,8 @@ everywhere else they are skipped (tests/conftest.py). Each asserts numbers:
   that the segment mask matters (the same data as one document is far outside the tolerance).
 - jaxtron's real train step, a few steps on one GPU against the same steps on one CPU device:
   same initial state, same packed batch, bf16 compute (cudnn on the GPU, xla on the CPU).
+- tokamax's Mosaic GPU grouped kernel for the MoE experts against jax.lax.ragged_dot: loss and
+  gradients on a padded batch (the rows the kernel leaves unwritten must reach nothing).
 - The `gpu` XLA flag preset accepted by a GPU backend, and xla.mem_fraction taking effect (in
   subprocesses: the backend in this process has started already).
 
@@ -436,3 +438,44 @@ def test_gpu_flag_preset_and_memory_fraction_take_effect(fraction):
     assert total, "neither libcuda nor nvidia-smi gave the GPU's memory size"
     share = result["bytes_limit"] / total
     assert abs(share - fraction) <= MEM_RTOL * fraction, (result["bytes_limit"], total, share)
+
+
+MOE_OVERRIDES = ["model.dtype=bfloat16", "model.attention=xla", "mesh.fsdp=1",
+                 "train.batch_size=4", "train.seq_len=256"]
+
+
+def moe_gradients(kernel: str, device) -> tuple[float, dict]:
+    """(loss, gradient) of configs/tiny_moe.yaml in bf16 at its initial weights on step_batch
+    (padding on every other row: unrouted pairs past the groups) with model.moe_kernel=kernel,
+    on one `device`."""
+    cfg = config.load([ROOT / "configs" / "tiny_moe.yaml"], [*MOE_OVERRIDES,
+                                                             f"model.moe_kernel={kernel}"])
+    state = start_state(cfg)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, 1)
+    mesh = one_device_mesh(device)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(state["params"], parallel.named(plan.specs["params"], mesh))
+        fn = jax.jit(lambda p, b: loss_and_grads(p, plan.graphdef, b, 1)[:2])
+        loss, grads = fn(params, global_batch(step_batch(cfg), mesh))
+        return float(loss), jax.device_get(grads)
+
+
+@gpu
+def test_moe_grouped_kernel_gradients_match_xla_on_a_padded_batch():
+    """tokamax's Mosaic GPU grouped kernel against jax.lax.ragged_dot on the same GPU: loss and
+    every gradient on a batch with padding (pairs past the groups, where the kernel writes
+    nothing). Tolerance: STEP_RTOL's (two bf16 computations); rows leaking from the kernel's
+    unwritten buffer put gradients 46-104x their norm off (a CPU stand-in), or NaN."""
+    from jaxtron.model import moe  # noqa: PLC0415
+
+    if not moe.available("mosaic"):
+        pytest.skip("tokamax's Mosaic GPU ragged_dot is not installed")
+    device = jax.devices("cuda")[0]
+    loss, grads = moe_gradients("mosaic", device)
+    want_loss, want = moe_gradients("xla", device)
+    assert abs(loss - want_loss) <= STEP_RTOL["loss"] * abs(want_loss), (loss, want_loss)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    error = _tree_relative(grads, want)
+    print(f"moe mosaic vs xla: loss {loss:.6f} / {want_loss:.6f}, gradient {error:.2e}")
+    assert error <= STEP_RTOL["grads"], error
