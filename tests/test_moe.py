@@ -444,8 +444,8 @@ def test_the_expert_ring_with_a_junk_leaving_kernel_trains_like_xla(devices, mon
 def test_the_objective_is_the_same_for_any_microbatch_count(devices, capacity):
     """1, 2 and 4 microbatches of one batch (a padded row in it): the same loss, gradients and
     router metrics (balancing loss, z-loss, load, dropped share), dropless and with a capacity
-    that drops about half the pairs. Measured (float32, jax 0.10 CPU): loss within 6e-8,
-    gradients within 3e-7 of their norm."""
+    that drops 78% of the pairs. Measured (float32, jax 0.10.2 CPU): loss within 2.1e-7
+    relative, gradients within 6.8e-7 of their norm, metrics within 1.1e-7."""
     one = _grads_with(devices[:1], "xla", capacity, "model.moe_z_coef=0.01")
     if capacity.endswith("0.5"):
         assert 0.2 < float(one[2]["moe_dropped"]) < 0.9
