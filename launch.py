@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int | None:
     from jaxtron.plan import xla_flags
     from jaxtron.train import distributed, doctor
     from jaxtron.train.dry_run import dry_run, nothing_to_do
-    from jaxtron.train.loop import check_paths, train
+    from jaxtron.train.loop import train
+    from jaxtron.train.run_dir import check_paths
 
     _check_options(args)
     cfg = load(args.config or [DEFAULT_CONFIG], args.overrides)

@@ -24,7 +24,7 @@ from jaxtron.plan import aot, memory
 from jaxtron.plan.setup import set_up
 from jaxtron.step.state import RESTORE_UNUSED, resumed_schedule_jump
 from jaxtron.train import doctor
-from jaxtron.train.loop import check_paths
+from jaxtron.train.run_dir import check_paths
 
 
 def _gib(n: int) -> str:

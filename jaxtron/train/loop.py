@@ -11,7 +11,6 @@ persistent compilation cache in run.compile_cache (jaxtron/train/compile_cache.p
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import threading
 import time
@@ -25,8 +24,7 @@ from jax.sharding import Mesh
 from jaxtron import cli, parallel
 from jaxtron import config as config_lib
 from jaxtron import data as data_lib
-from jaxtron.checkpoint import Checkpoints, CheckpointSaveError, RunDirLock, check_start, weights
-from jaxtron.checkpoint.lock import LOCK_FILE
+from jaxtron.checkpoint import Checkpoints, RunDirLock
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
@@ -40,6 +38,9 @@ from jaxtron.plan.setup import Setup, set_up
 from jaxtron.step import compile_eval, evaluate, global_batch
 from jaxtron.step.state import initial_state
 from jaxtron.train import compile_cache, distributed, doctor, goodput
+from jaxtron.train import profile as profile_lib
+from jaxtron.train import run_dir as run_dir_lib
+from jaxtron.train.run_dir import check_paths
 from jaxtron.train.watchdog import Watchdog
 
 
@@ -89,7 +90,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             if is_main:  # the state is in place: this config is the run's from here on
                 (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
             step_fn, eval_fn = _compile(setup, run, state, devices[0].platform)
-            _check_kept(run_dir)
+            run_dir_lib.check_kept(run_dir)
             history = _loop(cfg, run, step_fn, eval_fn, state, start, tokens_seen)
     except BaseException as e:
         distributed.end_if_lost(e)  # another process is gone: one line, exit 75, no clean-up
@@ -110,8 +111,8 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             if fresh and is_main and outcome != "done" and not run.account.last_step:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a refused start leaves no run.dir
             elif outcome == REFUSED and is_main:
-                _remove_added(run_dir, held)
-    log.info(_next_commands(cfg.run.dir))  # after the goodput account: the run's last words
+                run_dir_lib.remove_added(run_dir, held)
+    log.info(run_dir_lib.next_commands(cfg.run.dir))  # after the goodput account: the last words
     return history
 
 
@@ -127,30 +128,6 @@ def _outcome(e: BaseException, account: goodput.Attempt) -> str:
     if isinstance(e, ConfigError) and account.loop_start is None:
         return REFUSED
     return f"failed: {type(e).__name__}"
-
-
-def _remove_added(run_dir: Path, held: set[str]) -> None:
-    """Remove what a refused start added to run.dir (its log files, an empty checkpoints
-    directory), so that run.dir is as it was; the lock file stays (another start may hold it)."""
-    if not run_dir.is_dir():
-        return
-    for name in set(os.listdir(run_dir)) - held - {LOCK_FILE}:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def _check_kept(run_dir: Path) -> None:
-    """run.dir removed while the run compiled or trained (a clean-up script, a user's rm):
-    nothing it trains could be saved, so it stops in one line (status 4) rather than train for
-    nothing. It is not made again: its checkpoints and logs are gone, and whoever removed it
-    meant it gone."""
-    if not run_dir.is_dir():
-        raise CheckpointSaveError(f"run.dir {run_dir} was removed while the run went on; nothing "
-                                  "it trains could be saved there: run the same command to start "
-                                  "again")
 
 
 def _set_up(cfg: Config, devices: list) -> tuple[Setup, Mesh]:
@@ -246,37 +223,6 @@ def _compile(setup: Setup, run: RunContext, state: dict,
     return step_fn, compile_eval(setup.plan, run.mesh, setup.cfg.train.loss_chunk)
 
 
-def check_paths(cfg: Config) -> None:
-    """The paths a run writes or reads, checked before anything is written (a refused start
-    leaves them as they were): run.dir can be a directory; its newest checkpoint, or else
-    checkpoint.restore, holds this model; run.compile_cache can be a directory."""
-    cli.check_run_dir(cfg.run.dir)
-    if (holder := weights.checkpoints_holding(Path(cfg.run.dir))) is not None:
-        raise ConfigError(f"run.dir={cfg.run.dir} is inside the checkpoints directory {holder}, "
-                          "whose old checkpoints a run deletes (or moves aside) with what is in "
-                          f"them; set run.dir to a directory outside it")
-    check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore,
-                prepared.tokenizer_check(cfg.data, cfg.model.vocab_size))
-    c = cfg.checkpoint
-    if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
-        meta = weights.read_meta(restored := weights.locate(c.restore)[1])
-        if meta.get("layout") == weights.LAYERED:  # jaxtron convert-hf import's output
-            raise ConfigError(weights.imported_only(c.restore))
-        at = meta.get("step", -1)
-        if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
-            raise ConfigError(f"checkpoint.restore={c.restore} is at step {at}, not before "
-                              f"train.steps={cfg.train.steps}; raise train.steps, or fine-tune "
-                              f"from its weights with checkpoint.weights_only=true ({restored})")
-    if cfg.run.compile_cache:
-        cache = Path(cfg.run.compile_cache)
-        existing = next(path for path in (cache, *cache.parents) if path.exists())
-        if not existing.is_dir():
-            where = "is a file" if existing == cache else f"is under a file, {existing}"
-            raise ConfigError(f"run.compile_cache={cfg.run.compile_cache} {where}; set it to a "
-                              "directory (JAX keeps a file per compiled program in it), or to ''")
-        cli.check_run_dir(cfg.run.compile_cache, "run.compile_cache")
-
-
 def _evaluate(run: RunContext, eval_fn: Callable, step: int, state: dict) -> bool:
     """Evaluate and log; True when a signal came meanwhile (one process: the evaluation is left
     unfinished, for the stop to save now rather than after every eval batch)."""
@@ -335,52 +281,6 @@ def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
     run.log.scalars("goodput", summary, record["last_step"] or 0)
 
 
-class Profile:
-    """A JAX profiler trace (TensorBoard's and Perfetto's formats) of the steps run.profile_steps
-    names, into run.dir/profile/ (process 0) or profile/process_<i>/ (run.profile_all_processes)."""
-
-    def __init__(self, cfg: config_lib.RunConfig, run_dir: Path, log: metrics_lib.MetricsWriter,
-                 watch: metrics_lib.Stopwatch):
-        self.first, self.last = cfg.profile_steps or (0, -1)
-        self.dir = run_dir / "profile"
-        if cfg.profile_all_processes:
-            self.dir = self.dir / f"process_{jax.process_index()}"
-        self.enabled = bool(cfg.profile_steps) and (cfg.profile_all_processes or
-                                                    jax.process_index() == 0)
-        self.log, self.watch = log, watch
-        self.traced: list[int] = []  # [first, latest] step of the open trace
-
-    def before(self, step: int, state: dict) -> None:
-        """Open the trace before the first traced step fetches its batch; the steps before it
-        finish first, so that their work stays out."""
-        if self.enabled and not self.traced and self.first <= step <= self.last:
-            jax.block_until_ready(state)
-            with self.watch.time("profile"):
-                jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
-            self.traced = [step, step]
-
-    def after(self, step: int, outputs) -> None:
-        """Close the trace after the last traced step, once its device work is done."""
-        if self.traced:
-            self.traced[1] = step
-            if step == self.last:
-                jax.block_until_ready(outputs)
-                self.stop()
-
-    def stop(self) -> None:
-        """Write the open trace, if any (also when the loop ends early)."""
-        if not self.traced:
-            return
-        with self.watch.time("profile"):
-            jax.profiler.stop_trace()
-        first, last = self.traced
-        self.traced = []
-        self.log.info(f"profile: steps {first}..{last} traced into {self.dir}/plugins/profile/"
-                      f"<time>/; view with `tensorboard --logdir {self.dir}` (pip install "
-                      "tensorboard tensorboard-plugin-profile), or open its perfetto_trace.json.gz "
-                      "in https://ui.perfetto.dev")
-
-
 class NonFiniteError(RuntimeError):
     """Training met a NaN/inf loss or gradient and train.on_nonfinite says to stop."""
 
@@ -403,7 +303,7 @@ class RunContext:
     watch: metrics_lib.Stopwatch
     preemption: Preemption
     account: goodput.Attempt
-    profile: Profile
+    profile: profile_lib.Profile
     watchdog: Watchdog
 
     @classmethod
@@ -415,7 +315,7 @@ class RunContext:
         return cls(mesh, Checkpoints(cfg.checkpoint, run_dir), log, feed.batches,
                    feed.eval_batches, metrics_lib.StepCost.of(cfg, devices), watch, Preemption(),
                    goodput.Attempt(watch, started, run_dir if is_main else None, log.info),
-                   Profile(cfg.run, run_dir, log, watch),
+                   profile_lib.Profile(cfg.run, run_dir, log, watch),
                    Watchdog(cfg.run.stuck_timeout_s if jax.process_count() > 1 else 0))
 
 
@@ -462,7 +362,7 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
             row = metrics_lib.make_row(step, fetched, window.close(step), run.cost, tokens_seen)
             history.append(row)
             run.log.write(row)
-            _check_kept(Path(cfg.run.dir))  # removed meanwhile: stop now, not at the next save
+            run_dir_lib.check_kept(Path(cfg.run.dir))  # removed: stop now, not at the next save
             run.account.persist()  # goodput.json holds this attempt also if it is killed
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps) \
                 and not stop:  # a stop saves at once: preemption's grace is seconds
@@ -494,14 +394,6 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
     run.log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for "
                  f"data, {watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
     return history
-
-
-def _next_commands(run_dir: str) -> str:
-    """The commands that use a trained run, as a finished run's last line."""
-    where = shlex.quote(run_dir)
-    return (f"next: jaxtron generate {where} --prompt TEXT (continue a prompt); jaxtron "
-            f"convert-hf export {where} OUT_DIR (a Hugging Face model); jaxtron plot {where} "
-            "(the loss curves)")
 
 
 def _what_follows(cfg: Config, start: int) -> str:
