@@ -33,11 +33,11 @@ def test_every_command_is_listed():
     """launch.py, and each command of `jaxtron` with its shim in tools/ (none without the other)."""
     from jaxtron.commands import COMMANDS
 
-    shims = {f"tools/{p.stem}.py" for p in ROOT.glob("tools/*.py") if "sys.exit(run(" in p.read_text()}
-    assert shims == {f"tools/{c.module}.py" for c in COMMANDS.values()}
-    assert {"launch.py", *shims} == set(MISSING)
+    shims = {str(p.relative_to(ROOT)) for p in [ROOT / "launch.py", *ROOT.glob("tools/*.py")]
+             if "sys.exit(run(" in p.read_text()}
+    assert shims == {c.shim for c in COMMANDS.values()} == set(MISSING)
     for name, command in COMMANDS.items():
-        assert f'sys.exit(run("{name}"))' in (ROOT / "tools" / f"{command.module}.py").read_text()
+        assert f'sys.exit(run("{name}"))' in (ROOT / command.shim).read_text()
 
 
 def test_the_jaxtron_command_names_its_commands(capsys):
@@ -51,7 +51,7 @@ def test_the_jaxtron_command_names_its_commands(capsys):
     assert capsys.readouterr() == ("", "jaxtron: error: no command 'prepare_data'; did you mean "
                                        "prepare-data? (see jaxtron --help)\n")
     assert main(["xyzzy"]) == 2
-    assert "no command 'xyzzy'; one of prepare-data, " in capsys.readouterr().err
+    assert "no command 'xyzzy'; one of train, prepare-data, " in capsys.readouterr().err
     assert main(["--help"]) == 0
     listed = capsys.readouterr().out
     assert all(f"  {name} " in listed for name in COMMANDS)
@@ -63,7 +63,7 @@ def test_each_jaxtron_command_names_itself_in_its_errors(tmp_path):
     from jaxtron.commands import COMMANDS
 
     runs = {name: subprocess.Popen([sys.executable, "-m", "jaxtron.commands", name,
-                                    *MISSING[f"tools/{c.module}.py"], "--no-such-flag"],
+                                    *MISSING[c.shim], "--no-such-flag"],
                                    cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -130,13 +130,25 @@ def test_a_section_that_is_no_mapping_is_one_line_under_a_base_too(tmp_path, sec
             config.load([tmp_path / preset])
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny.yaml", "configs/tiny"])
-def test_a_preset_name_as_config_suggests_its_path(name, monkeypatch):
-    monkeypatch.chdir(CONFIGS.parent)  # the hint is relative to the working directory
-    with pytest.raises(config.ConfigError, match=rf"^config file not found: {name} \(did you mean "
-                                                 r"--config configs/tiny.yaml\?\)$"):
-        config.load([name])
-    with pytest.raises(config.ConfigError, match=r"^config file not found: nope$"):
+@pytest.mark.parametrize("name", ["tiny", "tiny.yaml"])
+def test_a_preset_name_loads_the_shipped_preset_from_any_directory(name, tmp_path, monkeypatch):
+    """`--config tiny` was "config file not found" outside a checkout's root; the presets ship in
+    the package (jaxtron/configs) and a name finds them from anywhere. A file of that name in the
+    working directory is a path, and wins."""
+    monkeypatch.chdir(tmp_path)
+    assert config.load([name]) == config.load([CONFIGS / "tiny.yaml"])
+    assert config.load([name]).model.num_layers != 3
+    (tmp_path / name).write_text("model:\n  num_layers: 3\n")
+    assert config.load([name]).model.num_layers == 3
+
+
+def test_a_missing_config_names_the_presets(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a checkout's path elsewhere: the name it has
+    with pytest.raises(config.ConfigError, match=r"^config file not found: configs/tiny "
+                                                 r"\(did you mean --config tiny\?\)$"):
+        config.load(["configs/tiny"])
+    with pytest.raises(config.ConfigError, match=r"^config file not found: nope; a preset's name "
+                                                 r"is one of gpt2_124m, .*, llama3_8b, .*tiny_moe$"):
         config.load(["nope"])
 
 

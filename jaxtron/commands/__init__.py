@@ -1,6 +1,6 @@
-"""The commands besides training (launch.py), one module each. Installed, they run as
-`jaxtron COMMAND [ARGS]` (the console script of pyproject.toml's [project.scripts]); from a
-checkout, `python tools/COMMAND.py [ARGS]` runs the same (a shim that first checks this Python has
+"""jaxtron's commands, one module each. Installed, they run as `jaxtron COMMAND [ARGS]` (the
+console script of pyproject.toml's [project.scripts]); from a checkout, `python tools/COMMAND.py
+[ARGS]` runs the same (`python launch.py` for train: a shim that first checks this Python has
 jaxtron). COMMANDS lists them; `jaxtron --help` prints it.
 
 This module imports none of them: `run` records SIGINT and SIGTERM while the one asked for
@@ -21,9 +21,19 @@ class Command(NamedTuple):
     module: str  # jaxtron.commands.<module>, and tools/<module>.py
     summary: str
     cpu: bool = False  # computes on this machine's CPU whatever JAX_PLATFORMS says
+    # main(argv, own): whether argv is this process's command line, which a run of several
+    # processes runs again in a supervised child (jaxtron/train/supervisor.py)
+    supervised: bool = False
+
+    @property
+    def shim(self) -> str:
+        """The file that runs it from a checkout."""
+        return "launch.py" if self.module == "train" else f"tools/{self.module}.py"
 
 
 COMMANDS = {
+    "train": Command("train", "train a model (--dry-run: its plan; --compile-for: its GPU "
+                     "program)", supervised=True),
     "prepare-data": Command("prepare_data", "raw text -> tokenized ArrayRecord shards"),
     "convert-hf": Command("convert_hf", "Hugging Face checkpoints to jaxtron's and back"),
     "generate": Command("generate", "continue a prompt with a model, to check it by eye"),
@@ -43,13 +53,13 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     return "\n".join(["usage: jaxtron COMMAND [ARGS]   (jaxtron COMMAND --help for its own)", "",
                       "commands:", *(f"  {name:<{width}}  {command.summary}"
-                                     for name, command in COMMANDS.items()),
-                      "", "Training is launch.py's: python launch.py --help"])
+                                     for name, command in COMMANDS.items())])
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `jaxtron` console script."""
-    argv = sys.argv[1:] if argv is None else argv
+    own = argv is None  # this process's command line
+    argv = sys.argv[1:] if own else argv
     if argv[:1] in (["-h"], ["--help"]):
         print(usage())
         return 0
@@ -60,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxtron: error: {f'no command {said!r}' if said else 'a command is needed'}{hint}"
               " (see jaxtron --help)", file=sys.stderr)
         return lifecycle.EXIT_USAGE
-    return run(argv[0], argv[1:], f"jaxtron {argv[0]}")
+    return run(argv[0], argv[1:], f"jaxtron {argv[0]}", own=own)
 
 
-def run(name: str, argv: list[str] | None = None, invoked: str | None = None) -> int:
+def run(name: str, argv: list[str] | None = None, invoked: str | None = None,
+        own: bool | None = None) -> int:
     """Command `name` with `argv` (default: this process's), started as `invoked` (its lines
-    name that; None: tools/<module>.py, as sys.argv[0] says)."""
+    name that; None: tools/<module>.py or launch.py, as sys.argv[0] says). `own`: argv is this
+    process's command line (default: when argv is None)."""
+    own = argv is None if own is None else own
     command = COMMANDS[name]
     if command.cpu and os.environ.get("JAX_PLATFORMS") != "cpu":
         # Said before jax loads its plugins, so that CUDA's registers for compiles only
@@ -76,4 +89,5 @@ def run(name: str, argv: list[str] | None = None, invoked: str | None = None) ->
             os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     lifecycle.start_command(invoked)
     module = importlib.import_module(f"jaxtron.commands.{command.module}")
-    return module.main(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return module.main(argv, own=own) if command.supervised else module.main(argv)

@@ -265,7 +265,7 @@ def load(files: list[str | Path] = (), overrides: list[str] = ()) -> Config:
     for item in overrides:  # YAML folds a newline in a value into a space: check it as typed
         key, _, value = item.partition("=")
         _check_no_control(key.strip(), value)
-    layers = [(f"{f}: ", presets.read(Path(f))) for f in files]  # errors name the file
+    layers = [(f"{f}: ", presets.read(presets.find(f))) for f in files]  # errors name the file
     layers += [("", presets.parse_override(item)[1]) for item in overrides]  # the last one wins
     layers = [(where, presets.auto_microbatches(layer)) for where, layer in layers]
     merged = OmegaConf.structured(Config)

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf, ValueNode
 
 from jaxtron.config.errors import ConfigError
 
-PRESETS = Path(__file__).resolve().parents[2] / "configs"  # `--config NAME` hints at these
+PRESETS = Path(__file__).resolve().parents[1] / "configs"  # shipped in the package: `--config NAME`
 
 INT = re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$")
 BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
@@ -58,6 +58,22 @@ def load(text: str):
     return yaml.load(text, Loader=StrictLoader)  # a SafeLoader subclass
 
 
+def preset_names() -> list[str]:
+    """The presets shipped with jaxtron, as `--config` takes them by name."""
+    return sorted(path.stem for path in PRESETS.glob("*.yaml"))
+
+
+def find(name: str | Path) -> Path:
+    """--config's file: `name` where it is a path to a file, else the shipped preset of that name
+    (`llama3_8b`, `llama3_8b.yaml`), from any directory; else `name` as given (read says what is
+    wrong with it)."""
+    path = Path(name)
+    if path.is_file() or path.exists() or len(path.parts) != 1:
+        return path
+    preset = PRESETS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    return preset if preset.is_file() else path
+
+
 def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a preset, merging it over the file its `base:` names (relative to it). `seen`: the
     presets whose `base:` led here, as named, first the one given (a cycle names them all)."""
@@ -68,10 +84,11 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
                           "; give one preset file" + (f" from it ({presets})" if presets else ""))
     if not path.is_file():
         preset = PRESETS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-        hint = (not seen and preset.is_file()  # `--config tiny`, `--config configs/tiny`
-                and (len(path.parts) == 1 or path.parent.resolve() == PRESETS))
-        raise ConfigError(f"config file not found: {path}"
-                          + (f" (did you mean --config {_shown(preset)}?)" if hint else ""))
+        hint = not seen and preset.is_file() and path.parent.name == PRESETS.name
+        shipped = ", ".join(preset_names())
+        raise ConfigError(f"config file not found: {path}"  # `--config configs/tiny` elsewhere
+                          + (f" (did you mean --config {preset.stem}?)" if hint else
+                             f"; a preset's name is one of {shipped}" if not seen else ""))
     if (resolved := path.resolve()) in (looped := [p.resolve() for p in seen]):
         cycle = " -> ".join(_shown(p) for p in (*seen[looped.index(resolved):], path))
         raise ConfigError(f"config files extend each other in a cycle: {cycle} (each names the "
@@ -88,7 +105,8 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{where}: not valid YAML ({problem})") from None
     if tree is None:
         raise ConfigError(f"{path} is empty (or only comments): a preset maps sections to keys "
-                          "and values, e.g. `train:` then `  steps: 100`; see configs/tiny.yaml")
+                          "and values, e.g. `train:` then `  steps: 100`; see "
+                          f"{_shown(PRESETS / 'tiny.yaml')}")
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     base = tree.pop("base", None)
