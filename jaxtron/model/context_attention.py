@@ -26,6 +26,7 @@ Two kernels (`model.attention`):
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -116,8 +117,15 @@ def cudnn_backward(q, k, v, bias, q_len, kv_len, causal: bool, out, lse, d_out):
         scale=q.shape[-1] ** -0.5, seed=42, dropout_rate=0.0,
         variadic_args=(bias is not None, False),
         mask_type=_mask_type(fa, q_len is not None, causal),
-        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None, **_no_score_mod(fa))
     return tuple(grads[:3])
+
+
+def _no_score_mod(fa) -> dict:
+    """The backward primitive's `score_mod` parameter (flex attention, jax 0.12 on), none here;
+    jax 0.10 and 0.11 have no such parameter."""
+    parameters = inspect.signature(fa._dot_product_attention_bwd_impl).parameters
+    return {"score_mod": None} if "score_mod" in parameters else {}
 
 
 def _pieces(x: jax.Array) -> jax.Array:
