@@ -28,7 +28,7 @@ class Parser(argparse.ArgumentParser):
             lifecycle.name_command(Path(command.split()[0]).name)
             self.run_as = f"python {command}"
         kwargs.setdefault("prog", lifecycle.script_name())  # as a shell shows it, in-process too
-        kwargs.setdefault("allow_abbrev", False)  # `--gpus 8` was --gpus-per-host 8 in launch.py
+        kwargs.setdefault("allow_abbrev", False)  # `jaxtron train --gpus 8` was --gpus-per-host 8
         super().__init__(*args, **kwargs)
         self._argv: list[str] = []
 

@@ -5,9 +5,10 @@ failures end the same way with their own status. Every such line reads
 
 While a command imports (jax takes a second or two), SIGINT and SIGTERM are only recorded: a
 KeyboardInterrupt raised inside an import is a traceback, or an extension's ImportError.
-launch.py's recorder (a signal then stops start-up with 75, read by Preemption) and
-tools/_environment.py's run before jaxtron imports; the `jaxtron` command's is start_command's.
-take_over_signals reads the latter two."""
+`jaxtron train`'s recorder (jaxtron/commands/train.py: a signal then stops start-up with 75, read
+by Preemption) is in place before the training modules import; tools/_environment.py's (which
+launch.py and the tools import first) runs before jaxtron imports; the `jaxtron` command's is
+start_command's. take_over_signals reads the latter two."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from jaxtron.config import ConfigError
 
 # Exit statuses, every command's (docs/faults.md has the table). 1 is an unexpected error (a
-# traceback); launch.py keeps its own copy of 75, which it may return before jaxtron imports.
+# traceback); `jaxtron train` keeps its own copy of 75, which it may return before this imports.
 EXIT_USAGE = 2  # bad input: the line says what to change
 EXIT_NONFINITE = 3  # train.on_nonfinite stopped the run; nothing new was saved
 EXIT_SAVE_FAILED = 4  # a checkpoint that was due was not written; the run stopped there
@@ -87,7 +88,7 @@ def one_line_errors(run: Callable[[], int | None],
     """run()'s exit status; a ConfigError (status 2), or an exception of a type in `statuses`,
     becomes one line `<script>: error: <message>` on stderr and that status. Ctrl-C or SIGTERM
     becomes one line `<script>: stopped by a signal` and status 130, unless the command handles
-    its signals itself (launch.py, prepare_data.py: their KeyboardInterrupt goes back to them;
+    its signals itself (`jaxtron train`, prepare_data.py: their KeyboardInterrupt goes back to them;
     also where only its SIGTERM handler is in place, SIGINT ignored in a background job)."""
     handled = {ConfigError: EXIT_USAGE, **(statuses or {})}
     stopped_early = take_over_signals()
@@ -172,8 +173,8 @@ def _stop_on_signals() -> dict:
 
 def _own_handler() -> bool:
     """Whether the command installed a SIGINT or SIGTERM handler of its own, which says what a
-    stop means (launch.py: 75). Both are asked: a job a script starts in the background (`cmd &`)
-    begins with SIGINT ignored, and its own handler is then on SIGTERM only."""
+    stop means (`jaxtron train`: 75). Both are asked: a job a script starts in the background
+    (`cmd &`) begins with SIGINT ignored, and its own handler is then on SIGTERM only."""
     return any(callable(handler) and handler not in (signal.default_int_handler, _raise_stop)
                for handler in map(signal.getsignal, _PYTHON_HANDLERS))
 
@@ -288,7 +289,7 @@ class Preemption:
                 if previous == signal.SIG_IGN:  # nohup, a background job: the user's choice
                     continue
                 self._previous[sig] = signal.signal(sig, self._handle)
-                if getattr(previous, "signalled", None):  # launch.py's, during start-up
+                if getattr(previous, "signalled", None):  # `jaxtron train`'s, during start-up
                     self.signal = previous.signalled[0]
         return self
 

@@ -769,7 +769,7 @@ def test_the_fine_tune_command_can_be_pasted(tmp_path, capsys):
     out = tmp_path / "with space" / "imp"
     capsys.readouterr()
     assert _convert("import", tmp_path / "hf", out) == 0
-    command = f"python launch.py --config '{out}/config.yaml'"
+    command = f"jaxtron train --config '{out}/config.yaml'"
     assert capsys.readouterr().out.splitlines()[-1] == f"fine-tune: {command}"
     assert shlex.split(command)[-1] == str(out / "config.yaml")
     assert (out / "config.yaml").read_text().splitlines()[1] == (
@@ -894,7 +894,7 @@ def test_a_tokenizer_with_ids_past_vocab_size_is_refused_naming_the_fix(tmp_path
     capsys.readouterr()
     assert _convert("import", tmp_path / "fixed", tmp_path / "imp") == 0
     command = capsys.readouterr().out.splitlines()[-1].removeprefix("fine-tune: ")
-    assert shlex.split(command)[:2] == ["python", "launch.py"]
+    assert shlex.split(command)[:2] == ["jaxtron", "train"]
     assert launch.main([*shlex.split(command)[2:], *RUN, "train.steps=1",
                         f"run.dir={tmp_path / 'tuned'}"]) == 0
 

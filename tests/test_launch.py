@@ -568,7 +568,7 @@ def test_on_cpu_the_verdict_is_against_this_machines_memory(capsys, monkeypatch)
     need = (1.4 * 8 * total + 2**29 + 0.45 * 2**30) / 2**30
     assert (f"verdict: DOES NOT FIT: {need:.1f} GiB for 8 CPU devices (the estimate x1.4 as a CPU "
             "program uses it, and the process), 20.5 GiB available on this machine; mostly ") in out
-    assert "run a smaller preset here (configs/tiny.yaml)" in out
+    assert "run a smaller preset here (--config tiny)" in out
     args = ["--dry-run", "--devices", "8", "mesh.fsdp=8", "train.seq_len=512"]
     assert launch.main(args) == 0
     out = capsys.readouterr().out

@@ -135,7 +135,7 @@ def test_a_step_larger_than_this_machine_is_refused_as_the_dry_run_says(tmp_path
     assert launch.main(["--dry-run", *big]) == 0
     assert "\nverdict: DOES NOT FIT: " in capsys.readouterr().out
     with pytest.raises(config.ConfigError, match=r"^this step needs about [\d.]+ GiB of this "
-                       r"machine's memory on 8 CPU devices and 3.5 GiB is available \(python launch.py \.\.\. "
+                       r"machine's memory on 8 CPU devices and 3.5 GiB is available \(jaxtron train \.\.\. "
                        r"--dry-run "
                        r"shows the terms\); lower train.batch_size"):
         train_lib.train(config.load([], ["train.steps=1", *big]))

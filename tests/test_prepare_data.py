@@ -439,7 +439,7 @@ def test_an_empty_val_split_is_one_warning_naming_the_fix(tmp_path, tokenizer):
     done = run_tool(tmp_path / "in", "--out", tmp_path / "ds", "--tokenizer", tokenizer)
     assert done.stderr.splitlines()[-1] == (
         "prepare_data.py: warning: the val split is empty (10 documents, --val-fraction 0.01), so "
-        "launch.py refuses this dataset while train.eval_every > 0; prepare again into a new "
+        "jaxtron train refuses this dataset while train.eval_every > 0; prepare again into a new "
         "--out with --val-fraction 0.3 (about 3 held out), or with more documents; or train with "
         "train.eval_every=0")
     cfg = config.load(["configs/tiny.yaml"], ["data.source=arrayrecord", "train.eval_every=1",

@@ -1,7 +1,7 @@
 """Train-step benchmark: step time, tokens/s, TFLOP/s per device, MFU and memory of a config, or
 of a fixed suite of rows, with a peer framework measured on the same shapes in the same run.
 
-    jaxtron bench --config configs/llama3_1b.yaml train.batch_size=8 train.seq_len=4096
+    jaxtron bench --config llama3_1b train.batch_size=8 train.seq_len=4096
     jaxtron bench --suite gpu --list          # the rows and their expected minutes
     jaxtron bench --suite gpu --peer          # every row, then MaxText on the same shapes
     jaxtron bench --suite smoke --json        # the same harness on CPU, in seconds

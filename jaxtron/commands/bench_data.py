@@ -1,11 +1,11 @@
 """Input-pipeline throughput: the tokens/s that `make_batches` delivers to one host, after warm-up.
 
-    jaxtron bench-data                                  # configs/tiny.yaml, workers 0 and 2
-    jaxtron bench-data --config configs/llama3_1b.yaml data.source=arrayrecord \\
+    jaxtron bench-data                                  # the tiny preset, workers 0 and 2
+    jaxtron bench-data --config llama3_1b data.source=arrayrecord \\
         'data.mixture=[{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]' \\
         --batches 300 --workers 0,2,4
 
-Config files and `section.key=value` overrides work as in launch.py; `--workers` replaces
+Config files and `section.key=value` overrides work as in jaxtron train; `--workers` replaces
 `data.workers`. `--shares 1,2,4,8` also times a host of 2, 4, 8 processes: one that builds 1/2,
 1/4, 1/8 of the rows (its own; every host still plans the whole batch), simulated here by choosing
 its rows. Setup (tokenizer, corpus cache, starting workers) and the first `--warmup` batches

@@ -2,7 +2,7 @@
 
     jaxtron commbench mesh.fsdp=8                                  # one 8-GPU node
     jaxtron commbench mesh.fsdp=8 mesh.data=2 --sizes 1MiB..1GiB --json cb.json --plot cb.png
-    jaxtron commbench --config configs/llama3_8b.yaml --axes fsdp,tensor --iters 50
+    jaxtron commbench --config llama3_8b --axes fsdp,tensor --iters 50
     srun --ntasks-per-node=8 jaxtron commbench mesh.fsdp=8 mesh.data=-1   # many hosts
 
 The mesh is the one training builds (`parallel.make_mesh` from --config and `mesh.*` overrides), so

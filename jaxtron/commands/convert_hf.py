@@ -1,7 +1,7 @@
 """Hugging Face model directories to jaxtron checkpoints and back, one tensor at a time.
 
     jaxtron convert-hf import ~/Llama-3.2-1B imports/llama3_1b
-    python launch.py --config imports/llama3_1b/config.yaml          # fine-tune it, on any mesh
+    jaxtron train --config imports/llama3_1b/config.yaml           # fine-tune it, on any mesh
     jaxtron convert-hf export runs/llama3_1b hf/llama3_1b    # the newest checkpoint of a run
 
 `import` reads `config.json` and the safetensors weights (sharded with an index or not; pickled
@@ -266,7 +266,7 @@ def _layers(get: hf.Getter, cfg: ModelConfig) -> Iterator[dict]:
 
 def _fine_tune(out: Path) -> str:
     """The command that fine-tunes an import, to paste into a shell."""
-    return f"python launch.py --config {shlex.quote(str(out / 'config.yaml'))}"
+    return f"jaxtron train --config {shlex.quote(str(out / 'config.yaml'))}"
 
 
 def export_model(source: Path, out: Path, model_type: str | None, dtype: str | None,

@@ -2,16 +2,16 @@
 (jaxtron/train/doctor.py).
 
     jaxtron doctor                                          # the tiny default config
-    jaxtron doctor --config configs/llama3_8b.yaml mesh.fsdp=8 run.dir=/shared/runs/8b
-    jaxtron doctor --config configs/llama3_70b.yaml --devices 128   # the mesh for 128
+    jaxtron doctor --config llama3_8b mesh.fsdp=8 run.dir=/shared/runs/8b
+    jaxtron doctor --config llama3_70b --devices 128   # the mesh for 128
     srun --ntasks-per-node=8 jaxtron doctor --config ... --strict    # every host at once
     jaxtron doctor --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0  # and 1
 
 Checks the environment (CUDA_LAUNCH_BLOCKING, jax's GPU allocator variables, proxies that would
 carry the coordinator's traffic), jax/jaxlib/CUDA plugin versions, the devices against the mesh,
 fsdp or tensor groups spanning hosts, and run.dir (a directory it can write, shared between
-hosts, with room for a checkpoint). Several processes join as launch.py's do, and process 0 prints
-every process's problems.
+hosts, with room for a checkpoint). Several processes join as `jaxtron train`'s do, and process 0
+prints every process's problems.
 
 Output: one line per problem, `doctor.py: warning: ...` naming the fix, or `doctor.py: no problems
 found`; exit status 0. With --strict: `doctor.py: error: ...` lines on stderr and exit status 2.

@@ -1,8 +1,8 @@
 """Rank the layouts of a model on a GPU cluster before renting it: memory per GPU and step time.
 
-    jaxtron plan --config configs/llama3_70b.yaml --devices 128 --gpus-per-host 8
-    jaxtron plan --config configs/llama3_8b.yaml --devices 16 --json plan.json --verify 3
-    jaxtron plan --config configs/llama3_70b.yaml --devices 128 train.batch_size=512 \\
+    jaxtron plan --config llama3_70b --devices 128 --gpus-per-host 8
+    jaxtron plan --config llama3_8b --devices 16 --json plan.json --verify 3
+    jaxtron plan --config llama3_70b --devices 128 train.batch_size=512 \\
         train.seq_len=4096 --remat full,save_attn_out --find "TP8 PP2" --find "TP8 PP8 DP2"
 
 Every mesh (data x fsdp x tensor x stage), pipeline schedule, microbatch count, remat policy and
@@ -12,7 +12,7 @@ with its constants and their sources): the dry run's per-GPU memory against what
 pipeline bubble and the communication each axis implies over NVLink or the network. The best few
 are printed with the terms that cost each most against the one above; `--find PARTS` shows where
 the best layout named by those parts ranks, and why; `--json FILE` writes the whole ranked list.
-`--verify N` compiles the best N for the real GPU topology (as `launch.py --compile-for` does,
+`--verify N` compiles the best N for the real GPU topology (as `jaxtron train --compile-for` does,
 with the GPU flag preset; a few minutes for a large model), prints each estimate beside the
 compiled peak and the step time from what the program does, and recommends the fastest whose
 compiled peak leaves 10% free, with its overrides. Bad input: one line, exit 2.

@@ -292,7 +292,7 @@ def empty_val(manifest: dict, val_fraction: float) -> str:
            f"{max(1, round(fraction * documents))} held out), or with more documents"
            if documents > 1 else "add documents")
     return (f"the val split is empty ({counted(documents, 'document')}, --val-fraction "
-            f"{val_fraction:g}), so launch.py refuses this dataset while train.eval_every > 0; "
+            f"{val_fraction:g}), so jaxtron train refuses this dataset while train.eval_every > 0; "
             f"{fix}; or train with train.eval_every=0")
 
 

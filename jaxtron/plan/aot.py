@@ -9,7 +9,7 @@ flags a GPU host would get. Nothing is autotuned and nothing runs; the result is
 HLO and its memory analysis, read by `jaxtron.plan.hlo`.
 
 Needs the CUDA plugin (`pip install -e '.[gpu-aot]'`: jax-cuda12-plugin and cuDNN) and
-JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; launch.py sets both up.
+JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; `jaxtron train --compile-for` sets both up.
 """
 
 from __future__ import annotations

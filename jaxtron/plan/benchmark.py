@@ -30,8 +30,8 @@ MEM_FRACTION_SLACK = 0.05  # the allocator's limit may sit this far from fractio
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One benchmark: a preset file of configs/ and overrides; `minutes` is the expected wall
-    time of its process on the suite's device, start-up and compile included."""
+    """One benchmark: a preset file of jaxtron/configs/ and overrides; `minutes` is the expected
+    wall time of its process on the suite's device, start-up and compile included."""
 
     name: str
     config: str
@@ -52,7 +52,7 @@ class Suite:
 
 
 # Sized for one 80 GB H100 (xla.mem_fraction 0.9: 71.2 GiB usable) by compiling each row for it
-# (`launch.py --compile-for h100 --devices 1`, peaks in docs/performance.md); the remat policy
+# (`jaxtron train --compile-for h100 --devices 1`, peaks in docs/performance.md); the remat policy
 # and one microbatch are the row's (what the presets leave to auto, jaxtron/plan/autofit.py, is
 # fixed so that a row is the same program on every card), every other setting is the preset's
 # (dtype, optimizer). Batches give each step 8-64 k tokens, a second or so.

@@ -36,9 +36,10 @@ terms, per device (b rows per device per microbatch, T the sequence, t = mesh.te
   workspace             cuBLAS / cuDNN scratch and small buffers
 
 `model.attention=auto` is taken as it resolves on GPUs (cuDNN, inside pipeline stages too; XLA in
-float32). The coefficients are read off XLA's buffer assignment for H100 (`launch.py --compile-for
-h100`, `--xla_dump_to`); `tests/test_aot.py` compiles layouts of small and large models and holds
-the sum within 15% of the compiled peak, so a change to the step that moves the peak shows there.
+float32). The coefficients are read off XLA's buffer assignment for H100 (`jaxtron train
+--compile-for h100`, `--xla_dump_to`); `tests/test_aot.py` compiles layouts of small and large
+models and holds the sum within 15% of the compiled peak, so a change to the step that moves the
+peak shows there.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
             "pipeline_gathered_weights": int(layers * fsdp * compute) if fsdp > 1 else 0}
 
 
-# A CPU program against `estimate` (GPU buffer sizes), measured with configs/tiny.yaml at batch 8
+# A CPU program against `estimate` (GPU buffer sizes), measured with the tiny preset at batch 8
 # and 32 (2.1 and 5.1 GiB peak RSS for 0.84 and 3.0 GiB estimated): 1.37x the estimate plus a
 # process of ~0.95 GiB, about 0.45 GiB more than the dry run's own before compiling.
 HOST_FACTOR, HOST_COMPILE = 1.4, 0.45 * 2**30
@@ -324,9 +325,9 @@ def check_host(plan, devices: list, cfg: Config) -> None:
         raise ConfigError(
             f"this step needs about {need / 2**30:.1f} GiB of this machine's memory on "
             f"{local} CPU device{'s' if local > 1 else ''} and {(available + here) / 2**30:.1f} "
-            "GiB is available (python launch.py ... --dry-run shows the terms); lower "
+            "GiB is available (jaxtron train ... --dry-run shows the terms); lower "
             "train.batch_size or raise train.microbatches, run a smaller preset here "
-            "(configs/tiny.yaml), or size it for GPUs with launch.py --dry-run --devices N "
+            "(--config tiny), or size it for GPUs with jaxtron train --dry-run --devices N "
             "--gpu h100")
 
 

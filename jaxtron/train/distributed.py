@@ -1,8 +1,8 @@
 """jax.distributed bootstrap: join the other processes of a multi-process run, or do nothing; and
 end the run cleanly and restartably when one of them is lost.
 
-A run is multi-process when launch.py is given --coordinator/--num-processes/--process-id, or when
-Slurm (srun) or Open MPI (mpirun) started several tasks; JAX reads those clusters' variables
+A run is multi-process when `jaxtron train` is given --coordinator/--num-processes/--process-id, or
+when Slurm (srun) or Open MPI (mpirun) started several tasks; JAX reads those clusters' variables
 itself. Call `initialize` before anything touches jax devices.
 
 A lost process (killed, frozen, its node gone) must stop the others within run.peer_timeout_s,
@@ -15,11 +15,11 @@ collective or a barrier (Orbax's around save and restore, multihost_utils'). But
 every process from C++ (LOG(FATAL): 30 lines and a stack, status 134), and jaxlib's hook for that
 (missed_heartbeat_callback) cannot be used from Python (it throws std::bad_cast); a watchdog thread
 in the training process could not help either: the abort comes from a C++ thread, which writes to
-the terminal first. So each multi-process launch.py trains in a child process that it supervises
-(jaxtron/train/supervisor.py), which prints the one line and exits 75. Here: `end_if_lost`, the
-training process's side (a collective that lost its peer: no traceback), and `announce_exit`: a
-process that leaves on an error of its own (a failed save: status 4) says so first, so that the
-others keep their own error.
+the terminal first. So each multi-process `jaxtron train` trains in a child process that it
+supervises (jaxtron/train/supervisor.py), which prints the one line and exits 75. Here:
+`end_if_lost`, the training process's side (a collective that lost its peer: no traceback), and
+`announce_exit`: a process that leaves on an error of its own (a failed save: status 4) says so
+first, so that the others keep their own error.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ PEER_TIMEOUT_S = 60  # config.RunConfig.peer_timeout_s's default
 SHUTDOWN_TIMEOUT_S = 30
 # How long processes wait for each other to start (JAX's default): big jobs start slowly.
 INIT_TIMEOUT_S = 300
-STOPPED = 75  # a signal while joining: launch.py's status for a stop before training started
+STOPPED = 75  # a signal while joining: `jaxtron train`'s status for a stop before training started
 LOST_PEER = lifecycle.EXIT_LOST_PEER  # another process was lost: 75, restartable
 SUPERVISED = "JAXTRON_SUPERVISOR"  # in a training process's environment: its supervisor's pid
 
@@ -82,7 +82,7 @@ def cluster_processes() -> tuple[str, int, int]:
 
 
 def add_flags(parser) -> None:
-    """The flags that join several processes without a cluster manager (launch.py, tools)."""
+    """The flags that join several processes without a cluster manager (`jaxtron train`, tools)."""
     parser.add_argument("--coordinator", metavar="HOST:PORT",
                         help="several processes: process 0's address and a free port there")
     parser.add_argument("--num-processes", type=int, metavar="N",

@@ -76,7 +76,7 @@ def check_allocator(environ: Mapping[str, str]) -> list[str]:
 
 
 def _check_fraction(name: str, value: str) -> list[str]:
-    """A memory fraction in (0, 1] (as launch.py checks it), not so low that it starves XLA."""
+    """A memory fraction in (0, 1] (as jaxtron train checks it), not so low that it starves XLA."""
     try:
         fraction = xla_flags.mem_fraction(name, value)
     except ConfigError as e:
@@ -278,7 +278,7 @@ def check_crossing(sizes: dict[str, int], per_host: int, need=None) -> list[str]
     return [(f"{axes} spans hosts of {plural(per_host, 'device')}, so its all-gathers and "
              "reduce-scatters leave NVLink for the network every layer; use HSDP, mesh.data across "
              f"nodes and mesh.fsdp within: {hint} (the state is then split "
-             f"{fsdp * tensor * sizes['stage']} ways: check memory with launch.py --dry-run)")]
+             f"{fsdp * tensor * sizes['stage']} ways: check memory with jaxtron train --dry-run)")]
 
 
 def _layout_need(cfg: Config, sizes: dict[str, int], gpu: bool):
@@ -368,7 +368,7 @@ def check_all(cfg: Config, environ: Mapping[str, str], hosts: Hosts | None = Non
                 *check_device_counts(cfg.mesh, hosts, devices)]
     writable = True
     try:
-        check_run_dir(cfg.run.dir)  # a directory this process can write, or can make (launch.py's)
+        check_run_dir(cfg.run.dir)  # one this process can write, or can make (jaxtron train's)
     except ConfigError as e:  # then its free space and sharing are beside the point
         problems, writable = [*problems, str(e)], False
     from jaxtron import parallel

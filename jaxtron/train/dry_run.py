@@ -1,4 +1,4 @@
-"""`launch.py --dry-run`: a run's set-up without allocating anything. Every check a run makes
+"""`jaxtron train --dry-run`: a run's set-up without allocating anything. Every check a run makes
 before compiling (paths, layout, data, tokenizer, run.dir and its checkpoints,
 checkpoint.restore, run.compile_cache), through the same set-up path (plan/setup.py), then the
 plan printed: mesh, parameters, every term of the per-device memory, and a verdict against the
@@ -193,7 +193,7 @@ def _host_verdict(terms: dict[str, int], cfg, num_devices: int) -> str:
             "machine")
     if need > available:
         return (f"verdict: DOES NOT FIT: {said}; {_advice(terms, cfg)}; or run a smaller preset "
-                "here (configs/tiny.yaml), or size it for GPUs with --devices N --gpu h100")
+                "here (--config tiny), or size it for GPUs with --devices N --gpu h100")
     if need > (1 - HOST_CLOSE_CALL) * available:
         return (f"verdict: too close to call: {said}; run a few steps (train.steps=3) and watch "
                 f"its memory, or leave room: {_advice(terms, cfg)}")

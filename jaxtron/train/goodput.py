@@ -1,7 +1,7 @@
 """Goodput: where a run's wall time went, over all its attempts (each start of the same run.dir).
 
-An attempt's wall time, from its Python's start (jaxtron.STARTED: launch.py imports jaxtron first
-thing) to the end of train(), is split into parts:
+An attempt's wall time, from its Python's start (jaxtron.STARTED: `jaxtron train`, and launch.py,
+import jaxtron first thing) to the end of train(), is split into parts:
   startup     Python's start to the loop (imports, joining processes, input, restore, init), less:
   compile     lowering and compiling the train step
   data        the loop waiting for its next batch
@@ -41,10 +41,10 @@ LOOP_PHASES = ("data", "checkpoint", "eval", "profile")  # the loop's time that 
 
 def process_start() -> float:
     """When this process's Python started, as a time.time() value: when it first imported
-    jaxtron (jaxtron.STARTED), which launch.py does as it starts. Not /proc's start of the pid,
-    which counted what ran in it before python was exec'ed into it: `pip install -e . && python
-    launch.py` (bash execs the last command) counted the pip install, 48 of 51.9 s of
-    start-up."""
+    jaxtron (jaxtron.STARTED), which `jaxtron train` (and launch.py) does as it starts. Not
+    /proc's start of the pid, which counted what ran in it before python was exec'ed into it:
+    `pip install -e . && python launch.py` (bash execs the last command) counted the pip install,
+    48 of 51.9 s of start-up."""
     return jaxtron.STARTED
 
 

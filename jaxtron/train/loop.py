@@ -49,9 +49,9 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     """Train per `cfg`, resuming from the latest checkpoint in run.dir; returns the logged rows.
     `started` (a time.time()) opens this attempt's goodput account: by default when its Python
     started (goodput.process_start), or when the run's previous attempt ended if later (an
-    earlier call in this process). `paths_checked`: the caller ran check_paths (launch.py, before
-    the processes join). `hosts`: where the processes run, as the caller's preflight found them
-    (default: found here, a collective with several processes)."""
+    earlier call in this process). `paths_checked`: the caller ran check_paths (`jaxtron train`,
+    before the processes join). `hosts`: where the processes run, as the caller's preflight found
+    them (default: found here, a collective with several processes)."""
     run_dir = Path(cfg.run.dir)
     if not paths_checked:
         check_paths(cfg)  # a refused start writes nothing
@@ -380,7 +380,7 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
                 memory.release_freed()  # the previous save's host copies, freed by now
             run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
                          "(the write goes on in the background)")
-        if stop:  # launch.py says it, in one line
+        if stop:  # `jaxtron train` says it, in one line
             with watch.time("checkpoint"):
                 run.ckpt.wait()  # "checkpoint saved" only once it is
             why = f"signal {preemption.signal}" if preemption.signal else "a preemption notice"

@@ -2,9 +2,9 @@
 
 When another process of the run is lost, JAX's coordination service ends every process from C++
 (LOG(FATAL): 30 lines and a stack, status 134); nothing in the training process can stop that or
-change its status (jaxtron/train/distributed.py says why). So each multi-process launch.py trains in
-a child process and supervises it (`supervise`): it passes the child's stdout through, reads its
-stderr, keeps the runtime's error and fatal lines off the terminal (into
+change its status (jaxtron/train/distributed.py says why). So each multi-process `jaxtron train`
+trains in a child process and supervises it (`supervise`): it passes the child's stdout through,
+reads its stderr, keeps the runtime's error and fatal lines off the terminal (into
 run.dir/logs/process_<i>.err), and when the child ends on the runtime's abort or on a collective
 that lost its peer (distributed.end_if_lost), prints one line naming the lost process and exits 75;
 it kills a child still alive run.peer_timeout_s after the first sign. Any other ending passes
@@ -127,7 +127,7 @@ class _Stderr:
 
 
 def supervise_launch(args, configs: list) -> int | None:
-    """launch.py's training run of several processes trains in a child process that this one
+    """`jaxtron train`'s training run of several processes trains in a child process that this one
     supervises: the child's exit status. None: train here (one process, a plan, or the child
     itself; a config error is said by the run, as without several processes)."""
     from jaxtron.config import ConfigError, load
@@ -151,9 +151,9 @@ def supervise_launch(args, configs: list) -> int | None:
 
 def supervise(command: list[str], process_id: int, num_processes: int, run_dir: Path,
               peer_timeout_s: int) -> int:
-    """Run `command` (this launch.py, again) as the training process and return its exit status;
-    LOST_PEER with one line when it ended because another process was lost (see the module's
-    docstring)."""
+    """Run `command` (this `jaxtron train`, again) as the training process and return its exit
+    status; LOST_PEER with one line when it ended because another process was lost (see the
+    module's docstring)."""
     # Its own process group: a terminal's Ctrl-C, or a signal to this process's group, reaches
     # it once, forwarded from here.
     child = subprocess.Popen(command, env={**os.environ, SUPERVISED: str(os.getpid())},
