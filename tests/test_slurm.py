@@ -37,7 +37,7 @@ def _run(tmp_path: Path, statuses: list[int], *extra_env) -> tuple[int, list[str
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(tmp_path),
            "SLURM_JOB_NAME": "job", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]",
            "VENV": str(tmp_path / "venv"), "HOME": str(tmp_path), **dict(extra_env)}
-    proc = subprocess.run(["bash", str(SCRIPT), "--config", "configs/tiny.yaml", "mesh.fsdp=8"],
+    proc = subprocess.run(["bash", str(SCRIPT), "--config", "tiny", "mesh.fsdp=8"],
                           env=env, capture_output=True, text=True, timeout=60, check=False)
     read = lambda name: ((tmp_path / name).read_text().splitlines()
                          if (tmp_path / name).exists() else [])
@@ -52,7 +52,7 @@ def test_a_crash_restarts_and_a_preemption_requeues(tmp_path):
     status, sruns, scontrols = _run(tmp_path, [1, 134, 75])
     assert status == 0 and len(sruns) == 3
     for call in sruns:
-        assert call.endswith(f"python launch.py --config configs/tiny.yaml mesh.fsdp=8 "
+        assert call.endswith(f" {tmp_path}/venv/bin/jaxtron train --config tiny mesh.fsdp=8 "
                              f"run.dir={tmp_path}/runs/job run.progress=lines")
         assert "--ntasks-per-node=1" in call and "--kill-on-bad-exit=1" in call
     assert "requeue 42" in scontrols
@@ -85,9 +85,9 @@ def test_without_slurm_it_says_so_in_one_line_and_starts_nothing(tmp_path):
     bin_dir.mkdir()
     _stub(bin_dir, "srun", f"touch {tmp_path}/srun-called\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
-    proc = subprocess.run(["bash", str(SCRIPT), "--config", "configs/tiny.yaml", "mesh.fsdp=8"],
+    proc = subprocess.run(["bash", str(SCRIPT), "--config", "tiny", "mesh.fsdp=8"],
                           env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=60, check=False)
     assert_refused(proc.returncode, proc.stderr, "sbatch --nodes=N scripts/slurm/train.sbatch",
-                   "python launch.py --config configs/tiny.yaml mesh.fsdp=8")
+                   "jaxtron train --config tiny mesh.fsdp=8")
     assert proc.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == ["bin"]
