@@ -232,7 +232,8 @@ def test_bad_input_in_a_real_process_exits_2_without_traceback():
 
 @pytest.mark.slow
 def test_default_run_learns_well_below_unigram_entropy(tmp_path):
-    """`python launch.py` as the README gives it (~7 min on 2 cores): 200 steps on the stdlib."""
+    """The default run as the README gives it (`jaxtron train`; here launch.py, which runs the same;
+    ~7 min on 2 cores): 200 steps on the stdlib."""
     from jaxtron import config
     from jaxtron.data import corpus, tokenizer
 
