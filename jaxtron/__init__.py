@@ -30,15 +30,22 @@ def _release(package: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
+# (jax, the first flax release that imports with it): each jax removed a class of
+# jax.experimental.hijax that the flax releases before subclass (HiPrimitive)
+FIRST_FLAX = {(0, 11): (0, 12, 9), (0, 12): (0, 12, 10)}
+
+
 def mismatch() -> str:
-    """What to change when the installed jax and flax cannot work together, else "". jax 0.11
-    removed what flax 0.12.8 imports (jax.experimental.hijax.HiPrimitive); pip's resolver keeps
-    them apart, but an install with --no-deps or --target can pair them."""
+    """What to change when the installed jax and flax cannot work together, else "". pip's
+    resolver keeps them apart (pyproject.toml's ranges), but an install with --no-deps or
+    --target can pair them."""
     jax, flax = _release("jax"), _release("flax")
-    if jax >= (0, 11) and () < flax < (0, 12, 9):
+    first = max((need for since, need in FIRST_FLAX.items() if jax >= since), default=())
+    if () < flax < first:
+        needed = ".".join(map(str, first))
         return (f"flax {'.'.join(map(str, flax))} does not work with jax "
-                f"{'.'.join(map(str, jax))}; install flax 0.12.9 or newer "
-                "(pip install 'flax>=0.12.9,<0.13')")
+                f"{'.'.join(map(str, jax))}; install flax {needed} or newer "
+                f"(pip install 'flax>={needed},<0.13')")
     return ""
 
 

@@ -25,22 +25,42 @@ def _admitted(package: str, python: str) -> list[Requirement]:
 @pytest.mark.parametrize("python, flax, admitted", [
     ("3.11", "0.12.8", True),   # with jax 0.10.2, the only jax there for Python 3.11
     ("3.12", "0.12.8", False),  # with jax 0.11: jax.experimental.hijax has no HiPrimitive
-    ("3.12", "0.12.9", True),
-    ("3.12", "0.12.12", True),
+    ("3.12", "0.12.9", False),  # with jax 0.12: the same
+    ("3.12", "0.12.10", True),
+    ("3.13", "0.12.9", False),
+    ("3.13", "0.12.10", True),
+    ("3.13", "0.12.12", True),
     ("3.12", "0.13.0", False),  # untested
 ])
 def test_flax_range_depends_on_python(python, flax, admitted):
     (flax_range,) = _admitted("flax", python)
     assert flax_range.specifier.contains(flax) is admitted
     (jax_range,) = _admitted("jax", python)
-    assert jax_range.specifier.contains("0.11.2") and jax_range.specifier.contains("0.10.2")
+    assert all(jax_range.specifier.contains(v) for v in ("0.10.2", "0.11.2", "0.12.0.1"))
+    assert not jax_range.specifier.contains("0.13.0")  # untested
+
+
+def test_python_range_admits_3_11_to_3_13():
+    """3.13 was refused ("requires a different Python") while jax ships wheels for it."""
+    from packaging.specifiers import SpecifierSet
+
+    python = SpecifierSet(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                          ["requires-python"])
+    assert [v for v in ("3.10", "3.11", "3.12", "3.13", "3.14") if v in python] == \
+        ["3.11", "3.12", "3.13"]
 
 
 @pytest.mark.parametrize("jax, flax, said", [
     ("0.11.2", "0.12.8", "flax 0.12.8 does not work with jax 0.11.2; install flax 0.12.9 or "
                          "newer (pip install 'flax>=0.12.9,<0.13')"),
+    ("0.11.2", "0.12.9", ""),
     ("0.11.2", "0.12.12", ""),
     ("0.10.2", "0.12.8", ""),
+    ("0.12.0.1", "0.12.9", "flax 0.12.9 does not work with jax 0.12.0; install flax 0.12.10 or "
+                           "newer (pip install 'flax>=0.12.10,<0.13')"),
+    ("0.12.0.1", "0.12.8", "flax 0.12.8 does not work with jax 0.12.0; install flax 0.12.10 or "
+                           "newer (pip install 'flax>=0.12.10,<0.13')"),
+    ("0.12.0.1", "0.12.10", ""),
     ("0.11.2.dev20261101+cuda13", "0.12.8", "flax 0.12.8 does not work with jax 0.11.2; "
                                             "install flax 0.12.9 or newer (pip install "
                                             "'flax>=0.12.9,<0.13')"),
