@@ -9,11 +9,40 @@ import time
 # python launch.py`).
 STARTED = time.time()
 
+import os  # noqa: E402
+import sys  # noqa: E402
+
+
+def _record(signum, frame) -> None:
+    _record.signalled.append(signum)
+
+
+_record.signalled = []
+_record.startup_recorder = True  # what jaxtron.commands.train takes over, with what it recorded
+
+
+def _record_stops_while_training_starts() -> None:
+    """`jaxtron train` (launch.py, `python -m jaxtron.commands train`): from here on SIGINT,
+    SIGTERM and SIGHUP are recorded until the command takes them over, and then stop its start
+    with 75 (jaxtron/commands/train.py); jax imports next, a second or two, where a
+    KeyboardInterrupt would be a traceback and SIGTERM or SIGHUP would kill it."""
+    argv = sys.argv or [""]
+    name = os.path.basename(argv[0])
+    if name != "launch.py" and not (name in ("jaxtron", "-m", "__main__.py")
+                                    and argv[1:2] == ["train"]):
+        return
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, _record)  # nohup's SIG_IGN stays, as does a shim's recorder
+
+
+_record_stops_while_training_starts()  # first: what follows imports jax
+
 import importlib.metadata
 import importlib.util
-import os
 import re
-import sys
 
 # pyproject.toml's dependencies, by import name: a Python without them (the environment not
 # activated) gets one line naming the fix, not a traceback from the first import that fails.
@@ -66,33 +95,7 @@ def _check_installed() -> None:
     raise SystemExit(2)
 
 
-def _record(signum, frame) -> None:
-    _record.signalled.append(signum)
-
-
-_record.signalled = []
-_record.startup_recorder = True  # what jaxtron.commands.train takes over, with what it recorded
-
-
-def _record_stops_while_training_starts() -> None:
-    """`jaxtron train` (launch.py, `python -m jaxtron.commands train`): from here on SIGINT,
-    SIGTERM and SIGHUP are recorded until the command takes them over, and then stop its start
-    with 75 (jaxtron/commands/train.py); jax imports next, a second or two, where a
-    KeyboardInterrupt would be a traceback and SIGTERM or SIGHUP would kill it."""
-    argv = sys.argv or [""]
-    name = os.path.basename(argv[0])
-    if name != "launch.py" and not (name in ("jaxtron", "-m", "__main__.py")
-                                    and argv[1:2] == ["train"]):
-        return
-    import signal
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-            signal.signal(sig, _record)  # nohup's SIG_IGN stays, as does a shim's recorder
-
-
 _check_installed()
-_record_stops_while_training_starts()
 
 from jaxtron.plan.xla_flags import load_plugins_quietly  # after the check above
 

@@ -100,7 +100,7 @@ BAD_INPUTS = [
     (["=3"], ["'=3'", "section.key=value"]),
     (["run.dir=runs/a\nb"], ["run.dir='runs/a\\nb'", "control character"]),  # not "runs/a b"
     (["run.compile_cache=/tmp/c\tx"], ["run.compile_cache='/tmp/c\\tx'", "control character"]),
-    (["--config", "tiny"], ["tiny", "--config configs/tiny.yaml"]),
+    (["--config", "tinyy"], ["tinyy", "a preset's name is one of", "tiny_moe"]),
     (["--gpus-per-host", "4", "train.steps=1"], ["--gpus-per-host", "--compile-for"]),
     (["--gpu", "h100", "train.steps=1", "train.seq_len=64", "train.eval_every=0"],
      ["--gpu h100", "--dry-run"]),
@@ -699,8 +699,9 @@ def test_help_gives_the_defaults(capsys):
     with pytest.raises(SystemExit):
         launch.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--config FILE.yaml YAML preset (repeatable; later files override earlier ones; " \
-           "default: configs/tiny.yaml)" in text
+    assert "--config PRESET a preset's name (llama3_8b; listed below) or a YAML file's path " \
+           "(repeatable; later ones override earlier ones; default: tiny)" in text
+    assert "presets (--config NAME, shipped with jaxtron): gpt2_124m, gpu_base, llama2_7b, " in text
     assert "(default: the local device's, if it reports one)" in text
     assert "GPUs per host (default 8)" in text
 

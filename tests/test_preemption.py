@@ -24,8 +24,16 @@ ARGS = [f"train.steps={STEPS}", "train.log_every=1", "train.seq_len=128", "optim
 PLUGIN_NOISE = ("WARNING: All log messages before absl::InitializeLog()", "I0000 00:00:")
 
 
-def _cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "launch.py"), *ARGS, f"run.dir={run_dir}", *extra]
+def _cmd(run_dir: Path, *extra: str, entry: str = "launch.py") -> list[str]:
+    start = [sys.executable, str(ROOT / "launch.py")] if entry == "launch.py" else _jaxtron_train()
+    return [*start, *ARGS, f"run.dir={run_dir}", *extra]
+
+
+def _jaxtron_train() -> list[str]:
+    """`jaxtron train`: the console script pip installed beside this Python, else its module."""
+    script = Path(sys.executable).parent / "jaxtron"
+    return [str(script), "train"] if script.is_file() else [sys.executable, "-m",
+                                                               "jaxtron.commands", "train"]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -145,9 +153,10 @@ def test_sigkill_during_a_saves_commit_keeps_the_previous_checkpoint(tmp_path, s
     assert [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.isdigit()] == []
 
 
-def test_sigterm_saves_the_interrupted_step_and_resumes_exactly(tmp_path, straight):
+@pytest.mark.parametrize("entry", ["launch.py", "jaxtron train"])
+def test_sigterm_saves_the_interrupted_step_and_resumes_exactly(tmp_path, straight, entry):
     run_dir = tmp_path / "run"
-    cmd = _cmd(run_dir, "checkpoint.every=1000")  # only the signal and the end save
+    cmd = _cmd(run_dir, "checkpoint.every=1000", entry=entry)  # only the signal and the end save
     status = _run_until(cmd, run_dir, 3, signal.SIGTERM)
     assert status == 75  # launch.EXIT_PREEMPTED
     logged = max(_losses(run_dir))
@@ -311,14 +320,17 @@ def test_ctrl_c_during_start_up_stops_before_the_first_step(tmp_path):
     assert not run_dir.exists()  # no step ran: the start made run.dir and removed it again
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_in_the_first_second_stops_with_75(tmp_path, sig):
+@pytest.mark.parametrize("sig, entry", [(signal.SIGINT, "launch.py"), (signal.SIGTERM, "launch.py"),
+                                        (signal.SIGHUP, "launch.py"), (signal.SIGHUP, "jaxtron train"),
+                                        (signal.SIGINT, "jaxtron train")])
+def test_a_signal_in_the_first_second_stops_with_75(tmp_path, sig, entry):
     """While jax imports: a KeyboardInterrupt there was swallowed by one of jax's gc callbacks
     (the run went on to the end, exit 0) or became an ImportError; SIGTERM/SIGHUP killed it
-    (143, 129). Now each is recorded, and start-up stops with 75 once the imports are done."""
+    (143, 129). Now each is recorded, and start-up stops with 75 once the imports are done.
+    `jaxtron train` imports jax with jaxtron itself, before its command starts: the same."""
     for delay in (0.2, 0.8):  # after the interpreter starts, while jax imports
         run_dir = tmp_path / f"run{delay}"
-        proc = subprocess.Popen(_cmd(run_dir), cwd=ROOT, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(_cmd(run_dir, entry=entry), cwd=ROOT, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
         proc.send_signal(sig)
