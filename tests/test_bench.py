@@ -154,6 +154,9 @@ def test_smoke_suite_prints_one_json_line_per_row_with_the_numbers(capsys):
 
 
 def test_gpu_suite_lists_its_rows_within_eight_minutes(capsys):
+    """The rows in the order of what they prove, for a GPU window that may end early: a dense
+    Llama row first (scripts/gpu_session.sh's first call runs it with MaxText), then the 8B
+    and its FP8 variant."""
     assert bench.main(["--suite", "gpu", "--list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     rows = benchmark.SUITES["gpu"].rows
@@ -162,6 +165,8 @@ def test_gpu_suite_lists_its_rows_within_eight_minutes(capsys):
                                                            for i, row in enumerate(rows, 1)]
     total = float(re.search(r"([\d.]+) min", lines[-1]).group(1))
     assert total == sum(row.minutes for row in rows) <= 8
+    assert [row.name for row in rows[:3]] == ["llama3_1b seq 4096", "llama3_8b 16 layers seq 8192",
+                                              "llama3_8b 14 layers seq 8192 fp8"]
     wanted = {("gpt2_124m.yaml", 1024), ("llama3_1b.yaml", 4096), ("llama3_1b.yaml", 8192),
               ("llama3_8b.yaml", 8192)}
     assert {(row.config, int(dict(o.split("=") for o in row.overrides)["train.seq_len"]))
