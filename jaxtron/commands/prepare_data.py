@@ -288,9 +288,10 @@ def empty_val(manifest: dict, val_fraction: float) -> str:
     # Each document is val by its hash, with chance --val-fraction: 3/N holds out about 3 of N
     # and leaves val empty about 1 time in 20.
     fraction = min(0.5, max(float(f"{3 / documents:.1g}"), 2 * val_fraction))
-    fix = (f"prepare again into a new --out with --val-fraction {fraction:g} (about "
-           f"{max(1, round(fraction * documents))} held out), or with more documents"
-           if documents > 1 else "add documents")
+    fix = ("add documents" if documents < 2 else  # a larger fraction than given, else only more
+           "prepare again into a new --out with more documents" if fraction <= val_fraction else
+           f"prepare again into a new --out with --val-fraction {fraction:g} (about "
+           f"{max(1, round(fraction * documents))} held out), or with more documents")
     return (f"the val split is empty ({counted(documents, 'document')}, --val-fraction "
             f"{val_fraction:g}), so jaxtron train refuses this dataset while train.eval_every > 0; "
             f"{fix}; or train with train.eval_every=0")
