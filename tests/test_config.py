@@ -138,6 +138,9 @@ def test_a_preset_name_loads_the_shipped_preset_from_any_directory(name, tmp_pat
     monkeypatch.chdir(tmp_path)
     assert config.load([name]) == config.load([CONFIGS / "tiny.yaml"])
     assert config.load([name]).model.num_layers != 3
+    (tmp_path / name).mkdir()  # a run's directory named so: still the preset
+    assert config.load([name]) == config.load([CONFIGS / "tiny.yaml"])
+    (tmp_path / name).rmdir()
     (tmp_path / name).write_text("model:\n  num_layers: 3\n")
     assert config.load([name]).model.num_layers == 3
 

@@ -68,7 +68,7 @@ def find(name: str | Path) -> Path:
     (`llama3_8b`, `llama3_8b.yaml`), from any directory; else `name` as given (read says what is
     wrong with it)."""
     path = Path(name)
-    if path.is_file() or path.exists() or len(path.parts) != 1:
+    if path.is_file() or len(path.parts) != 1:  # a directory named `tiny` (a run's) is no preset
         return path
     preset = PRESETS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
     return preset if preset.is_file() else path
