@@ -88,8 +88,8 @@ def _check_installed() -> None:
         message = mismatch()
     if not message:
         return
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else ""
-    if not script:
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""  # a command: a .py, `jaxtron`
+    if not (script.endswith(".py") or script == "jaxtron"):  # imported by other code: raised
         raise (ModuleNotFoundError if missing else ImportError)(message)
     print(f"{script}: error: {message}", file=sys.stderr)
     raise SystemExit(2)

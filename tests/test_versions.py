@@ -71,17 +71,23 @@ def test_a_mismatched_pair_is_named(monkeypatch, jax, flax, said):
     assert jaxtron.mismatch() == said
 
 
-def test_a_command_given_a_mismatched_pair_says_it_in_one_line(tmp_path):
-    """launch.py with flax's metadata claiming 0.12.8 beside jax 0.11.2: one line, exit 2,
-    before anything imports flax (which would fail with an AttributeError traceback)."""
+@pytest.mark.parametrize("entry", ["launch.py", "jaxtron"])
+def test_a_command_given_a_mismatched_pair_says_it_in_one_line(tmp_path, entry):
+    """launch.py, and the installed `jaxtron train`, with flax's metadata claiming 0.12.8 beside
+    jax 0.11.2: one line, exit 2, before anything imports flax (which would fail with an
+    AttributeError traceback). The console script raised an ImportError traceback."""
+    script = Path(sys.executable).parent / "jaxtron"
+    if entry == "jaxtron" and not script.is_file():
+        pytest.skip("no jaxtron console script beside this Python (pip install -e .)")
     (tmp_path / "sitecustomize.py").write_text(
         "import importlib.metadata as m\n_real = m.version\n"
         "m.version = lambda p: {'jax': '0.11.2', 'flax': '0.12.8'}.get(p) or _real(p)\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--dry-run"],
-                          capture_output=True, text=True, cwd=tmp_path,
+    start = [sys.executable, str(ROOT / "launch.py")] if entry == "launch.py" else [str(script),
+                                                                                   "train"]
+    proc = subprocess.run([*start, "--dry-run"], capture_output=True, text=True, cwd=tmp_path,
                           env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
     assert proc.stdout == ""
-    assert_refused(proc.returncode, proc.stderr, "launch.py: error:", "flax 0.12.8", "jax 0.11.2",
+    assert_refused(proc.returncode, proc.stderr, f"{entry}: error:", "flax 0.12.8", "jax 0.11.2",
                    "pip install 'flax>=0.12.9,<0.13'")
 
 
