@@ -73,7 +73,8 @@ def _gather_local(dots, x_BtD, *weights):
         # The chunk in hand came from device me + step: it is sequence chunk (me + step) % n.
         following = _shift_left(chunk, n) if step < n - 1 else None  # in flight meanwhile
         where = ((me + step) % n) * t
-        ys = [dot(chunk, w, 1) for dot, w in zip(dots, weights)]
+        chunk, *ws = _step_weights(chunk, weights)
+        ys = [dot(chunk, w, 1) for dot, w in zip(dots, ws)]
         # Tie the received chunk to this step's products: the next step's matmuls then follow
         # this step's, so XLA cannot merge them all into one matmul after the last permute.
         ys, chunk = jax.lax.optimization_barrier((ys, following))
@@ -93,8 +94,25 @@ def _scatter_local(dot, h_BT_, w):
         moving = _shift_left(total, n)  # in flight while this step's matmul runs
         # The chunk waits for the previous sum, so the matmuls stay one per step (unmerged).
         chunk, _ = jax.lax.optimization_barrier((_chunk(h_BT_, (me + 1 + step) % n, t), total))
-        total = moving + dot(chunk, w, contract)
+        chunk, w_step = _step_weights(chunk, (w,))
+        total = moving + dot(chunk, w_step, contract)
     return total
+
+
+# jax 0.11 and later: see _step_weights (on jax 0.10.2 the barrier left 2% more exposed)
+_TIE_WEIGHTS = jax.__version_info__ >= (0, 11)
+
+
+def _step_weights(chunk: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """(chunk, *weights) through one barrier: in the backward their cotangents pass one too, so
+    each step's weight gradient (chunk^T dY) stays a matmul of its own. Without it, XLA (jax
+    0.12) merged the weight gradients of a loop into matmuls over concatenated chunks, each
+    waiting for several permutes, which then ran back to back with no matmul beside them:
+    synchronous, 17% of llama3_70b_pp8's tensor permutes (8% with the barrier; docs/performance.md,
+    "jax 0.12")."""
+    if not _TIE_WEIGHTS:
+        return (chunk, *weights)
+    return tuple(jax.lax.optimization_barrier((chunk, *weights)))
 
 
 def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | None = None
