@@ -5,10 +5,10 @@ failures end the same way with their own status. Every such line reads
 
 While a command imports (jax takes a second or two), SIGINT and SIGTERM are only recorded: a
 KeyboardInterrupt raised inside an import is a traceback, or an extension's ImportError.
-`jaxtron train`'s recorder (jaxtron/commands/train.py: a signal then stops start-up with 75, read
-by Preemption) is in place before the training modules import; tools/_environment.py's (which
-launch.py and the tools import first) runs before jaxtron imports; the `jaxtron` command's is
-start_command's. take_over_signals reads the latter two."""
+`jaxtron train`'s recorder (jaxtron/__init__.py's, SIGHUP too, from jaxtron's first import; taken
+over by jaxtron/commands/train.py: a signal then stops start-up with 75, read by Preemption);
+tools/_environment.py's (which launch.py and the tools import first) runs before jaxtron imports;
+the `jaxtron` command's is start_command's. take_over_signals reads the latter two."""
 
 from __future__ import annotations
 
