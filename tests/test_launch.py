@@ -16,6 +16,7 @@ from conftest import ROOT, assert_refused, run_launch
 
 import launch
 from jaxtron import config
+from jaxtron.commands import train as train_command
 from jaxtron.config import DataConfig, DatasetEntry, TrainConfig
 from jaxtron.data import prepared
 from jaxtron.plan import metrics
@@ -622,14 +623,16 @@ def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
     assert re.search(r"^\d\d:\d\d:\d\d checkpoint 610$", capsys.readouterr().out, re.MULTILINE)
 
 
-def test_a_signal_during_start_up_is_status_75(monkeypatch, capsys):
+def test_a_signal_during_start_up_is_status_75(monkeypatch, capsys, tmp_path):
     """SIGINT/SIGTERM before the loop takes them over (a checkpoint, then 75) also ends in 75
-    and one line, so a batch system requeues the job instead of counting a crash."""
+    and one line, so a batch system requeues the job instead of counting a crash. (`run` is
+    jaxtron train's: patched on the shim, it trained in this process, into ./runs/tiny.)"""
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launch, "run", interrupted)
-    assert _main(["train.steps=1"]) == launch.EXIT_PREEMPTED
+    monkeypatch.setattr(train_command, "run", interrupted)
+    assert _main(["train.steps=1", f"run.dir={tmp_path / 'run'}"]) == launch.EXIT_PREEMPTED
+    assert not (tmp_path / "run").exists()
     assert capsys.readouterr().err == ("stopped by a signal before training started (nothing to "
                                        "save); run the same command to start\n")
 
