@@ -75,6 +75,23 @@ def test_collectives_bytes_axes_and_async():
     assert (scatter["bytes"], scatter["axes"], scatter["async"]) == (64 * 16 * 4, ["fsdp"], True)
 
 
+def test_a_start_holding_its_operands_counts_its_results_once():
+    """jax 0.12's XLA writes an all-reduce-start as ((operands), results), as the other starts:
+    its bytes are the results', not both (which doubled every all-reduce); a combined one's are
+    all its results'; jax 0.10's form, the results alone, is read as before (MODULE above)."""
+    text = MODULE.replace(
+        "%all-reduce-start = f32[64,16]{1,0} all-reduce-start(%g)",
+        "%all-reduce-start = ((f32[64,16]{1,0}), f32[64,16]{1,0}) all-reduce-start(%g)")
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(text), MESH)}
+    assert rows["all-reduce"]["bytes"] == 64 * 16 * 4
+    combined = hlo.Instruction("all-reduce-start.1", "((f32[4]{0}, bf16[8]{0}), (f32[4]{0}, "
+                               "bf16[8]{0}))", "all-reduce-start", "%a, %b)")
+    assert hlo.collective_bytes("all-reduce", combined, 2) == 4 * 4 + 8 * 2
+    old_combined = hlo.Instruction("all-reduce-start.2", "(f32[4]{0}, bf16[8]{0})",
+                                   "all-reduce-start", "%a, %b)")
+    assert hlo.collective_bytes("all-reduce", old_combined, 2) == 4 * 4 + 8 * 2
+
+
 def test_kernels_and_matmul_flops():
     module = hlo.parse(MODULE)
     assert hlo.kernels(module) == {"__triton_gemm": 6, "__cublas$lt$matmul": 1}

@@ -14,15 +14,17 @@ Here each of these becomes n = |tensor| steps inside a `shard_map` over `tensor`
                       travels one device on (n-1 permutes of out/n).
 
 The permutes do not depend on the matmul beside them, so XLA's latency-hiding scheduler runs them
-together (an async collective-permute started before the GEMM, finished after). Autodiff turns
-each loop into its mirror image for the backward. The values equal the plain matmuls up to
-float rounding of the summation order (tests/test_collective_matmul.py). Only `tensor` is manual
-here (the pipeline's stages are already): data and fsdp stay with the compiler, so FSDP gathers
-the weights as before.
+together (an async collective-permute started before the GEMM, finished after). The backward
+of each is the other written out (custom VJPs): the gather's input gradient a scatter ring of
+g W^T, the scatter's a gather ring of its output's gradient, each step's weight gradient summed
+on the way. The values equal the plain matmuls up to float rounding of the summation order
+(tests/test_collective_matmul.py). Only `tensor` is manual here (the pipeline's stages are
+already): data and fsdp stay with the compiler, so FSDP gathers the weights as before.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -63,56 +65,144 @@ def _chunk(x: jax.Array, index: jax.Array, size: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
+def _ring_gather(chunk: jax.Array, products, absorb, state):
+    """Every device's sequence chunk in turn, this device's first: at step s the chunk in hand is
+    chunk (me + s) % n, and `products(s, chunk)` are computed while the next one travels in (a
+    collective-permute per step); then `absorb(s, products, state) -> state`."""
+    n = jax.lax.axis_size(AXIS)
+    for step in range(n):
+        following = _shift_left(chunk, n) if step < n - 1 else None  # in flight meanwhile
+        found = products(step, chunk)
+        # Tie the received chunk to this step's products: the next step's matmuls then follow
+        # this step's, and XLA can merge neither them nor their sums into matmuls that wait for
+        # several permutes (which would then run back to back, synchronous).
+        found, chunk = jax.lax.optimization_barrier((found, following))
+        state = absorb(step, found, state)
+    return state
+
+
+def _ring_scatter(inputs, part, state):
+    """The sum over devices of every device's part for this device's sequence chunk: at step s
+    this device adds its part for chunk (me + 1 + s) % n, `part(s, inputs(s), state) -> (part,
+    state)`, to the running sum that arrived, which then moves on. After n - 1 moves left, the
+    sum that ends here is for this device's own chunk, every device's part added once."""
+    n = jax.lax.axis_size(AXIS)
+    total, state = part(0, inputs(0), state)
+    for step in range(1, n):
+        moving = _shift_left(total, n)  # in flight while this step's matmuls run
+        # This step's inputs (and the sums so far) wait for the previous sum: the matmuls stay
+        # one per step, none merged with another step's.
+        (found, state), _ = jax.lax.optimization_barrier(((inputs(step), state), total))
+        y, state = part(step, found, state)
+        # The sum's add stays out of the matmul: XLA (jax 0.12) fused it into the GEMM as an
+        # epilogue, and the GEMM then waited for the permute it was to hide (llama3_70b_128k:
+        # 418 GiB of the tensor permutes exposed per GPU per step).
+        total = moving + jax.lax.optimization_barrier(y)
+    return total, state
+
+
+def _pullback(dot: Dot, x: jax.Array, w: jax.Array, contract: int, g: jax.Array):
+    """(dot's arrays, x, w) cotangents of dot(x, w, contract) for the output's cotangent g: the
+    dot's own backward (FP8's included); its forward product is unused, and dropped."""
+    _, pull = jax.vjp(lambda d, a, b: d(a, b, contract), dot, x, w)
+    return pull(g)
+
+
+def _add(total, part):
+    return part if total is None else jax.tree.map(jnp.add, total, part)
+
+
+# The local views below run inside a shard_map over `tensor`: x[B, T/n, D] is this device's
+# chunk, h[B, T, ...] the whole sequence, the weights split over tensor along their output
+# (gather) or contracting (scatter) dimensions. Each is a custom VJP whose backward is itself a
+# collective matmul. Autodiff's transpose of the loops carried no barriers (a barrier's zero
+# cotangents do not pass it), and jax 0.12's XLA then ran the backward's permutes back to back,
+# their matmuls after them (docs/performance.md, "jax 0.12 against 0.10.2"). This device's
+# index is a residual: read again in the backward (axis_index) inside a pipeline's stages under
+# remat=full, jax 0.10.2's SPMD partitioner aborted on the slices it placed.
+
+@jax.custom_vjp
 def _gather_local(dots, x_BtD, *weights):
-    """Local view: x[B, T/n, D] (this device's chunk), weights [D, ...local out dims]."""
+    """-> for each weight, x gathered over the sequence times it: [B, T, ...local out dims]."""
+    return _gather_forward(dots, x_BtD, *weights)[0]
+
+
+def _gather_forward(dots, x_BtD, *weights):
     n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     t = x_BtD.shape[1]
     outs = [jnp.zeros((x_BtD.shape[0], t * n, *w.shape[1:]), x_BtD.dtype) for w in weights]
-    chunk = x_BtD
-    for step in range(n):
-        # The chunk in hand came from device me + step: it is sequence chunk (me + step) % n.
-        following = _shift_left(chunk, n) if step < n - 1 else None  # in flight meanwhile
-        where = ((me + step) % n) * t
-        chunk, *ws = _step_weights(chunk, weights)
-        ys = [dot(chunk, w, 1) for dot, w in zip(dots, ws)]
-        # Tie the received chunk to this step's products: the next step's matmuls then follow
-        # this step's, so XLA cannot merge them all into one matmul after the last permute.
-        ys, chunk = jax.lax.optimization_barrier((ys, following))
+
+    def products(step, chunk):
+        return chunk, [dot(chunk, w, 1) for dot, w in zip(dots, weights)]
+
+    def absorb(step, found, state):
+        (chunk, ys), (outs, chunks) = found, state
+        where = ((me + step) % n) * t  # the chunk in hand came from device me + step
         outs = [jax.lax.dynamic_update_slice_in_dim(o, y, where, axis=1) for o, y in zip(outs, ys)]
-    return tuple(outs)
+        return outs, (*chunks, chunk)
+
+    outs, chunks = _ring_gather(x_BtD, products, absorb, (outs, ()))
+    return tuple(outs), (dots, chunks, weights, me)
 
 
+def _gather_backward(residuals, g_outs):
+    """dx: sum_w g_w W_w^T reduce-scattered over the sequence by `_ring_scatter`; each weight's
+    gradient summed over the chunks on the way."""
+    dots, chunks, weights, me = residuals
+    n = jax.lax.axis_size(AXIS)
+    t = chunks[0].shape[1]
+
+    def inputs(step):  # the forward's step s held chunk (me + s) % n
+        index = (me + 1 + step) % n
+        return chunks[(1 + step) % n], [_chunk(g, index, t) for g in g_outs]
+
+    def part(step, found, sums):
+        x_c, g_cs = found
+        pulled = [_pullback(dot, x_c, w, 1, g) for dot, w, g in zip(dots, weights, g_cs)]
+        dx = functools.reduce(jnp.add, [d_x for _, d_x, _ in pulled])
+        return dx, _add(sums, [(d_dot, d_w) for d_dot, _, d_w in pulled])
+
+    dx, sums = _ring_scatter(inputs, part, None)
+    return ([d_dot for d_dot, _ in sums], dx, *[d_w for _, d_w in sums])
+
+
+_gather_local.defvjp(_gather_forward, _gather_backward)
+
+
+@jax.custom_vjp
 def _scatter_local(dot, h_BT_, w):
-    """Local view: h[B, T, ...contracting, local] and w[...contracting, D] -> out[B, T/n, D]."""
+    """h[B, T, ...contracting, local] times w[...contracting, D] -> out[B, T/n, D]."""
+    return _scatter_forward(dot, h_BT_, w)[0]
+
+
+def _scatter_forward(dot, h_BT_, w):
     n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-    t = h_BT_.shape[1] // n
-    contract = h_BT_.ndim - 2
-    # Device me's running sum at step s is for chunk me + 1 + s; after n - 1 moves left, the sum
-    # that ends here is this device's own chunk, with every device's part added once.
-    total = dot(_chunk(h_BT_, (me + 1) % n, t), w, contract)
-    for step in range(1, n):
-        moving = _shift_left(total, n)  # in flight while this step's matmul runs
-        # The chunk waits for the previous sum, so the matmuls stay one per step (unmerged).
-        chunk, _ = jax.lax.optimization_barrier((_chunk(h_BT_, (me + 1 + step) % n, t), total))
-        chunk, w_step = _step_weights(chunk, (w,))
-        total = moving + dot(chunk, w_step, contract)
-    return total
+    t, contract = h_BT_.shape[1] // n, h_BT_.ndim - 2
+    inputs = lambda step: _chunk(h_BT_, (me + 1 + step) % n, t)
+    total, _ = _ring_scatter(inputs, lambda step, h_c, _: (dot(h_c, w, contract), None), None)
+    return total, (dot, h_BT_, w, me)
 
 
-# jax 0.11 and later: see _step_weights (on jax 0.10.2 the barrier left 2% more exposed)
-_TIE_WEIGHTS = jax.__version_info__ >= (0, 11)
+def _scatter_backward(residuals, g_BtD):
+    """The output's cotangent gathered over the sequence by `_ring_gather`: each chunk's h
+    gradient (g_c W^T) placed at its position, w's summed over the chunks on the way."""
+    dot, h_BT_, w, me = residuals
+    n = jax.lax.axis_size(AXIS)
+    t, contract = g_BtD.shape[1], h_BT_.ndim - 2
+
+    def products(step, g_c):
+        return _pullback(dot, _chunk(h_BT_, (me + step) % n, t), w, contract, g_c)
+
+    def absorb(step, found, state):
+        (d_dot, d_h, d_w), (dh, sums) = found, state
+        dh = jax.lax.dynamic_update_slice_in_dim(dh, d_h, ((me + step) % n) * t, axis=1)
+        return dh, _add(sums, (d_dot, d_w))
+
+    dh, (d_dot, d_w) = _ring_gather(g_BtD, products, absorb, (jnp.zeros_like(h_BT_), None))
+    return d_dot, dh, d_w
 
 
-def _step_weights(chunk: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-    """(chunk, *weights) through one barrier: in the backward their cotangents pass one too, so
-    each step's weight gradient (chunk^T dY) stays a matmul of its own. Without it, XLA (jax
-    0.12) merged the weight gradients of a loop into matmuls over concatenated chunks, each
-    waiting for several permutes, which then ran back to back with no matmul beside them:
-    synchronous, 17% of llama3_70b_pp8's tensor permutes (8% with the barrier; docs/performance.md,
-    "jax 0.12")."""
-    if not _TIE_WEIGHTS:
-        return (chunk, *weights)
-    return tuple(jax.lax.optimization_barrier((chunk, *weights)))
+_scatter_local.defvjp(_scatter_forward, _scatter_backward)
 
 
 def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | None = None

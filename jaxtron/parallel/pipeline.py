@@ -141,8 +141,10 @@ def _from_owner(inputs_SKbTD: jax.Array, t: jax.Array) -> jax.Array:
     s, k = inputs_SKbTD.shape[:2]
     local_SbTD = jax.lax.dynamic_index_in_dim(inputs_SKbTD, t % k, 1, False)
     owner = jnp.arange(s) == jnp.minimum(t // k, s - 1)
-    return jnp.sum(jnp.where(owner.reshape(s, *[1] * (local_SbTD.ndim - 1)), local_SbTD, 0),
-                   axis=0)
+    masked_SbTD = jnp.where(owner.reshape(s, *[1] * (local_SbTD.ndim - 1)), local_SbTD, 0)
+    # In the inputs' dtype (one term is not zero: nothing to round). jnp.sum adds bf16 in f32,
+    # and on jax 0.12 the all-reduce then moved f32: twice the bytes, all of them exposed.
+    return jax.lax.reduce(masked_SbTD, np.zeros((), masked_SbTD.dtype), jax.lax.add, (0,))
 
 
 def _microbatches(x: jax.Array, m: int) -> jax.Array:

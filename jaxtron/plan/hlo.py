@@ -215,10 +215,12 @@ def _top_level(shape: str) -> list[str]:
 def collective_bytes(op: str, inst: Instruction, group: int) -> int:
     """The buffer size of one execution of a collective (nccl-tests' size), per device."""
     shape = inst.shape
-    if inst.opcode.endswith("-start") and op in ("all-gather", "reduce-scatter", "all-to-all"):
-        shape = _top_level(shape)[1]  # (operands, results): the results
-    elif inst.opcode.endswith("-start") and op == "collective-permute":
-        shape = _top_level(shape)[1]  # (operand, result, contexts...)
+    parts = _top_level(shape) if inst.opcode.endswith("-start") else [shape]
+    # A start's shape is (operands, results[, contexts]) where its first element is a tuple
+    # (jax 0.12's all-reduce-start too; before, its shape was the results alone), and for the
+    # other ops (operand, result[, contexts]) with one array: either way, the results.
+    if len(parts) > 1 and (parts[0].startswith("(") or op != "all-reduce"):
+        shape = parts[1]
     size = sum(nbytes(*a) for a in arrays(shape))
     return size * group if op == "reduce-scatter" else size
 
