@@ -20,7 +20,8 @@ from conftest import assert_refused
 
 import launch
 from jaxtron import config as config_lib
-from jaxtron.model import REMAT_POLICIES, moe
+from jaxtron.model import REMAT_POLICIES
+from jaxtron.ops import experts
 from jaxtron.plan import aot, flops, hlo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -381,7 +382,7 @@ def _tensor_rows(report: dict) -> dict[str, dict]:
 def test_collective_matmul_permutes_each_have_a_matmul_beside_them(tmp_path):
     """Two layers of llama3_8b at tensor=8, seq 4096, on 8 H100s: the collective matmuls'
     permutes over `tensor`, forward and backward, each with a matmul between start and done;
-    what is left is the embedding gradient's own ring (jaxtron/model/vocab.py), 3% of the
+    what is left is the embedding gradient's own ring (jaxtron/ops/vocab.py), 3% of the
     bytes. Measured: 3.5% exposed on jax 0.10.2 and 0.11.2, 3.4% on 0.12.0.1. With the
     backward left to autodiff (no barriers in it), jax 0.12 left 10 of them synchronous and
     19% of the bytes exposed."""
@@ -407,7 +408,7 @@ def test_collective_matmul_overlaps_the_tensor_collectives(tmp_path):
     on_report = _launch(tmp_path / "on", "llama3_8b.yaml", 8, *args, "model.collective_matmul=true")
     on = _tensor_rows(on_report)
     moved = off["all-gather"]["bytes"] + off["reduce-scatter"]["bytes"]
-    # Off, the only permutes over tensor are the embedding gradient's ring (jaxtron/model/vocab.py).
+    # Off, the only permutes over tensor are the embedding gradient's ring (jaxtron/ops/vocab.py).
     ring = off["collective-permute"]["bytes"] if "collective-permute" in off else 0
     assert ring <= 0.02 * moved
     exposed = lambda rows: sum(r["bytes"] - r["overlapped_bytes"] for r in rows.values())
@@ -599,7 +600,7 @@ def test_each_weight_is_gathered_over_fsdp_once_forward_and_once_backward(tmp_pa
     assert 2 * layers <= moved <= 2 * layers + 2 * tables, (moved / layers, tables / layers)
 
 
-KERNEL = pytest.mark.skipif(not moe.available("mosaic"), reason=(
+KERNEL = pytest.mark.skipif(not experts.available("mosaic"), reason=(
     "tokamax's Mosaic GPU ragged_dot is not installed (pip install -e '.[gpu-aot]')"))
 
 

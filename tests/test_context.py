@@ -12,7 +12,7 @@ from conftest import assert_refused, run_launch, tiny_config
 
 from jaxtron import parallel
 from jaxtron.config import ConfigError, MeshConfig
-from jaxtron.model import attention, context_attention
+from jaxtron.ops import attention, context_attention
 from jaxtron.parallel import context
 from jaxtron.step import check_segments
 

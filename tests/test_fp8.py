@@ -1,4 +1,4 @@
-"""FP8 matmuls (model.fp8=tensorwise, jaxtron/model/fp8.py): the op against its emulation in
+"""FP8 matmuls (model.fp8=tensorwise, jaxtron/ops/fp8.py): the op against its emulation in
 float32, the collective matmuls' FP8 steps against theirs, every mesh and remat policy against
 one device, and training against the unquantized model.
 
@@ -28,7 +28,7 @@ from test_parallel import _gradients
 from jaxtron import config, data, model, parallel
 from jaxtron.checkpoint import weights
 from jaxtron.config import MeshConfig
-from jaxtron.model import fp8
+from jaxtron.ops import fp8
 from jaxtron.parallel import collective_matmul
 from jaxtron.step import compile_step, global_batch
 from jaxtron.step.optim import make_optimizer

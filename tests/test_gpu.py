@@ -32,7 +32,7 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxtron import config, parallel
-from jaxtron.model import attention
+from jaxtron.ops import attention
 from jaxtron.plan import xla_flags
 from jaxtron.step import compile_step, global_batch, loss_and_grads
 from jaxtron.step.optim import make_optimizer
@@ -467,9 +467,9 @@ def test_moe_grouped_kernel_gradients_match_xla_on_a_padded_batch():
     every gradient on a batch with padding (pairs past the groups, where the kernel writes
     nothing). Tolerance: STEP_RTOL's (two bf16 computations); rows leaking from the kernel's
     unwritten buffer put gradients 46-104x their norm off (a CPU stand-in), or NaN."""
-    from jaxtron.model import moe  # noqa: PLC0415
+    from jaxtron.ops import experts  # noqa: PLC0415
 
-    if not moe.available("mosaic"):
+    if not experts.available("mosaic"):
         pytest.skip("tokamax's Mosaic GPU ragged_dot is not installed")
     device = jax.devices("cuda")[0]
     loss, grads = moe_gradients("mosaic", device)

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 450
 # Bottom to top. A module may import its own package and any package below it, never one above.
-LAYERS = ["config", "lifecycle", "cli", "parallel", "model", "data", "checkpoint", "hf", "step", "plan", "train",
+LAYERS = ["config", "lifecycle", "cli", "parallel", "ops", "model", "data", "checkpoint", "hf", "step", "plan", "train",
           "commands"]
 MODULES = sorted((ROOT / "jaxtron").rglob("*.py"))
 SCRIPTS = sorted((ROOT / "tools").glob("*.py")) + [ROOT / "launch.py"]
@@ -125,6 +125,54 @@ def test_the_schema_and_the_model_import_no_parallel_code():
     assert graph["jaxtron.config.errors"] == set()
     assert not graph["jaxtron.model"] & {"jaxtron.parallel.pipeline", "jaxtron.train.loop",
                                          "jaxtron.step"}
+
+
+# what only the operations set and parallel/ may touch: the ambient mesh, per-device programs,
+# shardings by mesh axis, and the collectives
+MESH_MECHANICS = {"get_abstract_mesh", "shard_map", "PartitionSpec", "NamedSharding", "Mesh",
+                  "AxisType", "with_sharding_constraint", "psum", "psum_scatter", "pmax", "pmin",
+                  "pmean", "ppermute", "all_gather", "all_to_all", "axis_index", "axis_size"}
+MESH_AXES = {"data", "stage", "fsdp", "context", "expert", "tensor"}  # parallel.MESH_AXES
+
+
+def _mesh_mechanics(path: Path) -> list[str]:
+    """Each use of a mesh mechanic or a mesh axis name in `path` (docstrings and comments
+    aside), as 'file:line name'."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                  and ast.get_docstring(node) is not None}
+    found = []
+    for node in ast.walk(tree):
+        name = (node.attr if isinstance(node, ast.Attribute) else
+                node.id if isinstance(node, ast.Name) else
+                node.value if isinstance(node, ast.Constant) and id(node) not in docstrings
+                and node.value in MESH_AXES else
+                next((a.name for a in node.names if a.name in MESH_MECHANICS), None)
+                if isinstance(node, ast.ImportFrom) else None)
+        if name in MESH_MECHANICS or (isinstance(node, ast.Constant) and name):
+            found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+def test_the_model_says_what_it_computes_not_how_it_runs():
+    """jaxtron/model/ neither reads the mesh, nor names a mesh axis, nor runs a per-device
+    program or a collective: the operations set (jaxtron/ops/) does."""
+    found = [hit for path in sorted((ROOT / "jaxtron" / "model").glob("*.py"))
+             for hit in _mesh_mechanics(path)]
+    assert found == []
+
+
+def test_the_mesh_check_finds_mechanics(tmp_path):
+    """The scan above finds a collective over a named axis, a shard_map and the ambient mesh,
+    and lets a docstring name an axis."""
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""tensor"""\nimport jax\nfrom jax.sharding import PartitionSpec\n'
+                      'y = jax.lax.psum(1, "tensor")\n'
+                      'm = jax.sharding.get_abstract_mesh()\nf = jax.shard_map\n')
+    found = sorted(hit.split(":")[1] for hit in _mesh_mechanics(sample))
+    assert found == ["3 PartitionSpec", "4 psum", "4 tensor", "5 get_abstract_mesh",
+                     "6 shard_map"]
 
 
 def test_checkpoints_know_nothing_of_the_input():

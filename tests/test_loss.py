@@ -176,7 +176,7 @@ def test_chunked_loss_equals_the_whole_loss_and_gradient(model_parts, chunk):
     (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), True),  # the head is the embedding table
 ], ids=["tensor2-fsdp4", "data2-fsdp2-tensor2", "stage2-fsdp2-tensor2", "tied"])
 def test_sharded_loss_equals_the_whole_loss(model_parts, mesh, tied):
-    """The loss under a mesh (jaxtron/model/vocab.py's shard_map with its own backward): rows over
+    """The loss under a mesh (jaxtron/ops/vocab.py's shard_map with its own backward): rows over
     data/fsdp/stage, vocabulary over tensor, the head gathered and its gradient reduce-scattered
     by hand. The single-device whole-loss value and gradient (measured <= 2e-7 of each
     gradient's norm; a head gradient not summed over `data` is off by 50%)."""

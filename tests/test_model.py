@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.model import REMAT_POLICIES, Transformer, rope_frequencies
-from jaxtron.model.attention import segment_causal_mask, xla_attention
+from jaxtron.ops.attention import segment_causal_mask, xla_attention
 from jaxtron.step import loss_sums
 
 CFG = ModelConfig(vocab_size=128, num_layers=3, d_model=64, num_heads=4, num_kv_heads=2,
@@ -138,7 +138,7 @@ def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monke
     """A kernel that is causal but ignores packed-document boundaries (a real failure of fused
     kernels) fails the start-up check with one line naming it; the reference passes."""
     from jaxtron.config import ConfigError
-    from jaxtron.model import attention
+    from jaxtron.ops import attention
 
     def leaky(q, k, v, segment_ids):  # every row one document: attends across boundaries
         return attention.xla_attention(q, k, v, jnp.ones_like(segment_ids))
@@ -150,7 +150,7 @@ def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monke
 
 
 def test_attention_auto_is_cudnn_on_gpus_only():
-    from jaxtron.model import attention
+    from jaxtron.ops import attention
 
     assert attention.resolve("auto", "gpu") == "cudnn"
     assert attention.resolve("auto", "cpu") == "xla"

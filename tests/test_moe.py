@@ -34,6 +34,7 @@ from jaxtron import config, data, hf, parallel
 from jaxtron.commands import convert_hf
 from jaxtron.config import ModelConfig
 from jaxtron.model import Transformer, moe
+from jaxtron.ops import experts
 from jaxtron.step import empty_histories, global_batch, loss_and_grads, loss_sums
 from jaxtron.step.optim import make_optimizer
 from jaxtron.step.state import init_state, make_plan
@@ -331,7 +332,7 @@ def test_bad_moe_settings_are_one_line_and_status_2(capsys, args, names):
 def test_a_grouped_kernel_that_is_not_installed_is_refused(capsys, monkeypatch):
     """model.moe_kernel=mosaic without tokamax (or, on jax 0.11, =triton, whose kernel needs jax
     0.10): one line naming the setting and what works instead, status 2."""
-    monkeypatch.setattr(moe, "_tokamax", lambda: None)
+    monkeypatch.setattr(experts, "_tokamax", lambda: None)
     rc = launch.main(["--config", str(MOE), "model.moe_kernel=mosaic", "--dry-run"])
     assert_refused(rc, capsys.readouterr().err, "model.moe_kernel=mosaic", "model.moe_kernel=xla")
 
@@ -373,9 +374,9 @@ def test_a_kernel_that_leaves_rows_unwritten_changes_no_gradient(monkeypatch, ju
     Without the select around the kernel: NaN, or gradients 4e4 off."""
     stand_in = _JunkKernels(junk)
     if where == "tokamax":
-        monkeypatch.setattr(moe, "_tokamax", lambda: stand_in)
+        monkeypatch.setattr(experts, "_tokamax", lambda: stand_in)
     else:
-        monkeypatch.setattr(moe, "_grouped", lambda kind: jax.lax.ragged_dot if kind == "xla"
+        monkeypatch.setattr(experts, "_grouped", lambda kind: jax.lax.ragged_dot if kind == "xla"
                             else functools.partial(stand_in.ragged_dot, implementation=kind))
     cfg = ModelConfig(d_model=16, mlp_dim=24, num_experts=4, experts_per_token=2,
                       capacity_factor=0.75, dtype="float32", init_std=0.3, moe_kernel="xla")
@@ -431,8 +432,8 @@ def test_the_expert_ring_with_a_junk_leaving_kernel_trains_like_xla(devices, mon
     """mesh.expert=2: half of every ring step's pairs belong to the other device's experts and
     are parked past the groups, with a padded row's unrouted pairs; loss and every gradient
     through the stand-in equal jax.lax.ragged_dot's."""
-    monkeypatch.setattr(moe, "_tokamax", lambda: _JunkKernels(float("nan")))
-    monkeypatch.setattr(moe, "KERNEL_DTYPES", ("float32",))  # the stand-in's
+    monkeypatch.setattr(experts, "_tokamax", lambda: _JunkKernels(float("nan")))
+    monkeypatch.setattr(experts, "KERNEL_DTYPES", ("float32",))  # the stand-in's
     mesh = ("mesh.expert=2", "mesh.fsdp=4")
     want_loss, want, _ = _grads_with(devices, "xla", *mesh)
     got_loss, got, _ = _grads_with(devices, "mosaic", *mesh)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxtron import config, parallel
-from jaxtron.model import attention
+from jaxtron.ops import attention
 from jaxtron.parallel import pipeline
 from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
 from jaxtron.step.optim import make_optimizer

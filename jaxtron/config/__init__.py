@@ -57,7 +57,7 @@ class ModelConfig:
     # none, tensorwise or delayed: the layers' projections (q, k, v, o, gate, up, down) as FP8
     # matmuls, e4m3 forward and e5m2 gradients, scaled per tensor by its amax at this step
     # (tensorwise) or over the last fp8_history steps (delayed; the histories are train state,
-    # checkpointed) (jaxtron/model/fp8.py); the LM head, embedding and attention stay in the
+    # checkpointed) (jaxtron/ops/fp8.py); the LM head, embedding and attention stay in the
     # compute dtype
     fp8: str = "none"
     fp8_history: int = 1024

@@ -5,7 +5,7 @@ pieces r and 2C-1-r, so under a causal mask every rank attends to the same numbe
 positions (piece r sees the fewest, piece 2C-1-r the most). `balance` lays a batch out in that
 order before the model runs: tokens, targets, segment ids and positions move together, so RoPE
 reads true positions, packed documents keep their ids, and the loss (a sum over tokens) is the
-unsharded one. Attention gathers K and V over `context` (jaxtron/model/context_attention.py);
+unsharded one. Attention gathers K and V over `context` (jaxtron/ops/context_attention.py);
 every other layer is position-wise and runs on the rank's own 2c positions.
 """
 
@@ -47,14 +47,14 @@ def to_natural(x: jax.Array, c: int) -> jax.Array:
     return jnp.concatenate([y[:, :, 0], y[:, ::-1, 1]], 1).reshape(x.shape)
 
 
-def balance(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """A batch of [B, T] arrays in balanced order, T split over `context` (itself when the mesh
-    has no context axis)."""
-    if (c := ways()) == 1:
+def balance(batch: dict[str, jax.Array], c: int) -> dict[str, jax.Array]:
+    """A batch of [B, T] arrays in balanced order over `c` context ranks, T split over
+    `context` (itself when c is 1)."""
+    if c == 1:
         return batch
     return {key: constrain(to_balanced(v, c), ("act_batch", "act_ctx")) for key, v in batch.items()}
 
 
-def unbalance(x: jax.Array) -> jax.Array:
-    """x[B, T, ...] of a balanced batch (as the model computed it) -> natural order."""
-    return x if (c := ways()) == 1 else to_natural(x, c)
+def unbalance(x: jax.Array, c: int) -> jax.Array:
+    """x[B, T, ...] of a batch balanced over `c` context ranks -> natural order."""
+    return x if c == 1 else to_natural(x, c)

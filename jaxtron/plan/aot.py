@@ -25,7 +25,7 @@ import jax
 from jaxtron import parallel
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
-from jaxtron.model import attention, moe
+from jaxtron.ops import attention, experts
 from jaxtron.plan import autofit, flops, hlo, memory, metrics, xla_flags
 from jaxtron.plan.setup import Setup, set_up
 
@@ -126,7 +126,7 @@ def gpu_program(cfg: Config) -> tuple[Config, list[str]]:
 def for_gpus(cfg: Config) -> Config:
     """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn in 16-bit compute), and
     `model.moe_kernel=auto` (tokamax's Mosaic GPU kernel where it is installed)."""
-    return moe.configure(attention.configure(cfg, "gpu"), "gpu")
+    return experts.configure(attention.configure(cfg, "gpu"), "gpu")
 
 
 def compile_step_for(cfg: Config | Setup, target: str, num_devices: int,
@@ -138,7 +138,7 @@ def compile_step_for(cfg: Config | Setup, target: str, num_devices: int,
     start = time.perf_counter()
     # the constraints on activations need the mesh, as in train(); tokamax lowers its kernels
     # for the target's GPUs, not this host's devices
-    with jax.set_mesh(mesh), moe.cross_compiling(mesh.devices.flat[0]):
+    with jax.set_mesh(mesh), experts.cross_compiling(mesh.devices.flat[0]):
         lowered = setup.lower(mesh)
         try:
             compiled = autofit.compile_with(lowered.compile, setup.options("gpu"))

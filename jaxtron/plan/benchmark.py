@@ -168,7 +168,7 @@ def gpu_checks(cfg: Config, devices: list) -> dict[str, str]:
     (the allocator's limit against the device's total memory)."""
     import os
 
-    from jaxtron.model import attention
+    from jaxtron.ops import attention
     from jaxtron.plan import aot, xla_flags
 
     if devices[0].platform != "gpu":

@@ -13,7 +13,7 @@ backward of every matmul weight, `metrics.matmul_params`), plus the forward that
 recomputes in the backward (a mixture of experts: with gate and up the router too; over an expert
 axis every ring step recomputes its gate and up in its own backward, whatever the policy), plus
 the LM head's forward, which a loss in more than one chunk
-recomputes under every policy (jaxtron/model/vocab.py: the backward recomputes each chunk's logits
+recomputes under every policy (jaxtron/ops/vocab.py: the backward recomputes each chunk's logits
 from the saved logsumexp; in one chunk XLA merges that with the forward's). Their ratio says whether
 the compiler recomputes what the policy asks, and no more.
 """
@@ -25,7 +25,7 @@ import math
 import re
 
 from jaxtron.config import Config, ModelConfig
-from jaxtron.model import vocab
+from jaxtron.ops import vocab
 from jaxtron.plan import hlo, metrics
 from jaxtron.plan.hlo import Instruction, Module
 

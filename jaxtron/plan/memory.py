@@ -53,8 +53,8 @@ import jax.numpy as jnp
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
-from jaxtron.model import attention
-from jaxtron.model.vocab import chunks as loss_chunks
+from jaxtron.ops import attention
+from jaxtron.ops.vocab import chunks as loss_chunks
 from jaxtron.parallel import pipeline
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds

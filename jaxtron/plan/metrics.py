@@ -343,7 +343,7 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
         "mfu_fp8": None if fp8_peak is None else tflops / fp8_peak, "tokens": tokens,
         # this process's resident memory: a leak (one per save, per batch) shows as a rising line
         "host_memory_gib": round(process_bytes() / 2**30, 4),
-        # model.fp8: the amax and scale statistics of the step (jaxtron/model/fp8.py statistics)
+        # model.fp8: the amax and scale statistics of the step (jaxtron/ops/fp8.py statistics)
         **{key: float(value) for key, value in fetched.items() if key.startswith("fp8_")},
         # model.num_experts: the router's statistics (jaxtron/model/moe.py metrics)
         **{key: float(value) for key, value in fetched.items() if key.startswith("moe_")},

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxtron import parallel
 from jaxtron.config import Config
-from jaxtron.model import attention, moe
+from jaxtron.ops import attention, experts
 from jaxtron.plan import autofit
 from jaxtron.step import abstract_batch, compile_step
 from jaxtron.step.optim import make_optimizer
@@ -62,7 +62,7 @@ def set_up(cfg: Config, num_devices: int, platform: str | None,
     device and where that was measured, autofit.usable_here). Every check of the layout runs
     here: a ConfigError names what to change."""
     if platform is not None:
-        cfg = moe.configure(attention.configure(cfg, platform), platform)
+        cfg = experts.configure(attention.configure(cfg, platform), platform)
     cfg, chosen = autofit.resolve(cfg, num_devices, *usable)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     return Setup(cfg, chosen, tx, make_plan(cfg, tx, num_devices), usable[0])

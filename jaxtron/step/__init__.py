@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
 from jaxtron.data.rows import local_rows
-from jaxtron.model import fp8, moe, vocab
-from jaxtron.parallel import context, pipeline
+from jaxtron.model import moe
+from jaxtron.ops import fp8, layer_ops
+from jaxtron.parallel import pipeline
 from jaxtron.step.optim import lr_schedule, schedule_count
 from jaxtron.step.state import Plan
 
@@ -29,7 +30,8 @@ BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions")
 
 
 def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline | None = None,
-              chunk: int = 0, histories: dict | None = None, with_stats: bool = False):
+              chunk: int = 0, histories: dict | None = None, with_stats: bool = False,
+              ops: layer_ops.LayerOps | None = None):
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
 
     A mixture of experts adds moe_aux_coef x the load-balancing loss and moe_z_coef x the
@@ -39,21 +41,17 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     this batch, {} for a dense model)).
 
     With `chunk` > 0 the LM head and the cross-entropy run over chunks of `chunk` positions
-    (jaxtron/model/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
+    (jaxtron/ops/vocab.py): only one chunk's float32 logits exist at a time, forward and backward.
     Under a mesh the head is gathered in the compute dtype and its gradient leaves by one
     reduce-scatter; without one the compiler partitions plain ops. Same value and gradient.
-    `histories`: the FP8 amax histories the model reads (model.fp8; jaxtron/model/fp8.py)."""
+    `histories`: the FP8 amax histories the model reads (model.fp8; jaxtron/ops/fp8.py).
+    `ops`: the operations set (Plan.ops); none: the ambient mesh's, with the layers through
+    `pipe`'s stages when given."""
     model = nnx.merge(graphdef, params, *([] if histories is None else [histories]))
-    batch = context.balance(batch)  # under context parallelism: each rank's two pieces
-    run_layers = None if pipe is None else functools.partial(pipeline.run, pipe=pipe)
-    x_BTD, layer_stats = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                      run_layers)
+    ops = ops or layer_ops.here(model.cfg, pipe)
+    x_BTD, batch, layer_stats = model.hidden(batch, ops)
     mask_BT = batch["segment_ids"] != 0
-    if jax.sharding.get_abstract_mesh().empty:
-        total = vocab.plain_total(x_BTD, model.head(), batch["targets"], mask_BT, chunk)
-    else:
-        total = vocab.sharded_total(x_BTD, model.head_weight(), batch["targets"], mask_BT, chunk,
-                                   tied=model.cfg.tie_embeddings)
+    total = ops.head_loss(model, x_BTD, batch["targets"], mask_BT, chunk)
     count, entropy, stats = jnp.sum(mask_BT), total, {}
     if layer_stats:
         stats = moe.step_sums(layer_stats, jnp.sum(mask_BT, axis=1))
@@ -63,7 +61,7 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
 
 def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
                    pipe: pipeline.Pipeline | None = None, chunk: int = 0,
-                   histories: dict | None = None):
+                   histories: dict | None = None, ops: layer_ops.LayerOps | None = None):
     """(mean cross-entropy, the gradient of the mean objective, extras): with microbatches > 1
     the sums and gradients over microbatches in a scan (each one a pass through the pipeline
     when `pipe` is set). extras["fp8"]: the FP8 amaxes observed, the larger of each microbatch's;
@@ -76,7 +74,7 @@ def loss_and_grads(params: dict, graphdef: Any, batch: dict, microbatches: int,
 
     def grad_fn(micro):
         fn = functools.partial(loss_sums, graphdef=graphdef, batch=micro, pipe=pipe, chunk=chunk,
-                               with_stats=True)
+                               with_stats=True, ops=ops)
         (part, (n, entropy, stats)), grads = jax.value_and_grad(
             lambda p, h: fn(p, histories=h), argnums=(0, 1) if observe else 0,
             has_aux=True)(params, histories)
@@ -124,17 +122,19 @@ def _histories_in(state: dict, histories: dict) -> dict | None:
 
 def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
                pipe: pipeline.Pipeline | None = None, chunk: int = 0,
-               histories: dict | None = None, capacity: bool = False):
+               histories: dict | None = None, capacity: bool = False,
+               ops: layer_ops.LayerOps | None = None):
     """One optimizer update. Pure: the caller jits it once and donates `state`.
 
     A non-finite loss or gradient leaves params and optimizer state (and FP8 histories) as they
     were and counts the skip in `nonfinite` (consecutive skips); the host decides whether to go
     on. `histories`: the plan's abstract FP8 amax histories (Plan.histories). `capacity`: the
-    experts have one (model.capacity_factor), so the dropped share is a metric.
+    experts have one (model.capacity_factor), so the dropped share is a metric. `ops`: the
+    operations set the model calls (Plan.ops).
     """
     seen_by = _histories_in(state, histories)
     loss, grads, extras = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe,
-                                         chunk, seen_by)
+                                         chunk, seen_by, ops)
     observed = extras["fp8"]
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -164,7 +164,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
         train_step, graphdef=plan.graphdef, tx=tx,
         schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
         pipe=plan.pipe, chunk=cfg.train.loss_chunk, histories=plan.histories,
-        capacity=cfg.model.num_experts > 0 and cfg.model.capacity_factor > 0,
+        capacity=cfg.model.num_experts > 0 and cfg.model.capacity_factor > 0, ops=plan.ops,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
@@ -181,7 +181,7 @@ def compile_eval(plan: Plan, mesh: Mesh, chunk: int = 0):
     """Summed loss and token count of one batch under the current params (no update). With
     model.fp8 the matmuls scale by each tensor's amax of this batch (empty histories)."""
     fn = functools.partial(loss_sums, graphdef=plan.graphdef, pipe=plan.pipe, chunk=chunk,
-                           with_stats=True)
+                           with_stats=True, ops=plan.ops)
 
     def sums(params, batch):  # the cross-entropy alone, without the MoE router losses
         _, (count, entropy, _) = fn(params, batch=batch,

@@ -2,7 +2,7 @@
 state born sharded, and its restore from a checkpoint into this run's shardings and layer order.
 
 The state is a plain dict pytree {params, opt_state, step, nonfinite}, with model.fp8=delayed
-also {fp8}: the projections' amax histories (jaxtron/model/fp8.py). params (and fp8) are the
+also {fp8}: the projections' amax histories (jaxtron/ops/fp8.py). params (and fp8) are the
 model's NNX state as pure dicts, merged with a static graphdef inside the jitted step.
 """
 
@@ -24,7 +24,8 @@ from jaxtron import data, parallel
 from jaxtron import model as model_lib
 from jaxtron.checkpoint import Checkpoints, restore_from, weights
 from jaxtron.config import Config, ConfigError
-from jaxtron.model import Transformer, abstract_model, count_params, fp8
+from jaxtron.model import Transformer, abstract_model, count_params
+from jaxtron.ops import fp8, layer_ops
 from jaxtron.parallel import pipeline
 from jaxtron.step.optim import schedule_jump
 
@@ -44,6 +45,7 @@ class Plan:
     # The FP8 amax histories the model reads (model.fp8 != none; else empty), whether or not
     # they are train state (delayed) or zeros each step (tensorwise): ShapeDtypeStructs
     histories: dict
+    ops: layer_ops.LayerOps  # the operations the model calls on this mesh (jaxtron/ops/)
 
     def bytes_per_device(self, part: str) -> int:
         return parallel.bytes_per_device(self.abstract[part], self.specs[part], self.mesh_sizes)
@@ -83,7 +85,8 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     pipe = pipeline.from_config(cfg, sizes["stage"])
     accumulation = cfg.pipeline.passes if pipe else cfg.train.microbatches
     return Plan(graphdef, abstract, specs, sizes, count_params(params), pipe, accumulation,
-                pipeline.config_order(cfg, sizes["stage"]), histories)
+                pipeline.config_order(cfg, sizes["stage"]), histories,
+                layer_ops.build(cfg.model, sizes, pipe))
 
 
 def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: Mesh) -> dict:

@@ -29,8 +29,9 @@ from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
 from jaxtron.lifecycle import Preemption
-from jaxtron.model import attention as attention_lib
-from jaxtron.model import check_remat, context_attention, moe
+from jaxtron.model import check_remat, moe
+from jaxtron.ops import attention as attention_lib
+from jaxtron.ops import context_attention
 from jaxtron.parallel import pipeline
 from jaxtron.plan import autofit, memory
 from jaxtron.plan import metrics as metrics_lib

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtron import parallel
-from jaxtron.model import attention as kernels
+from jaxtron.ops import attention as kernels
 from jaxtron.parallel import context
 
 AXIS = context.AXIS

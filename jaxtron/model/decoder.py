@@ -1,0 +1,316 @@
+"""Llama-family decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers.
+
+Covers Llama 2/3 (Llama-3 RoPE scaling), Mistral and Qwen2 (QKV bias, tied embeddings) shapes.
+Weights and activations carry logical axis names only; `parallel.RULES` decides how they are
+sharded, and the operations set (jaxtron/ops/layer_ops.py) how each operation runs on the mesh.
+`Transformer.decode` runs the same modules over a KV cache, for generation
+(jaxtron/model/generate.py).
+
+Shape key: B batch, T sequence, D d_model, N query heads, K kv heads, H head size, F mlp width,
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.model import moe
+from jaxtron.model.layers import RMSNorm, apply_rope, rope_frequencies
+from jaxtron.model.layers import param as _param
+from jaxtron.ops import attention as attention_lib
+from jaxtron.ops import experts, fp8, layer_ops, vocab
+from jaxtron.ops.layer_ops import LayerOps
+from jaxtron.parallel import constrain
+
+_policies = jax.checkpoint_policies
+_names = _policies.save_only_these_names
+# What a remat policy keeps for the backward pass; everything else is recomputed. Ordered from
+# most memory to least; docs/parallelism.md says when to use which.
+REMAT_POLICIES = {
+    "none": None,  # no remat: keep every activation (fastest, most memory)
+    "save_dots": _policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "save_qkv_out": _names("query_proj", "key_proj", "value_proj", "attn_out"),
+    "save_attn_out": _names("attn_out"),  # keep the attention output only
+    "full": _policies.nothing_saveable,  # keep only each layer's input
+    # keep matmul outputs in pinned host memory, copied back for the backward pass
+    "offload_dots": _policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+OFFLOADING = ("offload_dots",)  # policies that need a pinned_host memory space on the device
+
+
+def check(cfg: ModelConfig) -> None:
+    """Names the config gives for code this module owns: the remat policy and attention kernel."""
+    if cfg.remat not in REMAT_POLICIES and cfg.remat != "auto":
+        raise ConfigError(f"model.remat={cfg.remat} is not one of {', '.join(REMAT_POLICIES)}, "
+                          "auto")
+    if cfg.attention not in attention_lib.CHOICES:
+        raise ConfigError(
+            f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
+    attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
+    if cfg.fp8 not in fp8.MODES:
+        raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
+    experts.check(cfg)
+    if cfg.fp8_history < 1:
+        raise ConfigError(f"model.fp8_history={cfg.fp8_history} must be at least 1 (steps of "
+                          "amax history under model.fp8=delayed)")
+
+
+def check_remat(cfg: ModelConfig, device: jax.Device) -> None:
+    """An offloading policy needs host memory the device can copy to; say so before compiling."""
+    kinds = [memory.kind for memory in device.addressable_memories()]
+    if cfg.remat in OFFLOADING and "pinned_host" not in kinds:
+        raise ConfigError(
+            f"model.remat={cfg.remat} needs pinned host memory, which {device.platform} devices "
+            f"here do not have (memories: {', '.join(kinds)}); use model.remat=save_dots or full")
+
+
+BATCH_SEQ = ("act_batch", "act_seq")  # between blocks: sequence split over tensor (RULES)
+# inside attention/MLP: heads or mlp split, the context rank's positions whole
+BATCH_WHOLE_SEQ = ("act_batch", "act_ctx")
+IO_SEQ = ("act_batch_io", "act_seq")  # embedding and LM head: the pipeline stages split the batch
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        self.cfg = cfg
+        self.wq = _param(rngs, cfg, (d, n, h), ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"))
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg, rngs, h), RMSNorm(cfg, rngs, h)
+        if cfg.qkv_bias:
+            self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
+            self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+            self.bv = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
+        for name, value in fp8.histories(cfg.fp8, cfg.fp8_history, 2, 4).items():  # q/k/v, o
+            setattr(self, name, value)
+
+    def _projections(self, x_BTD, ops: LayerOps) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q[B, T, N, H], k and v [B, T, K, H], heads split over tensor, sequence whole."""
+        q, k, v = ops.project_in(x_BTD, (self.wq, self.wk, self.wv), fp8.sites(self, 0, range(3)))
+        if self.cfg.qkv_bias:
+            q, k, v = (y + ops.weight(b) for y, b in zip((q, k, v), (self.bq, self.bk, self.bv)))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return (constrain(q, (*BATCH_WHOLE_SEQ, "act_heads", None)),
+                constrain(k, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)),
+                constrain(v, (*BATCH_WHOLE_SEQ, "act_kv_heads", None)))
+
+    def _rotated(self, x_BTD, positions_BT, inv_freq, ops: LayerOps
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v with RoPE at `positions` on q and k, tagged for the remat policies."""
+        q_BTNH, k_BTKH, v_BTKH = self._projections(x_BTD, ops)
+        v_BTKH = checkpoint_name(v_BTKH, "value_proj")
+        q_BTNH = checkpoint_name(apply_rope(q_BTNH, positions_BT, inv_freq), "query_proj")
+        k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
+                 ) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
+        out_BTNH = ops.attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+        return self._output(out_BTNH, ops)
+
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps):
+        """(output, k and v caches) for T tokens at positions and cache slots start..start+T-1:
+        their keys and values are written there, then the queries read the cache."""
+        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+        q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
+        at = (0, start, 0, 0)
+        k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), at)
+        v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
+        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSKH, v_BSKH, start)
+        return self._output(out_BTNH, ops), k_BSKH, v_BSKH
+
+    def _output(self, out_BTNH, ops: LayerOps) -> jax.Array:
+        """The heads' outputs projected back to the model width [B, T, D]."""
+        out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)),
+                                   "attn_out")
+        return ops.project_out(out_BTNH, self.wo, fp8.sites(self, 1, range(3, 4)))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.mlp_dim
+        self.cfg = cfg
+        self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
+        self.w_down = _param(rngs, cfg, (f, d), ("mlp", "embed"))
+        for name, value in fp8.histories(cfg.fp8, cfg.fp8_history, 2, 3).items():  # gate/up, down
+            setattr(self, name, value)
+
+    def __call__(self, x_BTD: jax.Array, ops: LayerOps) -> jax.Array:
+        gate_BTF, up_BTF = ops.project_in(x_BTD, (self.w_gate, self.w_up),
+                                          fp8.sites(self, 0, range(2)))
+        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
+        return ops.project_out(h_BTF, self.w_down, fp8.sites(self, 1, range(2, 3)))
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
+    experts when model.num_experts > 0 (jaxtron/model/moe.py)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = moe.MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
+                 ) -> tuple[jax.Array, dict]:
+        """(x [B, T, D], the MoE router's sums, moe.STAT_KEYS; {} for a dense layer)."""
+        h_BTD = ops.whole_seq(self.attn_norm(x_BTD))
+        x_BTD = x_BTD + self.attn(h_BTD, positions_BT, segment_ids_BT, inv_freq, ops)
+        x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
+        y_BTD, stats = self._mlp(ops.whole_seq(self.mlp_norm(x_BTD)), segment_ids_BT, ops)
+        return constrain(x_BTD + y_BTD, (*BATCH_SEQ, "act_embed")), stats
+
+    def _mlp(self, h_BTD, segment_ids_BT, ops: LayerOps) -> tuple[jax.Array, dict]:
+        if isinstance(self.mlp, moe.MoE):
+            return self.mlp(h_BTD, segment_ids_BT, ops)
+        return self.mlp(h_BTD, ops), {}
+
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps):
+        """The same layer over a KV cache (Attention.decode): (x, k and v caches)."""
+        out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), start, inv_freq,
+                                                   k_BSKH, v_BSKH, ops)
+        x_BTD = x_BTD + out_BTD
+        return x_BTD + self._mlp(self.mlp_norm(x_BTD), None, ops)[0], k_BSKH, v_BSKH
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(key):
+            return Block(cfg, nnx.Rngs(params=key))
+
+        self.layers = stacked_blocks(jax.random.split(rngs.params(), cfg.num_layers))
+        self.final_norm = RMSNorm(cfg, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens_BT, positions_BT, segment_ids_BT, ops: LayerOps | None = None
+                 ) -> jax.Array:
+        """Token ids -> float32 logits[B, T, V] in natural order (whole: for inspection and
+        parity checks; the train step's loss takes `hidden` and `head` and never holds them all
+        at once). `ops`: the operations set (none: the ambient mesh's, layer_ops.here)."""
+        ops = ops or layer_ops.here(self.cfg)
+        x_BTD, _, _ = self.hidden({"tokens": tokens_BT, "positions": positions_BT,
+                                   "segment_ids": segment_ids_BT}, ops)
+        return ops.unbalance(self._logits(x_BTD))
+
+    def decode(self, tokens_BT, cache: dict, start) -> tuple[jax.Array, dict]:
+        """(float32 logits [B, T, V], the updated cache) of tokens [B, T] at positions and cache
+        slots start..start+T-1 of each row's one sequence, attending to the cache's earlier
+        slots (`init_cache`): the prompt in one call, then one token per call. The same modules
+        and weights as the training forward; no segments, no remat, never under a mesh, and
+        attention in the XLA reference math whatever model.attention says."""
+        ops = layer_ops.build(self.cfg, None)
+        x_BTD = self._embed(tokens_BT, ops)
+        graphdef, stacked = nnx.split(self.layers)
+        inv_freq = rope_frequencies(self.cfg)
+
+        def body(x_BTD, layer):
+            state, k_BSKH, v_BSKH = layer
+            x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, state).decode(
+                x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops)
+            return x_BTD, (k_BSKH, v_BSKH)
+
+        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (stacked, cache["k"], cache["v"]))
+        return self._logits(self.final_norm(x_BTD)), {"k": k, "v": v}
+
+    def hidden(self, batch: dict, ops: LayerOps) -> tuple[jax.Array, dict, dict]:
+        """A batch of [B, T] arrays in natural order (tokens, positions, segment_ids; others,
+        such as targets, ride along) -> (the final-normed hidden states [B, T, D] that the LM
+        head reads, the batch in their order (`ops.balance`), the MoE layers' router sums
+        stacked [L, ...] per moe.STAT_KEYS, {} for a dense model)."""
+        if ops.cfg != self.cfg:
+            raise ValueError("the operations set was built for another model config")
+        batch = ops.balance(batch)
+        x_BTD = self._embed(batch["tokens"], ops)
+        graphdef, stacked = nnx.split(self.layers)
+        run_group = functools.partial(_run_stack, self.cfg, ops.for_layers(), graphdef)
+        x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
+                                      batch["segment_ids"])
+        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
+
+    def _embed(self, tokens_BT, ops: LayerOps) -> jax.Array:
+        """Token ids -> embeddings [B, T, D] in the compute dtype."""
+        return constrain(ops.embed(self.embed[...], tokens_BT), (*IO_SEQ, "act_embed"))
+
+    def _logits(self, x_BTD) -> jax.Array:
+        """float32 logits [B, T, V] of final-normed hidden states."""
+        return constrain(vocab.logits(x_BTD, self.head()), ("act_batch_io", None, "act_vocab"))
+
+    def head(self) -> jax.Array:
+        """The LM head [D, V] in the compute dtype, gathered like the table (vocab split over
+        tensor); tied models read the embedding's table."""
+        head_DV = self.head_weight().T if self.cfg.tie_embeddings else self.head_weight()
+        return constrain(head_DV.astype(self.cfg.dtype), (None, "act_vocab"))
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as stored: lm_head [D, V], or with tied embeddings the table [V, D]."""
+        return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+def _run_stack(cfg: ModelConfig, ops: LayerOps, graphdef, stacked, x_BTD, positions_BT,
+               segment_ids_BT, select: Callable[[Any], Any] | None = None):
+    """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy; returns
+    (x, each layer's MoE statistics stacked [L', ...]). `select`, if given, maps each layer's
+    stored weights to the ones it runs with, inside the layer body (the pipeline picks a
+    repeat's weights there, so the pick is never a saved residual)."""
+    inv_freq = rope_frequencies(cfg)
+
+    def body(x, layer_state):
+        block = nnx.merge(graphdef, select(layer_state) if select else layer_state)
+        return block(x, positions_BT, segment_ids_BT, inv_freq, ops)
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
+                              prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+        return jax.lax.scan(body, x_BTD, stacked)
+    stats = []
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BTD, layer_stats = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))
+        stats.append(layer_stats)
+    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+
+def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:
+    """The same model with its matmuls in the compute dtype (model.fp8=none), as generation and
+    the Hugging Face forward run it: the master weights and nothing else, no FP8 histories."""
+    return dataclasses.replace(cfg, fp8="none")
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model's structure with ShapeDtypeStructs for weights: nothing allocated."""
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
+    """An empty KV cache for `Transformer.decode`: k and v [L, B, S, K, H] of `length` slots, in
+    the compute dtype (keys stored rotated)."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_size)
+    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+def count_params(state: nnx.State) -> int:
+    """Total number of parameters in a (possibly abstract) state."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))
