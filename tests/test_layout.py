@@ -4,54 +4,22 @@ code that uses it; every module opens with a docstring saying its concern and st
 lines."""
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from jaxtron.parallel import MESH_AXES
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 450
-# Bottom to top. A module may import its own package and any package below it, never one above.
-LAYERS = ["config", "lifecycle", "cli", "parallel", "ops", "model", "data", "checkpoint", "hf", "step", "plan", "train",
-          "commands"]
-MODULES = sorted((ROOT / "jaxtron").rglob("*.py"))
-SCRIPTS = sorted((ROOT / "tools").glob("*.py")) + [ROOT / "launch.py"]
-
-
-def _name(path: Path) -> str:
-    """The module name an import statement would use for `path`."""
-    if ROOT / "jaxtron" not in path.parents:
-        return path.stem  # the commands of tools/, as top-level modules
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _room(module: str) -> str:
-    """The layer a jaxtron module lives in: its subpackage, or itself for a top-level module."""
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "jaxtron"
-
-
-def _imports(path: Path, known: set[str]) -> set[str]:
-    """The known modules `path` imports, at module level or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:  # a submodule, or a name in one
-            candidates = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
-                          else node.module for a in node.names]
-        elif isinstance(node, ast.Import):
-            candidates = [a.name for a in node.names]
-        else:
-            continue
-        found |= {c for c in candidates if c in known}
-    return found - {_name(path)}
-
-
-def _graph() -> dict[str, set[str]]:
-    files = MODULES + SCRIPTS
-    known = {_name(f) for f in files}
-    return {_name(f): _imports(f, known) for f in files}
+_spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "tools" / "doc_tables.py")
+doc_tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(doc_tables)  # the import graph and the docs' generated tables
+LAYERS, MODULES, SCRIPTS = doc_tables.LAYERS, doc_tables.MODULES, doc_tables.SCRIPTS
+_name, _room, _graph = doc_tables.module_name, doc_tables.room, doc_tables.graph
 
 
 def _upward(graph: dict[str, set[str]]) -> list[str]:
@@ -132,7 +100,6 @@ def test_the_schema_and_the_model_import_no_parallel_code():
 MESH_MECHANICS = {"get_abstract_mesh", "shard_map", "PartitionSpec", "NamedSharding", "Mesh",
                   "AxisType", "with_sharding_constraint", "psum", "psum_scatter", "pmax", "pmin",
                   "pmean", "ppermute", "all_gather", "all_to_all", "axis_index", "axis_size"}
-MESH_AXES = {"data", "stage", "fsdp", "context", "expert", "tensor"}  # parallel.MESH_AXES
 
 
 def _mesh_mechanics(path: Path) -> list[str]:
@@ -189,6 +156,16 @@ def test_every_module_is_one_concern(path):
     text = path.read_text()
     assert len(text.splitlines()) <= MAX_LINES, f"{path.name}: {len(text.splitlines())} lines"
     assert ast.get_docstring(ast.parse(text)), f"{path} does not say its concern"
+
+
+def test_the_docs_tables_are_the_codes():
+    """docs/architecture.md's module table and the README's mesh-axis table are made from the
+    code (tools/doc_tables.py): a module, an import or an axis the docs leave out fails here."""
+    for doc, (marker, make) in doc_tables.TABLES.items():
+        text = (ROOT / doc).read_text()
+        assert doc_tables.rewritten(text, marker, make()) == text, (
+            f"{doc} differs from the code: run python tools/doc_tables.py")
+    assert [row.split("`")[1] for row in doc_tables.axis_table()[2:]] == list(MESH_AXES)
 
 
 def test_ruff_finds_nothing():

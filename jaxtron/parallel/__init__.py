@@ -18,10 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.config import Config, ConfigError, MeshConfig, TrainConfig
+from jaxtron.parallel.roles import AXIS_ROLES
 
-# Outermost to innermost: axes late in the tuple get neighbouring devices (NVLink within a node),
-# so tensor, expert, context and fsdp traffic stays on the fastest links and data/stage cross nodes.
-MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+MESH_AXES = tuple(AXIS_ROLES)  # outermost to innermost (roles.py)
 OPTIONAL_AXES = ("context", "expert")  # left out of a layout's sizes where they do not split
 
 RULES: tuple[tuple[str, Any], ...] = (
