@@ -100,7 +100,7 @@ class LayerOps:
                    x_BTD, positions_BT, segment_ids_BT) -> tuple[jax.Array, dict]:
         """(x, the MoE statistics stacked [L, ...]) after every stacked layer: `run_group(
         stacked, x, positions, segment_ids, select=None)` over all of them, or through the
-        pipeline's stages (dense models only, parallel.pipeline.check: no statistics)."""
+        pipeline's stages (dense models only, parallel/features.py: no statistics)."""
         if self.pipe is None:
             return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
         layers_fn = lambda *args, **kwargs: run_group(*args, **kwargs)[0]

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.config import Config, ConfigError, MeshConfig, TrainConfig
+from jaxtron.parallel import features
 from jaxtron.parallel.roles import AXIS_ROLES
 
 MESH_AXES = tuple(AXIS_ROLES)  # outermost to innermost (roles.py)
@@ -263,7 +264,9 @@ def bytes_per_device(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int]) 
 
 
 def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
-    """Checks that need the mesh: batch, heads and layers against the axes that split them."""
+    """Checks that need the mesh: the features it turns on against the others (features.py),
+    batch, heads and layers against the axes that split them."""
+    features.check(cfg, sizes)
     m, t = cfg.model, cfg.train
     for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
         if value % sizes["tensor"]:
@@ -274,18 +277,10 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
                           "(model.num_experts=0); use mesh.fsdp or mesh.data instead")
     if experts and experts % split:
         raise ConfigError(f"model.num_experts={experts} is not divisible by mesh.expert={split}")
-    if experts and sizes["stage"] > 1:
-        raise ConfigError(f"mesh.stage={sizes['stage']} with model.num_experts={experts}: "
-                          "pipeline stages do not run mixtures of experts yet; use mesh.expert, "
-                          "mesh.fsdp and mesh.tensor")
     if t.seq_len % sizes["tensor"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor="
                           f"{sizes['tensor']} (sequence parallelism splits it between blocks)")
     if (context := sizes.get("context", 1)) > 1:
-        if experts:
-            raise ConfigError(f"mesh.context={context} with model.num_experts={experts}: context "
-                              "parallelism does not run mixtures of experts yet; use mesh.expert, "
-                              "mesh.fsdp and mesh.tensor")
         pieces = 2 * context * sizes["tensor"]  # two pieces per context rank, each split by SP
         if t.seq_len % pieces:
             raise ConfigError(

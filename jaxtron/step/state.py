@@ -62,10 +62,6 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     pipeline.check(cfg, sizes["stage"])
     parallel.check_layout(cfg, sizes)
-    if cfg.model.fp8 == "delayed" and sizes["stage"] > 1:
-        raise ConfigError("model.fp8=delayed does not run under a pipeline (mesh.stage="
-                          f"{sizes['stage']}): its amax histories would be summed over the "
-                          "pipeline's iterations; use model.fp8=tensorwise")
     graphdef, abstract_state, history_state = nnx.split(abstract_model(cfg.model), nnx.Param,
                                                         fp8.History)
     params = nnx.to_pure_dict(abstract_state)

@@ -1,0 +1,43 @@
+"""Which features run together. Each feature a run can turn on is named here with the setting
+that turns it on, each pair that does not compose is listed once with the reason and what to use
+instead, and `check` refuses such a run in this one place, before anything compiles, with one
+line (ConfigError, status 2). A new feature adds its row, and a row for each feature it does not
+run with."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from jaxtron.config import Config, ConfigError
+
+Sizes = Mapping[str, int]
+# feature -> the setting that turns it on, as the user would write it; None where it is off
+FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
+    "pipeline": lambda cfg, sizes: (f"mesh.stage={sizes['stage']}" if sizes.get("stage", 1) > 1
+                                    else None),
+    "context": lambda cfg, sizes: (f"mesh.context={sizes['context']}"
+                                   if sizes.get("context", 1) > 1 else None),
+    "experts": lambda cfg, sizes: (f"model.num_experts={cfg.model.num_experts}"
+                                   if cfg.model.num_experts else None),
+    "fp8_delayed": lambda cfg, sizes: "model.fp8=delayed" if cfg.model.fp8 == "delayed" else None,
+}
+# (feature, feature) -> the refusal, formatted with each feature's setting
+EXCLUSIONS: dict[tuple[str, str], str] = {
+    ("pipeline", "experts"): "{pipeline} with {experts}: pipeline stages do not run mixtures of "
+                             "experts yet (the stages' layer runner keeps no router statistics, "
+                             "which the balancing loss needs); use mesh.expert, mesh.fsdp and "
+                             "mesh.tensor",
+    ("context", "experts"): "{context} with {experts}: context parallelism does not run mixtures "
+                            "of experts yet; use mesh.expert, mesh.fsdp and mesh.tensor",
+    ("fp8_delayed", "pipeline"): "model.fp8=delayed does not run under a pipeline ({pipeline}): "
+                                 "its amax histories would be summed over the pipeline's "
+                                 "iterations; use model.fp8=tensorwise",
+}
+
+
+def check(cfg: Config, sizes: Sizes) -> None:
+    """Refuse the first pair of features turned on together that do not compose."""
+    settings = {name: on(cfg, sizes) for name, on in FEATURES.items()}
+    for (a, b), refusal in EXCLUSIONS.items():
+        if settings[a] and settings[b]:
+            raise ConfigError(refusal.format(**settings))
