@@ -26,6 +26,9 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe (jaxtron/model/families.py); "": the one
+    # the settings below make
+    family: str = ""
     vocab_size: int = 8192
     num_layers: int = 4
     d_model: int = 256

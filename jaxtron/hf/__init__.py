@@ -36,9 +36,8 @@ from jaxtron.hf.mapping import (
     expected_shapes,
     hf_layout,
     hf_to_params,
-    mlp_family,
 )
-from jaxtron.model import abstract_model, in_compute_dtype
+from jaxtron.model import abstract_model, family_of, in_compute_dtype
 
 INDEX = "model.safetensors.index.json"
 GENERATION = "generation_config.json"  # what transformers' generate() reads before config.json
@@ -249,13 +248,9 @@ def _intermediate_size(cfg: ModelConfig, model_type: str) -> int:
 
 
 def model_type_of(cfg: ModelConfig) -> str:
-    """The Hugging Face family that computes what `cfg` does, where only one does: Qwen2 (QKV
-    biases), Qwen3 (q/k norms), Qwen3-MoE (experts, q/k norms), Mixtral (experts); else Mistral
-    with an attention window (Llama has none), else llama."""
-    if cfg.num_experts:
-        return mlp_family(cfg)
-    return ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
-            "mistral" if cfg.sliding_window else "llama")
+    """The Hugging Face model_type of `cfg`: its family (model.family, or the one its settings
+    make, jaxtron/model/families.py)."""
+    return family_of(cfg)
 
 
 def _check_family(cfg: ModelConfig, model_type: str) -> None:

@@ -1,7 +1,8 @@
-"""Hugging Face Llama-family tensors <-> jaxtron params, through one name-mapping table.
+"""Hugging Face tensors <-> jaxtron params, through one name-mapping table, by model.family.
 
 Covers `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (QKV bias), `Qwen3ForCausalLM`
-(q/k norms), `MixtralForCausalLM` and `Qwen3MoeForCausalLM` (experts); an attention window is kept
+(q/k norms), `MixtralForCausalLM` and `Qwen3MoeForCausalLM` (experts), each HF `model_type` a
+jaxtron family (jaxtron/model/families.py) that an import records; an attention window is kept
 as model.sliding_window, which bounds the sequence length (attention is full causal): adding a
 family that computes the same function is adding rows or a config reading.
 Conversions go one layer at a time (`layer_params`, `hf_layout`), so a converter never needs a
@@ -27,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.model import abstract_model
+from jaxtron.model import abstract_model, family_of
 
 ParamPath = tuple[str, ...]  # keys into our nested param dict
 # (HF [out, in]-style array, head size) -> ours, and back.
@@ -92,10 +93,8 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 def mlp_family(cfg: ModelConfig) -> str:
-    """Which MLPS naming `cfg` has: dense, or for experts qwen3_moe (q/k norms) or mixtral."""
-    if not cfg.num_experts:
-        return "dense"
-    return "qwen3_moe" if cfg.qk_norm else "mixtral"
+    """Which MLPS naming `cfg` has: dense, or its family's experts (qwen3_moe, mixtral)."""
+    return family_of(cfg) if cfg.num_experts else "dense"
 
 
 def _hf_names(pattern: str, num_layers: int, num_experts: int = 0) -> list[str]:
@@ -314,6 +313,7 @@ def config_from_hf(hf_config: dict) -> dict:
     hidden = _setting(hf, "hidden_size", int)
     _setting(hf, "max_position_embeddings", int, 0)  # read by the callers
     return {
+        "family": hf["model_type"],
         "vocab_size": _setting(hf, "vocab_size", int),
         "num_layers": _setting(hf, "num_hidden_layers", int),
         "d_model": hidden,

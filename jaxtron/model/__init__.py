@@ -6,7 +6,6 @@ from jaxtron.model.decoder import (  # noqa: F401  the model's public names
     OFFLOADING,
     REMAT_POLICIES,
     Transformer,
-    abstract_model,
     check,
     check_remat,
     count_params,
@@ -14,3 +13,4 @@ from jaxtron.model.decoder import (  # noqa: F401  the model's public names
     init_cache,
     rope_frequencies,
 )
+from jaxtron.model.families import abstract_model, build, family_of  # noqa: F401

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.model import moe
+from jaxtron.model import families, moe
 from jaxtron.model.layers import RMSNorm, apply_rope, rope_frequencies
 from jaxtron.model.layers import param as _param
 from jaxtron.ops import attention as attention_lib
@@ -59,6 +59,7 @@ def check(cfg: ModelConfig) -> None:
     if cfg.fp8 not in fp8.MODES:
         raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
     experts.check(cfg)
+    families.check(cfg)
     if cfg.fp8_history < 1:
         raise ConfigError(f"model.fp8_history={cfg.fp8_history} must be at least 1 (steps of "
                           "amax history under model.fp8=delayed)")
@@ -297,11 +298,6 @@ def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:
     """The same model with its matmuls in the compute dtype (model.fp8=none), as generation and
     the Hugging Face forward run it: the master weights and nothing else, no FP8 histories."""
     return dataclasses.replace(cfg, fp8="none")
-
-
-def abstract_model(cfg: ModelConfig) -> Transformer:
-    """The model's structure with ShapeDtypeStructs for weights: nothing allocated."""
-    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:

@@ -24,7 +24,7 @@ from jaxtron import data, parallel
 from jaxtron import model as model_lib
 from jaxtron.checkpoint import Checkpoints, restore_from, weights
 from jaxtron.config import Config, ConfigError
-from jaxtron.model import Transformer, abstract_model, count_params
+from jaxtron.model import abstract_model, count_params
 from jaxtron.ops import fp8, layer_ops
 from jaxtron.parallel import pipeline
 from jaxtron.step.optim import schedule_jump
@@ -89,7 +89,7 @@ def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: 
     """Initialise the state directly into its shardings: no full copy on any one device."""
 
     def init() -> dict:
-        model = Transformer(cfg.model, nnx.Rngs(cfg.train.seed))
+        model = model_lib.build(cfg.model, nnx.Rngs(cfg.train.seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         model_order = np.arange(cfg.model.num_layers)
         params["layers"] = pipeline.reorder(params["layers"], model_order, plan.layer_order)
