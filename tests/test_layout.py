@@ -1,7 +1,8 @@
 """The house's shape, checked on the source: jaxtron's subpackages stand in layers and every import
 goes down them or stays in its own room (so no cycle can form); the schema imports nothing of the
-code that uses it; every module opens with a docstring saying its concern and stays under 450
-lines."""
+code that uses it; the model does not touch the mesh; every module opens with a docstring saying
+its one concern, which docs/architecture.md's module table shows (a module is split where its
+concerns part, not at a line count)."""
 
 import ast
 import importlib.util
@@ -14,7 +15,6 @@ import pytest
 from jaxtron.parallel import MESH_AXES
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_LINES = 450
 _spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "tools" / "doc_tables.py")
 doc_tables = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(doc_tables)  # the import graph and the docs' generated tables
@@ -152,10 +152,8 @@ def test_checkpoints_know_nothing_of_the_input():
 
 
 @pytest.mark.parametrize("path", MODULES + SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_module_is_one_concern(path):
-    text = path.read_text()
-    assert len(text.splitlines()) <= MAX_LINES, f"{path.name}: {len(text.splitlines())} lines"
-    assert ast.get_docstring(ast.parse(text)), f"{path} does not say its concern"
+def test_every_module_says_its_concern(path):
+    assert ast.get_docstring(ast.parse(path.read_text())), f"{path} does not say its concern"
 
 
 def test_the_docs_tables_are_the_codes():
