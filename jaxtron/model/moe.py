@@ -34,10 +34,9 @@ STAT_KEYS = ("picked", "probs", "z", "routed", "dropped")
 class MoE(nnx.Module):
     """E SwiGLU experts and a router [D, E] in place of the dense MLP. The experts' weights are
     [E, D, F], W_down too ([E, D, F], each expert's [F, D] transposed, as Hugging Face stores
-    it: transposed per layer in the compute dtype). Measured on the H100 compile against
-    [E, F, D] for W_down (Qwen3-30B-A3B on 8: 67.1 against 70.6 GiB) and against D first,
-    [D, E, F] (67.1 against 75.1 GiB; Mixtral 8x7B on 16: 62.8 against 63.3): XLA kept
-    transposed float32 copies of whole weight stacks through the step otherwise."""
+    it: transposed per layer in the compute dtype): with [E, F, D] or [D, E, F], XLA kept
+    transposed float32 copies of whole weight stacks through the step (docs/parallelism.md has
+    the compiled peaks)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, e = cfg.d_model, cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts

@@ -13,8 +13,8 @@ gathered over tensor too and its gradient all-reduced over every axis):
 - its gradient is summed on the device and leaves once: reduce-scatter over fsdp and stage,
   all-reduce over the row axes the table is not split over (data). The LM head's per-chunk
   products accumulate in float32 inside each GEMM and are summed over chunks in the compute dtype,
-  the dtype of the reduce-scatter after it (a float32 sum held two [D, V] float32 arrays: +1.6 GiB
-  at the peak of llama3_8b on 8 GPUs); the embedding's scatter-add sums in float32;
+  the dtype of the reduce-scatter after it (a float32 sum held two [D, V] float32 arrays at the
+  peak; docs/performance.md); the embedding's scatter-add sums in float32;
 - embedding: each tensor rank looks up the tokens in its vocab slice, and the rows meet by a
   reduce-scatter over tensor that leaves x[B, T_tensor, D] sequence-split, as the layers take it;
 - loss: x is gathered over tensor and each tensor rank computes the logits of its vocab slice,

@@ -95,8 +95,8 @@ def _ring_scatter(inputs, part, state):
         (found, state), _ = jax.lax.optimization_barrier(((inputs(step), state), total))
         y, state = part(step, found, state)
         # The sum's add stays out of the matmul: XLA (jax 0.12) fused it into the GEMM as an
-        # epilogue, and the GEMM then waited for the permute it was to hide (llama3_70b_pp8's
-        # tensor traffic exposed per GPU per step: 439.7 GiB, 8.3 with the barrier).
+        # epilogue, and the GEMM then waited for the permute it was to hide
+        # (docs/performance.md, "jax 0.12 against 0.10.2").
         total = moving + jax.lax.optimization_barrier(y)
     return total, state
 
