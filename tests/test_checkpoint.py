@@ -87,8 +87,9 @@ def _poison(monkeypatch, at, where="loss"):
     real_loss, real_input = step_lib.loss_sums, data_lib.make_input
 
     def loss_sums(params, graphdef, batch, pipe=None, chunk=0, histories=None,
-                  with_stats=False):
-        total, aux = real_loss(params, graphdef, batch, pipe, chunk, histories, with_stats)
+                  with_stats=False, **kwargs):
+        total, aux = real_loss(params, graphdef, batch, pipe, chunk, histories, with_stats,
+                               **kwargs)
         marked = batch["positions"][0, 0] < 0
         if where == "loss":  # the objective and the cross-entropy logged with it
             nan = lambda x: jnp.where(marked, jnp.nan, x)

@@ -255,9 +255,11 @@ def test_a_missing_router_aux_loss_coef_is_transformers_default():
 
 
 def test_a_windowed_model_exports_as_mistral_not_llama(tmp_path):
-    """Llama has no attention window: a Llama-style model with model.sliding_window is Mistral
-    by default, and written as llama it is refused in one line rather than lose its window."""
+    """Llama has no attention window: a Llama-style model (no model.family) with
+    model.sliding_window is Mistral by default, and written as llama it is refused in one line
+    rather than lose its window."""
     _, cfg, _, params = _case("mistral")
+    cfg = dataclasses.replace(cfg, family="")  # the import recorded mistral
     windowed = dataclasses.replace(cfg, sliding_window=16)
     assert (hf.model_type_of(cfg), hf.model_type_of(windowed)) == ("llama", "mistral")
     with pytest.raises(ConfigError, match=r"'llama' has no attention window.*"
