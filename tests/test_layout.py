@@ -15,7 +15,7 @@ import pytest
 from jaxtron.parallel import MESH_AXES
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "tools" / "doc_tables.py")
+_spec = importlib.util.spec_from_file_location("doc_tables", ROOT / "scripts" / "doc_tables.py")
 doc_tables = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(doc_tables)  # the import graph and the docs' generated tables
 LAYERS, MODULES, SCRIPTS = doc_tables.LAYERS, doc_tables.MODULES, doc_tables.SCRIPTS
@@ -158,11 +158,11 @@ def test_every_module_says_its_concern(path):
 
 def test_the_docs_tables_are_the_codes():
     """docs/architecture.md's module table and the README's mesh-axis table are made from the
-    code (tools/doc_tables.py): a module, an import or an axis the docs leave out fails here."""
+    code (scripts/doc_tables.py): a module, an import or an axis the docs leave out fails here."""
     for doc, (marker, make) in doc_tables.TABLES.items():
         text = (ROOT / doc).read_text()
         assert doc_tables.rewritten(text, marker, make()) == text, (
-            f"{doc} differs from the code: run python tools/doc_tables.py")
+            f"{doc} differs from the code: run python scripts/doc_tables.py")
     assert [row.split("`")[1] for row in doc_tables.axis_table()[2:]] == list(MESH_AXES)
 
 

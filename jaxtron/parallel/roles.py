@@ -1,5 +1,5 @@
 """What each mesh axis does and where it belongs, outermost first: the mesh's axes are these
-(parallel.MESH_AXES), and the README's axis table is made from them (tools/doc_tables.py)."""
+(parallel.MESH_AXES), and the README's axis table is made from them (scripts/doc_tables.py)."""
 
 # Outermost to innermost: axes late in the order get neighbouring devices (NVLink within a node),
 # so tensor, expert, context and fsdp traffic stays on the fastest links and data/stage cross nodes.
