@@ -97,6 +97,6 @@ def _check_installed() -> None:
 
 _check_installed()
 
-from jaxtron.plan.xla_flags import load_plugins_quietly  # after the check above
+from jaxtron.program.xla_flags import load_plugins_quietly  # after the check above
 
 load_plugins_quietly()  # before any command's first output (see its docstring)

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Bottom to top. A module may import its own package and any package below it, never one above.
 LAYERS = ["config", "lifecycle", "cli", "parallel", "ops", "model", "data", "checkpoint", "hf",
-          "step", "plan", "train", "commands"]
+          "step", "plan", "program", "bench", "train", "commands"]
 MODULES = sorted((ROOT / "jaxtron").rglob("*.py"))
 SCRIPTS = sorted((ROOT / "tools").glob("*.py")) + [ROOT / "launch.py"]
 END = "<!-- end of generated table -->"

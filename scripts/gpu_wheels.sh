@@ -3,7 +3,7 @@
 # (Python 3.12, jax 0.11.2 with CUDA 13, no network) lacks for scripts/gpu_session.sh, into .whl/
 # (ignored by git; the device call carries it). ../shared/gpu/wheels.sh maxtext fetches jaxtron's
 # and most of MaxText's; the rest below is what MaxText 0.2.5's train step imports beyond those and
-# the image (jaxtron/plan/peers.py, MAXTEXT_PACKAGES), at the versions its run here used.
+# the image (jaxtron/bench/peers.py, MAXTEXT_PACKAGES), at the versions its run here used.
 set -eu
 cd "$(dirname "$0")/.."
 bash ../shared/gpu/wheels.sh maxtext >/dev/null

@@ -22,7 +22,8 @@ import launch
 from jaxtron import config as config_lib
 from jaxtron.model import REMAT_POLICIES
 from jaxtron.ops import experts
-from jaxtron.plan import aot, flops, hlo
+from jaxtron.plan import costs
+from jaxtron.program import aot, hlo
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -115,7 +116,7 @@ def test_flops_model_and_compiled():
     cfg = _cfg("mesh.fsdp=8", "model.remat=none")
     report, _ = _report(cfg)
     flops = report["flops"]
-    from jaxtron.plan.metrics import flops_per_token
+    from jaxtron.plan.costs import flops_per_token
 
     tokens = cfg.train.batch_size * cfg.train.seq_len
     assert flops["model_per_device"] == round(flops_per_token(cfg.model, cfg.train.seq_len) * tokens / 8)
@@ -148,7 +149,7 @@ def test_compiled_matmuls_are_what_the_remat_policy_implies(remat):
     cfg = _cfg("mesh.fsdp=8", "model.dtype=bfloat16", "train.loss_chunk=64", f"model.remat={remat}")
     report, _ = _report(cfg)
     counts, tokens = report["flops"], 8 * 256 / 8
-    assert counts["expected_matmul_per_device"] == flops.expected_matmul(cfg, tokens)
+    assert counts["expected_matmul_per_device"] == costs.expected_matmul(cfg, tokens)
     assert counts["matmul_per_device"] == pytest.approx(counts["expected_matmul_per_device"],
                                                         rel=0.02)
     assert counts["compiled_per_device"] == counts["matmul_per_device"] + counts["attention_per_device"]
@@ -436,7 +437,7 @@ def test_bad_compile_requests_get_one_line(capsys, args, expected):
 
 
 def test_missing_plugin_names_the_extra(capsys, monkeypatch):
-    from jaxtron.plan import xla_flags
+    from jaxtron.program import xla_flags
 
     monkeypatch.setattr(xla_flags, "_installed", lambda module: False)
     assert launch.main(["--compile-for", "h100", "--devices", "8"]) == 2

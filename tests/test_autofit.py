@@ -8,7 +8,8 @@ import pytest
 
 import launch
 from jaxtron.config import ConfigError, load
-from jaxtron.plan import aot, autofit, memory
+from jaxtron.plan import autofit, memory
+from jaxtron.program import aot
 from jaxtron.step.optim import make_optimizer
 from jaxtron.step.state import make_plan
 

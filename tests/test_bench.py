@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 import pytest
 from conftest import assert_refused
 
+from jaxtron.bench import benchmark
 from jaxtron.commands import bench, bench_data
-from jaxtron.plan import benchmark
 
 SMALL = ["--steps", "1", "--warmup", "0", "train.seq_len=64", "train.batch_size=8",
          "model.num_layers=2", "mesh.fsdp=8"]
@@ -245,7 +245,7 @@ def test_every_gpu_row_fits_one_h100_as_compiled():
     (xla.mem_fraction 0.9 of 79.14 GiB: 71.23 GiB). Measured peaks (GiB): gpt2_124m 54.2,
     llama3_1b seq 4096 36.2, seq 8192 30.3, llama3_8b 16 layers 67.6, 14 layers in FP8 69.0."""
     from jaxtron.config import load, presets
-    from jaxtron.plan import aot
+    from jaxtron.program import aot
 
     usable = aot.capacity_bytes("h100") * 0.9
     for row in benchmark.SUITES["gpu"].rows:

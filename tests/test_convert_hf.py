@@ -622,7 +622,7 @@ def test_an_export_into_a_checkpoints_directory_is_refused(tmp_path, capsys, sou
 # Each of an import's per-layer saves takes 0.1 s more: a window of seconds to signal in.
 SLOW_LAYER_SAVES = """
 import time
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 xla_flags.load_plugins_quietly()  # as the tool does before it imports jax
 from orbax.checkpoint import v1
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxtron import config, parallel
 from jaxtron.ops import attention
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 from jaxtron.step import compile_step, global_batch, loss_and_grads
 from jaxtron.step.optim import make_optimizer
 from jaxtron.step.state import init_state, make_plan
@@ -346,7 +346,7 @@ def test_train_steps_on_gpu_match_cpu(step_setup):
 BACKEND_SCRIPT = textwrap.dedent("""
     import ctypes, json, os, sys
     import numpy as np
-    from jaxtron.plan import xla_flags
+    from jaxtron.program import xla_flags
     from jaxtron.config import XlaConfig
 
     flags = xla_flags.apply(XlaConfig(preset="gpu", mem_fraction=float(sys.argv[1])))

@@ -1,8 +1,8 @@
 """Reading optimized HLO text: executions through loops, collectives' bytes and mesh axes, kernels
-and matmul and attention FLOPs (jaxtron/plan/flops.py), on a small module written out by hand in XLA's
+and matmul and attention FLOPs (jaxtron/program/flops.py), on a small module written out by hand in XLA's
 GPU output format."""
 
-from jaxtron.plan import flops, hlo
+from jaxtron.program import flops, hlo
 
 MESH = {"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}  # device id = data * 4 + fsdp
 

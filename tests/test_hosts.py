@@ -12,7 +12,7 @@ from test_aot import TINY
 
 from jaxtron import config as config_lib
 from jaxtron import parallel
-from jaxtron.plan import aot, hlo
+from jaxtron.program import aot, hlo
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from jaxtron import config
 from jaxtron.commands import train as train_command
 from jaxtron.config import DataConfig, DatasetEntry, TrainConfig
 from jaxtron.data import prepared
-from jaxtron.plan import metrics
+from jaxtron.plan import costs
 
 
 def test_three_step_run_writes_metrics_config_and_events(tmp_path):
@@ -29,7 +29,7 @@ def test_three_step_run_writes_metrics_config_and_events(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
-        assert tuple(row) == metrics.KEYS
+        assert tuple(row) == costs.KEYS
         assert row["mfu"] is None  # CPU: no peak in the table, so no guess
         assert row["tokens_per_sec"] > 0 and row["step_time"] > 0 and row["tflops_per_device"] > 0
         assert row["tokens"] == row["step"] * 16 * 128  # tiny's batch_size x seq_len
@@ -517,7 +517,7 @@ def test_a_damaged_only_checkpoint_is_named_in_two_lines_not_buried(tmp_path, ca
 def test_dry_run_gives_a_verdict_against_the_gpu(capsys, overrides, verdict):
     """The estimate printed above it against an H100's 80 GB times the share jax may use."""
     from jaxtron import config
-    from jaxtron.plan import aot
+    from jaxtron.program import aot
 
     args = ["--config", "configs/llama3_70b.yaml", "--dry-run", "--devices", "64", "--gpu",
             "h100", *overrides]
@@ -605,7 +605,8 @@ def test_progress_bar_counts_this_attempt_and_shows_the_step(tmp_path, capsys):
     """A resumed run's bar starts at its first step (rate and time left are this attempt's),
     moves every step, and shows loss, lr, grad norm, step time and throughput; lines carry the
     time."""
-    from jaxtron.plan.metrics import KEYS, MetricsWriter
+    from jaxtron.plan.costs import KEYS
+    from jaxtron.train.metrics import MetricsWriter
 
     log = MetricsWriter(tmp_path, 1000, "bar", tensorboard=False)
     log.begin(600)

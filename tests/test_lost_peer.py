@@ -137,7 +137,7 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
 # Process 1 is alive but stuck in Python at step 4 (its heartbeats go on, so JAX never ends it).
 STUCK_AT_STEP_4 = """
 import time
-from jaxtron.plan import metrics
+from jaxtron.train import metrics
 _tick = metrics.MetricsWriter.tick
 def _stuck(self, step):
     if step == 4:

@@ -26,8 +26,9 @@ from test_preemption import _run_until, _saved_steps
 
 from jaxtron import config
 from jaxtron.plan import setup as setup_lib
-from jaxtron.plan.metrics import KEYS, MetricsWriter, StepWindow, Stopwatch
+from jaxtron.plan.costs import KEYS
 from jaxtron.train import loop as train_lib
+from jaxtron.train.metrics import MetricsWriter, StepWindow, Stopwatch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""jaxtron/plan/peers.py: MaxText's overrides for a preset, its log read back, a real run where
+"""jaxtron/bench/peers.py: MaxText's overrides for a preset, its log read back, a real run where
 MaxText is installed (Python >= 3.12), and one-line errors where it cannot run."""
 
 import dataclasses
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxtron import config, model
-from jaxtron.plan import peers
+from jaxtron.bench import peers
 from jaxtron.step import optim, state
 
 ROOT = Path(__file__).resolve().parents[1]

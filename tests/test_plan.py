@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from jaxtron import config as config_lib
-from jaxtron.plan import aot, memory, metrics, planner
+from jaxtron.plan import costs, memory, planner
+from jaxtron.program import aot
 from jaxtron.step.optim import make_optimizer
 from jaxtron.step.state import make_plan
 
@@ -47,15 +48,15 @@ def test_bubble_and_data_terms():
     cfg = planner.configure(_cfg(), _mesh(data=2, stage=2, fsdp=4), "circular", 2, 4, "full")
     parts = planner.step_time(cfg, _mesh(data=2, stage=2, fsdp=4), 8, "h100")
     assert parts["bubble"] == pytest.approx(parts["compute"] * 1 / 8)
-    grads = metrics.matmul_params(cfg.model) * 4 / (2 * 4)
+    grads = costs.matmul_params(cfg.model) * 4 / (2 * 4)
     assert parts["data"] == pytest.approx(2 * grads / 2 / (planner.NETWORK_GBPS * 1e9))
     # remat=full recomputes every projection's forward but W_down's (2 FLOPs per weight and
-    # token), and the loss in more than one chunk the LM head's (jaxtron/plan/flops.py)
+    # token), and the loss in more than one chunk the LM head's (jaxtron/plan/costs.py)
     m, tokens = cfg.model, 32 * 256 / 16
     down = m.num_layers * m.d_model * m.mlp_dim
     head = m.d_model * m.vocab_size if cfg.train.seq_len > cfg.train.loss_chunk > 0 else 0
-    recomputed = metrics.matmul_params(m) - m.d_model * m.vocab_size - down + head
-    flops = (metrics.flops_per_token(m, 256) + 2 * recomputed) * tokens
+    recomputed = costs.matmul_params(m) - m.d_model * m.vocab_size - down + head
+    flops = (costs.flops_per_token(m, 256) + 2 * recomputed) * tokens
     assert parts["compute"] == pytest.approx(flops / (planner.ACHIEVABLE_TFLOPS["h100"] * 1e12))
 
 
@@ -68,11 +69,11 @@ def test_fp8_projections_compute_faster_and_their_weights_travel_in_half_the_byt
                  for cfg in (_cfg("train.batch_size=64"),
                              _cfg("train.batch_size=64", "model.fp8=tensorwise")))
     m, tokens = _cfg().model, 64 * 256 / 8
-    projections = 6 * (metrics.matmul_params(m) - m.d_model * m.vocab_size) * tokens
+    projections = 6 * (costs.matmul_params(m) - m.d_model * m.vocab_size) * tokens
     saved = projections * (1 - 1 / planner.FP8_SPEEDUP)
     assert bf16["compute"] - fp8["compute"] == pytest.approx(
         saved / (planner.ACHIEVABLE_TFLOPS["h100"] * 1e12))
-    layer_bytes = (metrics.matmul_params(m) - m.d_model * m.vocab_size) * 2 * 7 / 8  # bf16
+    layer_bytes = (costs.matmul_params(m) - m.d_model * m.vocab_size) * 2 * 7 / 8  # bf16
     eta = planner.FSDP_OVERLAP
     for parts, units in ((bf16, 3), (fp8, 2)):  # gather, gather, reduce-scatter
         traffic = units * layer_bytes / (planner.NETWORK_GBPS * 1e9)  # 4 GPUs a node: across

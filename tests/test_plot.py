@@ -12,7 +12,7 @@ import matplotlib.image
 import pytest
 
 import launch
-from jaxtron.plan import metrics
+from jaxtron.plan import costs
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "plot.py"
 STEMS = ("loss", "lr", "throughput", "mfu", "grad_norm")
@@ -50,7 +50,7 @@ def resumed_run(real_run, tmp_path_factory) -> Path:
     first = [{**r, "loss": 10.0 + r["step"], "tokens": 128 * r["step"]} for r in real[:4]]
     second = [{**r, "loss": 5.0 - r["step"] / 4, "mfu": r["step"] / 8,
                "tokens": 256 + 256 * (r["step"] - 2)} for r in real[2:]]
-    assert all(tuple(r) == metrics.KEYS for r in first + second)
+    assert all(tuple(r) == costs.KEYS for r in first + second)
     lines = [json.dumps(r) + "\n" for r in first + second]
     (run_dir / "metrics.jsonl").write_text("".join(lines) + '{"step": 7, "loss": 4.')
     evals = [{"step": 3, "eval_loss": 9.5}, {"step": 3, "eval_loss": 8.5},

@@ -133,12 +133,12 @@ def test_tokens_equal_direct_tokenization(tmp_path, tokenizer, corpus):
     assert f"unigram entropy {manifest['splits']['train']['unigram_entropy']:.3f} nats" in summary
 
 
-def test_plan_units_groups_small_files_and_keeps_a_large_one_alone():
+def test_divide_units_groups_small_files_and_keeps_a_large_one_alone():
     from jaxtron.data.text_inputs import Source
-    from jaxtron.data.units import plan_units
+    from jaxtron.data.units import divide_units
 
     sources = [Source(Path(f"/in/{i}"), str(i)) for i in range(7)]
-    units = plan_units(sources, [10, 20, 9, 50, 1, 0, 39], part_tokens=10)  # 40 bytes a unit
+    units = divide_units(sources, [10, 20, 9, 50, 1, 0, 39], part_tokens=10)  # 40 bytes a unit
     assert [[s.rel for s in unit.sources] for unit in units] == [["0", "1", "2"], ["3"],
                                                                  ["4", "5", "6"]]
     assert [unit.index for unit in units] == [0, 1, 2] and units[1].size == 50

@@ -1,4 +1,4 @@
-"""XLA flag presets (jaxtron/plan/xla_flags.py): what each preset sets, which flag wins, and that a
+"""XLA flag presets (jaxtron/program/xla_flags.py): what each preset sets, which flag wins, and that a
 flag this jaxlib does not know stops launch.py in one line instead of killing it inside XLA."""
 
 import json
@@ -11,7 +11,7 @@ from conftest import ROOT, assert_refused, run_launch
 
 import launch
 from jaxtron.config import ConfigError, XlaConfig, load
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 
 TYPO = "--xla_gpu_enable_latency_hidding_scheduler=true"  # "hidding": not a flag of any jaxlib
 
@@ -128,7 +128,7 @@ def test_apply_gives_jax_the_configured_memory_share_unless_the_environment_does
                                                                                  expected):
     """Before the backend starts (a fresh process): the variable jax reads its memory share
     from is set to xla.mem_fraction, and a user's own value, under either name, is kept."""
-    code = ("import json, os; from jaxtron.plan import xla_flags; from jaxtron.config import XlaConfig;"
+    code = ("import json, os; from jaxtron.program import xla_flags; from jaxtron.config import XlaConfig;"
             "xla_flags.apply(XlaConfig(preset='none'));"
             "print(json.dumps({k: v for k, v in os.environ.items() if 'MEM_FRACTION' in k}))")
     env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k} | environ

@@ -157,7 +157,7 @@ class Checkpoints:
             warn(f"warning: checkpoint {step_dir} is unreadable ({why}); trying an older one")
             damaged.append(step)
         if steps:
-            raise ConfigError(_none_readable(Path(self.manager.directory), len(steps)))
+            raise ConfigError(none_readable(Path(self.manager.directory), len(steps)))
         return None
 
     def _move_aside(self, steps: list[int], warn: Callable[[str], None]) -> None:
@@ -182,7 +182,7 @@ class Checkpoints:
                 self.manager.close()
 
 
-def _none_readable(where: Path, count: int, causes: str = "") -> str:
+def none_readable(where: Path, count: int, causes: str = "") -> str:
     """The error when none of the `count` checkpoints in `where` reads back."""
     which = (f"the one checkpoint in {where} is unreadable" if count == 1 else
              f"none of the {count} checkpoints in {where} is readable")
@@ -257,68 +257,8 @@ def _quiet_abandoned_reads() -> None:
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_excepthook
 
 
-def check_start(run_dir: Path, model: ModelConfig, restore: str,
-                data_change: DataChange | None = None) -> None:
-    """Before anything is written: run.dir's newest checkpoint whose metadata reads, or else
-    checkpoint.restore, holds this model's arrays (one line naming the fields that differ), its
-    data agrees with this run's (`data_change`, e.g. data.prepared.tokenizer_check: what is
-    wrong, or None), and checkpoint.restore names a checkpoint. A refused command leaves run.dir
-    as it was."""
-    # Damaged ones are passed over here, and set aside by Checkpoints.restore_latest.
-    steps = damage.survey(run_dir / "checkpoints", damage.meta_damage)[0]
-    if steps:
-        meta = weights.read_meta(steps[-1])
-        if meta.get("layout") == weights.LAYERED:  # jaxtron convert-hf import's output
-            raise ConfigError(f"run.dir={run_dir} holds an import (weights only); set run.dir to a "
-                              f"new directory with checkpoint.restore={run_dir} "
-                              "checkpoint.weights_only=true")
-        if changed := weights.model_changes(meta, model, resume=True):
-            raise ConfigError(_another_model(run_dir, changed))
-        if data_change and "config" in meta and (
-                change := data_change(weights.config_of(meta).data, "")):
-            raise ConfigError(change)
-    if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
-        _restore_dir(restore, None if steps else model, data_change)
-
-
-def _another_model(run_dir: Path, changed: list[str]) -> str:
-    """The refusal of a resume whose model is not its checkpoints' (`changed`: as model_changes
-    says them): each field with the checkpoints' value and this start's, and the two ways on."""
-    back = " ".join(change.split(" -> ")[0] for change in changed)
-    return (f"{run_dir} holds checkpoints of another model ({', '.join(changed)}); start a new "
-            f"run.dir, or drop the override{'s' if len(changed) > 1 else ''} to resume with the "
-            f"checkpoints' {back}")
-
-
-def describe_start(run_dir: Path, restore: str, weights_only: bool, steps: int) -> str:
-    """Where a run would start, for the dry run (check_start has checked the model): the newest
-    sound checkpoint in run.dir, naming the newer damaged ones a run sets aside (as far as their
-    files tell: no array is read), else checkpoint.restore's, else nothing."""
-    found = weights.run_checkpoints(run_dir)
-    newest = int(found[-1].name) if found else -1
-    damaged = {int(d.name): damage.damage(d) for d in
-               damage.step_dirs(run_dir / "checkpoints") if int(d.name) > newest}
-    if damaged and not found:  # as restore_latest stops, naming each cause
-        causes = "; ".join(f"checkpoint {n}: {why}" for n, why in sorted(damaged.items()))
-        raise ConfigError(_none_readable(run_dir / "checkpoints", len(damaged), f" ({causes})"))
-    if found:
-        step = int(weights.read_meta(found[-1]).get("step", found[-1].name))
-        left = ("nothing left to train: raise train.steps to go on" if step >= steps else
-                f"{steps - step:,} steps to go")
-        aside = "".join(f"; checkpoint {n} is damaged ({why}) and will be set aside"
-                        for n, why in sorted(damaged.items(), reverse=True))
-        return (f"start: resumes from {found[-1]} (step {step:,} of {steps:,}: {left}){aside}; its "
-                "arrays are read at start-up" + ("" if damaged else ", and an unreadable newest "
-                                                 "checkpoint is set aside for an older one"))
-    if restore:
-        directory = _restore_dir(restore, None)
-        what = "its weights only (step 0, fresh optimizer)" if weights_only else "its whole state"
-        return f"start: from {directory}, {what}"
-    return "start: from scratch (run.dir holds no checkpoint)"
-
-
-def _restore_dir(path: str, model: ModelConfig | None,
-                 data_change: DataChange | None = None) -> Path:
+def restore_dir(path: str, model: ModelConfig | None,
+                data_change: DataChange | None = None) -> Path:
     """The checkpoint checkpoint.restore names, once it holds this model's arrays and its data
     agrees with this run's (neither checked when `model` is None)."""
     try:
@@ -358,7 +298,7 @@ def restore_from(path: str, abstract_state: Any, shardings: Any,
     or a run, import or checkpoints directory (its newest complete checkpoint). With
     `weights_only`, take its params alone (fine-tuning: fresh optimizer state, step 0, data from
     the start); an imported model (jaxtron convert-hf import) holds nothing else."""
-    directory = _restore_dir(path, model)
+    directory = restore_dir(path, model)
     _quiet_abandoned_reads()
     try:
         return _restore_from(directory, abstract_state, shardings, resume_input, weights_only,

@@ -7,7 +7,7 @@ of a fixed suite of rows, with a peer framework measured on the same shapes in t
     jaxtron bench --suite smoke --json        # the same harness on CPU, in seconds
 
 The step is the real one (`train.compile_step`, the config's mesh and flags) on random tokens
-(full-length documents), so the data pipeline is out of the measurement (jaxtron/plan/benchmark.py
+(full-length documents), so the data pipeline is out of the measurement (jaxtron/bench/benchmark.py
 says what each number is). One config prints a table (or, with --json, one JSON line); a suite
 prints a markdown table (or one JSON line per row), each row measured in a process of its own, so
 one row's peak memory or failure (out of memory, a kernel that will not run) is its own: a row
@@ -27,7 +27,7 @@ from jaxtron import cli, lifecycle
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxtron.plan.benchmark import SUITES
+    from jaxtron.bench.benchmark import SUITES
 
     parser = cli.Parser(command="tools/bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--config", action="append", default=[], help="YAML preset(s)")
@@ -121,8 +121,9 @@ def table(result: dict) -> str:
 
 def report(args: argparse.Namespace) -> None:
     """Measure one config, print it as a table (or one JSON line), and append it to --out."""
+    from jaxtron.bench import benchmark
     from jaxtron.config import load, presets
-    from jaxtron.plan import benchmark, xla_flags
+    from jaxtron.program import xla_flags
 
     if args.out:
         cli.writable_file(args.out, "--out")  # before the compile, not after the measurement
@@ -142,7 +143,7 @@ def report(args: argparse.Namespace) -> None:
 def run_suite(args: argparse.Namespace) -> int:
     """Each row of the suite in a process of its own (this one starts no jax backend: it would
     hold the GPU's memory), then its peer; rows print as they finish. Status 1 if a row failed."""
-    from jaxtron.plan import benchmark
+    from jaxtron.bench import benchmark
 
     suite = benchmark.SUITES[args.suite]
     if args.rows:
@@ -190,8 +191,8 @@ def row_timeout(row) -> float:
 
 def measure_row(row, steps: int, warmup: int, checks: bool) -> dict:
     """One row measured by this tool in a fresh process; its JSON, or the row's failure."""
+    from jaxtron.bench import benchmark
     from jaxtron.config import presets
-    from jaxtron.plan import benchmark
 
     command = [sys.executable, "-m", "jaxtron.commands", "bench", "--json", "--steps", str(steps),
                "--warmup", str(warmup), "--config", str(presets.PRESETS / row.config),
@@ -214,8 +215,8 @@ def measure_row(row, steps: int, warmup: int, checks: bool) -> dict:
 def peer_row(row, result: dict, steps: int, warmup: int) -> dict:
     """The peer's measurement of `row` (same model, batch, sequence and devices) and the ratio of
     jaxtron's tokens/s to the peer's; a peer that cannot run says why."""
+    from jaxtron.bench import peers
     from jaxtron.config import load, presets
-    from jaxtron.plan import peers
 
     cfg = load([presets.PRESETS / row.config], list(row.overrides))
     timeout_s = row_timeout(row)

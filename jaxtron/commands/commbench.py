@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> None:
     """Build the mesh, measure, print the table; write --json and --plot."""
     check_args(args)
     from jaxtron.config import load
-    from jaxtron.plan import xla_flags
+    from jaxtron.program import xla_flags
     from jaxtron.train import distributed
 
     cfg = load(args.config, args.overrides)

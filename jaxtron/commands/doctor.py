@@ -27,7 +27,7 @@ from jaxtron import cli, lifecycle
 from jaxtron.config import ConfigError, load
 from jaxtron.config.presets import PRESETS
 from jaxtron.lifecycle import one_line_errors
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 from jaxtron.train import distributed, doctor
 
 DEFAULT_CONFIG = PRESETS / "tiny.yaml"

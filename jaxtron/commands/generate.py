@@ -35,7 +35,7 @@ from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.data import prepared, tokenizer
 from jaxtron.lifecycle import one_line_errors
 from jaxtron.model.generate import check, generate, prompt_array
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,9 @@ from jaxtron import config as config_lib
 from jaxtron.config import ConfigError
 from jaxtron.lifecycle import one_line_errors
 from jaxtron.model import REMAT_POLICIES
-from jaxtron.plan import aot, planner
+from jaxtron.plan import planner
 from jaxtron.plan.autofit import AUTO, POLICIES, SPARE
+from jaxtron.program import aot
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -3,7 +3,7 @@
     jaxtron plot runs/tiny                         # into runs/tiny/plots/
     jaxtron plot runs/a runs/b --out plots/a_vs_b  # runs compared, one colour each
 
-Reads each run directory's metrics.jsonl (one row per logged step, jaxtron/plan/metrics.py KEYS),
+Reads each run directory's metrics.jsonl (one row per logged step, jaxtron/plan/costs.py KEYS),
 eval.jsonl and config.yaml, and writes loss.png (train and eval loss against tokens seen, log
 scale), lr.png, throughput.png (tokens/s of the whole job), mfu.png and grad_norm.png (the global
 norm before clipping) against the step; prints the paths written. Tokens seen: each row's

@@ -68,8 +68,8 @@ from jaxtron.data.units import (
     Settings,
     StrictStop,
     Unit,
+    divide_units,
     init_worker,
-    plan_units,
     process_unit,
 )
 from jaxtron.lifecycle import EXIT_STOPPED, one_line_errors
@@ -247,7 +247,7 @@ def _prepare(args: argparse.Namespace, out: Path) -> int:
     check_run(out, run)  # before a tokenizer is trained (minutes): all but its own settings
     if wrong_field := missing_field(sources, args.text_field):
         raise ConfigError(wrong_field)
-    units = plan_units(sources, sizes, args.part_tokens)
+    units = divide_units(sources, sizes, args.part_tokens)
     records = load_records(out, units)
     tok = obtain_tokenizer(args, sources, out)
     run |= {"tokenizer_sha256": tok.sha256,

@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int | None:
 
     from jaxtron import lifecycle, parallel
     from jaxtron.config import load, to_yaml
-    from jaxtron.plan import xla_flags
+    from jaxtron.program import xla_flags
     from jaxtron.train import distributed, doctor
     from jaxtron.train.dry_run import dry_run, nothing_to_do
     from jaxtron.train.loop import train
@@ -293,7 +293,7 @@ def compile_for(cfg, args: argparse.Namespace) -> None:
     if args.devices is None:
         raise ConfigError("--compile-for needs --devices N, the GPUs of the cluster to compile for")
     from jaxtron import cli
-    from jaxtron.plan import aot
+    from jaxtron.program import aot
 
     aot.check_target(args.compile_for, args.devices, args.gpus_per_host)
     outputs = {path: cli.writable_file(path) for path in (args.report, args.hlo) if path}

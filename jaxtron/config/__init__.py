@@ -155,7 +155,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class XlaConfig:
-    """XLA compiler flags, set before JAX starts a backend (jaxtron/plan/xla_flags.py)."""
+    """XLA compiler flags, set before JAX starts a backend (jaxtron/program/xla_flags.py)."""
 
     preset: str = "auto"  # none | gpu | auto (gpu when a CUDA build of jax is installed)
     flags: list[str] = field(default_factory=list)  # raw flags, e.g. ["--xla_dump_to=/tmp/hlo"]

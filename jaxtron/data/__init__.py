@@ -10,7 +10,7 @@ Every document is bos + tokens + eos, cut into chunks of at most seq_len + 1 tok
 one token, so each token after bos is a target exactly once per epoch. Chunks are packed first-fit
 into rows of seq_len; `segment_ids` number the chunks in a row from 1 (0 is padding) and
 `positions` count from 0 inside each chunk, so no token attends across a document boundary.
-Each process builds only the rows its devices hold, from a plan of each global batch (rows.py).
+Each process builds only the rows its devices hold, from the packing of each global batch (rows.py).
 
 Eval batches come the same way from held-out documents (the manifests' val splits, or ~1 % of the
 stdlib files), unshuffled, whole on every process. Resume is exact for the same worker count and
@@ -44,12 +44,12 @@ from jaxtron.data.prepared import (
     split_documents,
 )
 from jaxtron.data.resume import InexactResumeWarning, resume_warning, saved_iterator_state
-from jaxtron.data.rows import FAN_OUT, PlanDocument, Recent, Rows, assemble, placeholder
+from jaxtron.data.rows import FAN_OUT, PackDocument, Recent, Rows, assemble, placeholder
 from jaxtron.data.tokenizer import load_tokenizer
 
 PACKING_BINS_PER_ROW = 4  # packer bins = 4 x local batch: ~1 % padding on the stdlib at seq 256
 READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # no threads: state is exact
-# Documents the plan read are kept for its rows up to this many batches of tokens: the packer's
+# Documents the packer read are kept for its rows up to this many batches of tokens: the packer's
 # bins (4 batches) and a batch being filled.
 RECENT_BATCHES = PACKING_BINS_PER_ROW + 2
 
@@ -165,7 +165,7 @@ def pack_and_batch(
 @dataclasses.dataclass(frozen=True)
 class Stream:
     """A global map dataset of pack inputs (chunks, or documents that `split` cuts into chunks),
-    and `keys`, the same stream as keys that the packing plan is made of without the tokens."""
+    and `keys`, the same stream as keys that the packing is made of without the tokens."""
 
     items: grain.MapDataset
     keys: grain.MapDataset  # per item: its chunk's id in `chunks`, or (documents) its position
@@ -174,9 +174,9 @@ class Stream:
     chunks: grain.MapDataset | None = None  # every chunk by id (the stdlib), and its length
     lengths: np.ndarray | None = None
 
-    def plan(self, key: int, recent: Recent) -> dict[str, np.ndarray] | tuple[int, int]:
+    def pack(self, key: int, recent: Recent) -> dict[str, np.ndarray] | tuple[int, int]:
         """A chunk's placeholder, or a document's key and length, which only reading it tells
-        (the document kept in `recent` for the rows built from the plan)."""
+        (the document kept in `recent` for the rows built from the packing)."""
         if self.split is None:
             return placeholder(int(self.lengths[key]), key * FAN_OUT)
         return int(key), len(recent.put(int(key), self.items[key]))
@@ -237,14 +237,14 @@ def _stream(data: DataConfig, seq_len: int, vocab_size: int, seed: int | None) -
 
 def _batches(stream: Stream, start: int, train: TrainConfig, workers: int,
              rows: np.ndarray | None = None) -> grain.IterDataset:
-    """Skip `start` items of the global stream, pack its keys into the plan of each *global*
+    """Skip `start` items of the global stream, pack its keys into each *global*
     batch (the same for every process and any process count), and build the rows `rows` of
     it (all when None), with "items": the stream items each batch begins."""
     keys = stream.keys[start:] if start else stream.keys
     recent = Recent(RECENT_BATCHES * train.batch_size * train.seq_len)  # one per Grain worker
-    ds = keys.map(functools.partial(stream.plan, recent=recent)).to_iter_dataset(READ)
+    ds = keys.map(functools.partial(stream.pack, recent=recent)).to_iter_dataset(READ)
     if stream.split is not None:
-        ds = grain.experimental.FlatMapIterDataset(ds, PlanDocument(train.seq_len))
+        ds = grain.experimental.FlatMapIterDataset(ds, PackDocument(train.seq_len))
     ds = _pack(ds, train.seq_len, train.batch_size, train.seed, ("tokens",))
     ds = ds.map(functools.partial(assemble, rows=rows, cut=stream.cut,
                                   fetch=functools.partial(stream.fetch, recent=recent)))

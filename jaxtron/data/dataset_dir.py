@@ -1,6 +1,6 @@
 """The output directory of jaxtron prepare-data: checked before any work, the settings it was
 made with (.parts/run.json), the completion records of its units (.parts/NNNNN.json) checked
-against the plan, and leftover shards removed."""
+against the units, and leftover shards removed."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def record_run(out: Path, run: dict) -> None:
 
 
 def load_records(out: Path, units: list[Any]) -> dict[int, dict]:
-    """Earlier runs' completion records whose shards are all present, checked against the plan."""
+    """Earlier runs' completion records whose shards are all present, checked against the units."""
     records = {}
     for path in sorted((out / PARTS).glob("[0-9]*.json")):
         index, record = int(path.stem), read_json(path)
@@ -140,7 +140,7 @@ def load_records(out: Path, units: list[Any]) -> dict[int, dict]:
 
 def check_record(out: Path, record: dict, unit: Any) -> None:
     """Refuse a completion record of other files, or other file sizes, than its unit (a
-    prepare_data.Unit, or None past the plan's end) has now."""
+    prepare_data.Unit, or None past the last unit) has now."""
     then = [(f["path"], f["rel"], f["bytes"]) for f in record["files"]]
     now = [(str(s.path), s.rel, n) for s, n in zip(unit.sources, unit.sizes)] if unit else []
     for old, new in itertools.zip_longest(then, now):
@@ -150,7 +150,7 @@ def check_record(out: Path, record: dict, unit: Any) -> None:
 
 
 def _label(file: tuple[str, str, int] | list | None) -> str:
-    """A planned file as an error message names it."""
+    """An input file as an error message names it."""
     return f"{file[0]} ({file[2]:,} bytes)" if file else "no file"
 
 

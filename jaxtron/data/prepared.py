@@ -191,8 +191,8 @@ def empty_val(path: str) -> str:
 
 def tokenizer_check(now: DataConfig,
                     vocab_size: int) -> Callable[[DataConfig, str], str | None]:
-    """checkpoint.check_start's `data_change` for a run on `now`: tokenizer_change against the
-    checkpoint's data (and checkpoint.restore's path, or "")."""
+    """check_start's `data_change` (jaxtron/train/start.py) for a run on `now`: tokenizer_change
+    against the checkpoint's data (and checkpoint.restore's path, or "")."""
     return lambda saved, restore: tokenizer_change(saved, now, vocab_size, restore)
 
 

@@ -1,6 +1,6 @@
-"""Which rows of the global batch a process builds, and how it builds them from a packing plan.
+"""Which rows of the global batch a process builds, and how it builds them from the batch's packing.
 
-Every process computes the same plan of each global batch: the first-fit packer run on
+Every process computes the same packing of each global batch: the first-fit packer run on
 placeholders that stand for the stream's chunks (a chunk's length of one code), which needs only
 the chunks' lengths. A code is `item * FAN_OUT + chunk`: the item's key in the stream and the
 chunk's number in it. The process then reads only the chunks that land in its own rows, and puts
@@ -61,8 +61,8 @@ def local_rows(mesh: Mesh, batch_size: int, seq_len: int,
 
 
 class Recent:
-    """The items read last, up to `budget` tokens: the plan reads every document for its length,
-    and the rows built from the plan a few batches later take theirs from here, not the disk."""
+    """The items read last, up to `budget` tokens: the packer reads every document for its length,
+    and the rows built from its packing a few batches later take theirs from here, not the disk."""
 
     def __init__(self, budget: int):
         self.budget, self.tokens, self.items = budget, 0, collections.OrderedDict()
@@ -82,13 +82,13 @@ class Recent:
 
 
 def placeholder(length: int, code: int) -> dict[str, np.ndarray]:
-    """What the packer plans with in place of a chunk: its length, filled with its code (a
+    """What the packer packs in place of a chunk: its length, filled with its code (a
     read-only view of one number: nothing allocated)."""
     return {"tokens": np.broadcast_to(np.int64(code), (length,))}
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanDocument(grain.experimental.FlatMapTransform):
+class PackDocument(grain.experimental.FlatMapTransform):
     """(a document's key, its length) -> a placeholder per chunk, cut as data.SplitDocument cuts
     bos + document + eos: chunk i starts at i x seq_len and has up to seq_len tokens."""
 
@@ -104,12 +104,12 @@ class PlanDocument(grain.experimental.FlatMapTransform):
         return [placeholder(int(n), key * FAN_OUT + i) for i, n in enumerate(lengths)]
 
 
-def assemble(plan: dict[str, np.ndarray], rows: np.ndarray | None,
+def assemble(packing: dict[str, np.ndarray], rows: np.ndarray | None,
              fetch: Callable[[int], object], cut: Callable[[object, int], dict]) -> dict:
-    """Rows `rows` (all when None) of a batch from its packing plan: each chunk (`cut` from the
+    """Rows `rows` (all when None) of a batch from its packing: each chunk (`cut` from the
     item `fetch` returns for its key) where the packer put its code. "items" counts the stream
     items the whole batch begins (the chunks numbered 0), for the iterator's position."""
-    codes, seg, pos = plan["tokens"], plan["tokens_segment_ids"], plan["tokens_positions"]
+    codes, seg, pos = packing["tokens"], packing["tokens_segment_ids"], packing["tokens_positions"]
     starts = (pos == 0) & (seg != 0)
     begun = int((codes[starts] % FAN_OUT == 0).sum())
     if rows is not None:

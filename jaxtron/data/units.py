@@ -1,4 +1,4 @@
-"""The workers of jaxtron prepare-data: input files planned into units of about
+"""The workers of jaxtron prepare-data: input files divided into units of about
 --part-tokens tokens, and each unit tokenized by one pool worker into its shards per split, with
 each file's tally, its bad input and the train split's token counts (its completion record)."""
 
@@ -54,7 +54,7 @@ class Unit:
 
     index: int
     sources: tuple[Source, ...]
-    sizes: tuple[int, ...]  # each file's bytes when planned; a completion record must match them
+    sizes: tuple[int, ...]  # each file's bytes when divided; a completion record must match them
 
     @property
     def size(self) -> int:
@@ -62,7 +62,7 @@ class Unit:
         return sum(self.sizes)
 
 
-def plan_units(sources: list[Source], sizes: list[int], part_tokens: int) -> list[Unit]:
+def divide_units(sources: list[Source], sizes: list[int], part_tokens: int) -> list[Unit]:
     """Files in order, grouped while they fit ~part_tokens tokens of bytes; a larger file alone."""
     budget, groups, total = part_tokens * BYTES_PER_TOKEN, [[]], 0
     for source, size in zip(sources, sizes):

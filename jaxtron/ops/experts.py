@@ -89,7 +89,7 @@ def available(kind: str) -> bool:
 
 def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
     """The grouped-matmul kernel model.moe_kernel means on `platform` (jax's default backend;
-    --compile-for settles it for GPUs before tracing, jaxtron/plan/aot.py): on GPUs tokamax's
+    --compile-for settles it for GPUs before tracing, jaxtron/program/aot.py): on GPUs tokamax's
     Mosaic GPU kernel where it is installed and takes the compute dtype (bf16, f16), else
     XLA's."""
     if cfg.moe_kernel != "auto":

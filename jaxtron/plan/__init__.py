@@ -1,3 +1,3 @@
-"""What a step costs before it runs: the memory estimate and the remat/microbatch choice it
-drives, the compile for GPUs that are not here and the reading of its HLO (FLOPs, collectives),
-the layout planner, the XLA flag presets, and the benchmarks against the compiled step."""
+"""A run's plan: its layout (mesh, schedule, microbatches, remat) and what that costs before
+anything compiles: the memory estimate and the choice it drives, the FLOP formulas, the set-up
+every entry point builds the same way, and the planner that ranks layouts."""

@@ -26,7 +26,7 @@ from jaxtron.config import Config, ConfigError
 AUTO = "auto"  # model.remat
 AUTO_MICROBATCHES = 0  # train.microbatches: `auto` in a preset or an override is read as 0
 SPARE = 0.10  # the share of usable memory the choice leaves free (estimate error, fragmentation)
-# From the least recompute to the most (jaxtron/plan/flops.py counts what each recomputes). The
+# From the least recompute to the most (jaxtron/plan/costs.py RECOMPUTED: what each recomputes). The
 # offloading policy is left to those who ask for it: it needs pinned host memory and PCIe time.
 POLICIES = ("none", "save_dots", "save_qkv_out", "save_attn_out", "full")
 

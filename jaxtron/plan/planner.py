@@ -7,8 +7,8 @@ estimates one step's time as
 
     step = compute / (1 - bubble) + exposed communication + per-message latency
 
-- compute: the model's training FLOPs per GPU (metrics.flops_per_token) with the matmuls the
-  remat policy recomputes (flops.expected_matmul: what the compiled programs do, within 0.1%)
+- compute: the model's training FLOPs per GPU (costs.flops_per_token) with the matmuls the
+  remat policy recomputes (costs.expected_matmul: what the compiled programs do, within 0.1%)
   at ACHIEVABLE_TFLOPS; with model.fp8 the layers' projections FP8_SPEEDUP times faster.
 - bubble: the pipeline's idle share, (S-1) / (M*R + S-1) for S stages, M microbatches per pass,
   R circular repeats (jaxtron.parallel.pipeline).
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
 from jaxtron.parallel.pipeline import SCHEDULES
-from jaxtron.plan import flops, memory, metrics
+from jaxtron.plan import costs, memory
 from jaxtron.plan.autofit import SPARE
 from jaxtron.plan.setup import set_up
 
@@ -223,11 +223,11 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     gpus = math.prod(mesh.values())
     crossing = set(parallel.crossing_axes(mesh, per_node))
     tokens = t.batch_size * t.seq_len
-    attention = metrics.flops_per_token(m, t.seq_len) - 6 * metrics.matmul_params(m)
-    work = flops.expected_matmul(cfg, tokens / gpus) + attention * tokens / gpus
+    attention = costs.flops_per_token(m, t.seq_len) - 6 * costs.matmul_params(m)
+    work = costs.expected_matmul(cfg, tokens / gpus) + attention * tokens / gpus
     if m.fp8 != "none":  # the projections' share (all but the LM head and attention) in FP8
         head = 6 * m.d_model * m.vocab_size * tokens / gpus
-        projections = flops.expected_matmul(cfg, tokens / gpus) - head
+        projections = costs.expected_matmul(cfg, tokens / gpus) - head
         work -= projections * (1 - 1 / FP8_SPEEDUP)
     compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
     stages, tp = mesh["stage"], mesh["tensor"]
@@ -237,7 +237,7 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     layers = m.num_layers // stages  # layers each GPU runs per sequence
     ep, cp = mesh.get("expert", 1), mesh.get("context", 1)
     seqs = t.batch_size // (mesh["data"] * mesh["fsdp"] * ep)  # sequences per GPU per step
-    passes = 3 if flops.RECOMPUTED[m.remat] else 2  # the recomputed forward gathers again
+    passes = 3 if costs.RECOMPUTED[m.remat] else 2  # the recomputed forward gathers again
     act = 2  # bf16 activations and gathered weights
     parts = {"compute": compute, "bubble": bubble}
     slab = t.seq_len // cp * m.d_model * act  # one sequence's [T, D] activations on a GPU
@@ -245,7 +245,7 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     tensor_time = _seconds(tensor_bytes, "tensor" in crossing)
     parts["tensor"] = tensor_time / tp if m.collective_matmul else tensor_time * (
         1 - TENSOR_OVERLAP)
-    layer_params = metrics.matmul_params(dataclasses.replace(m, vocab_size=0)) / m.num_layers
+    layer_params = costs.matmul_params(dataclasses.replace(m, vocab_size=0)) / m.num_layers
     f = mesh["fsdp"] * cp  # ZeRO-3 over fsdp and context
     # Without a pipeline each microbatch gathers a layer's weights twice (forward, recompute or
     # backward) and reduce-scatters its gradient; a pipeline gathers a stage's weights once per
@@ -260,7 +260,7 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     fsdp_time = _seconds(fsdp_bytes, bool({"fsdp", "context"} & crossing))
     parts["fsdp"] = fsdp_time * (1 - FSDP_OVERLAP) + max(0.0, fsdp_time * FSDP_OVERLAP - compute)
     d = mesh["data"]
-    grads = metrics.matmul_params(m) * 4 / (tp * stages * f)  # float32 gradients per GPU
+    grads = costs.matmul_params(m) * 4 / (tp * stages * f)  # float32 gradients per GPU
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
     stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)

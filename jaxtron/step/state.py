@@ -1,5 +1,6 @@
 """The train state: the plan (shapes, shardings, sizes) known before anything is allocated, the
-state born sharded, and its restore from a checkpoint into this run's shardings and layer order.
+state born sharded, and a restored state put into this run's layer order (where a run starts:
+jaxtron/train/start.py).
 
 The state is a plain dict pytree {params, opt_state, step, nonfinite}, with model.fp8=delayed
 also {fp8}: the projections' amax histories (jaxtron/ops/fp8.py). params (and fp8) are the
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +21,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtron import data, parallel
 from jaxtron import model as model_lib
-from jaxtron.checkpoint import Checkpoints, restore_from, weights
-from jaxtron.config import Config, ConfigError
+from jaxtron import parallel
+from jaxtron.config import Config
 from jaxtron.model import abstract_model, count_params
 from jaxtron.ops import fp8, layer_ops
 from jaxtron.parallel import pipeline
-from jaxtron.step.optim import schedule_jump
 
 
 @dataclass(frozen=True)
@@ -116,50 +115,6 @@ def fresh_state_around(params: dict, tx: optax.GradientTransformation, shardings
     return jax.jit(functools.partial(fresh_state, tx=tx, histories=histories),
                    out_shardings=shardings, donate_argnums=0)(params)
 
-
-RESTORE_UNUSED = ("checkpoint.restore={} is not used: run.dir has checkpoints of its own, which "
-                  "come first (restore starts a new run.dir)")
-
-
-def resumed_schedule_jump(meta: dict, cfg: Config) -> str | None:
-    """optim.schedule_jump between the checkpoint's config (in its meta) and this run's."""
-    try:
-        saved = weights.config_of(meta)
-    except (ConfigError, KeyError):  # an older or foreign meta: nothing to compare
-        return None
-    return schedule_jump(saved, cfg, int(meta["step"]))
-
-
-def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints, batches,
-                  info: Callable[[str], None]) -> tuple[dict, int, int]:
-    """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
-    checkpoint.restore, else fresh weights."""
-    shardings = parallel.named(plan.specs, mesh)
-    resume_input = functools.partial(data.resume_input, batches, warn=info)
-    restored = ckpt.restore_latest(plan.abstract, shardings, resume_input, info)
-    if restored is not None:
-        step, state, meta = restored
-        state = in_layer_order(state, meta, plan, tx, shardings, info)
-        info(f"resumed from {ckpt.manager.directory} step {step} "
-                     f"(loss {meta['loss']:.4f}, {meta['tokens_seen']:,} tokens seen)")
-        if jump := resumed_schedule_jump(meta, cfg):
-            info(f"warning: {jump}")
-        if cfg.checkpoint.restore:
-            info(f"note: {RESTORE_UNUSED.format(cfg.checkpoint.restore)}")
-        return state, step, meta["tokens_seen"]
-    if not cfg.checkpoint.restore:
-        return init_state(cfg, plan, tx, mesh), 0, 0
-    resume_input = functools.partial(data.resume_input, batches, warn=print)
-    state, meta = restore_from(cfg.checkpoint.restore, plan.abstract, shardings, resume_input,
-                               cfg.checkpoint.weights_only, cfg.model)
-    if cfg.checkpoint.weights_only:
-        params = in_layer_order(state, meta, plan, tx, shardings, info)["params"]
-        state = fresh_state_around(params, tx, shardings, plan.abstract.get("fp8"))
-        info(f"weights from {cfg.checkpoint.restore}; optimizer and data start fresh")
-        return state, 0, 0
-    state = in_layer_order(state, meta, plan, tx, shardings, info)
-    info(f"started from {cfg.checkpoint.restore} (step {meta['step']})")
-    return state, int(meta["step"]), meta["tokens_seen"]
 
 
 def in_layer_order(state: dict, meta: dict, plan: Plan, tx, shardings, info) -> dict:

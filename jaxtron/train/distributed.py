@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from jaxtron import lifecycle
 from jaxtron.config import ConfigError
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 
 # A process whose heartbeats stop for run.peer_timeout_s / 2 is dead (JAX's heartbeat timeout).
 # JAX's default (100 s) leaves a job hanging for minutes; heartbeats come from a C++ thread, so a

@@ -29,7 +29,7 @@ from pathlib import Path
 from jaxtron.cli import check_run_dir, plural
 from jaxtron.config import Config, ConfigError, MeshConfig, XlaConfig
 from jaxtron.lifecycle import EXIT_USAGE, script_name
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 from jaxtron.train.distributed import allgather_text
 
 MIN_MEM_FRACTION = 0.5  # below this share of GPU memory, XLA is starved (jax's default is 0.75)

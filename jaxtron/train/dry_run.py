@@ -11,20 +11,21 @@ from pathlib import Path
 
 import jax
 
-from jaxtron import checkpoint, cli, data, parallel
+from jaxtron import cli, data, parallel
 from jaxtron import config as config_lib
-from jaxtron.checkpoint import IN_USE, LOCK_FILE, check_start, weights
+from jaxtron.checkpoint import IN_USE, LOCK_FILE, weights
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.prepared import tokenizer_check
 from jaxtron.data.tokenizer import CORPUS_PIECES
 from jaxtron.model import moe
 from jaxtron.parallel import pipeline
-from jaxtron.plan import aot, memory
+from jaxtron.plan import memory
 from jaxtron.plan.setup import set_up
-from jaxtron.step.state import RESTORE_UNUSED, resumed_schedule_jump
+from jaxtron.program import aot
 from jaxtron.train import doctor
 from jaxtron.train.run_dir import check_paths
+from jaxtron.train.start import RESTORE_UNUSED, check_start, describe_start, resumed_schedule_jump
 
 
 def _gib(n: int) -> str:
@@ -61,7 +62,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(data_check)
     for line in no_room:  # planned for other machines: their run.dir may have the room
         print(f"warning: here, {line}")
-    print(f"start: {finished}" if finished else checkpoint.describe_start(
+    print(f"start: {finished}" if finished else describe_start(
         Path(cfg.run.dir), cfg.checkpoint.restore, cfg.checkpoint.weights_only, cfg.train.steps))
     if steps := weights.run_checkpoints(Path(cfg.run.dir)):
         if jump := resumed_schedule_jump(weights.read_meta(steps[-1]), cfg):

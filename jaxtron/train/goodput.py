@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jaxtron
-from jaxtron.plan.metrics import Stopwatch
+from jaxtron.train.metrics import Stopwatch
 
 FILE = "goodput.json"
 PARTS = ("startup", "compile", "data", "step", "checkpoint", "eval", "profile", "redone", "other")

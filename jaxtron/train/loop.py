@@ -33,15 +33,15 @@ from jaxtron.model import check_remat, moe
 from jaxtron.ops import attention as attention_lib
 from jaxtron.ops import context_attention
 from jaxtron.parallel import pipeline
-from jaxtron.plan import autofit, memory
-from jaxtron.plan import metrics as metrics_lib
+from jaxtron.plan import autofit, costs, memory
 from jaxtron.plan.setup import Setup, set_up
 from jaxtron.step import compile_eval, evaluate, global_batch
-from jaxtron.step.state import initial_state
 from jaxtron.train import compile_cache, distributed, doctor, goodput
+from jaxtron.train import metrics as metrics_lib
 from jaxtron.train import profile as profile_lib
 from jaxtron.train import run_dir as run_dir_lib
 from jaxtron.train.run_dir import check_paths
+from jaxtron.train.start import initial_state
 from jaxtron.train.watchdog import Watchdog
 
 
@@ -300,7 +300,7 @@ class RunContext:
     log: metrics_lib.MetricsWriter
     batches: data_lib.BatchIterator
     eval_batches: list[dict]
-    cost: metrics_lib.StepCost
+    cost: costs.StepCost
     watch: metrics_lib.Stopwatch
     preemption: Preemption
     account: goodput.Attempt
@@ -314,7 +314,7 @@ class RunContext:
         run_dir, watch = Path(cfg.run.dir), metrics_lib.Stopwatch()
         is_main = jax.process_index() == 0
         return cls(mesh, Checkpoints(cfg.checkpoint, run_dir), log, feed.batches,
-                   feed.eval_batches, metrics_lib.StepCost.of(cfg, devices), watch, Preemption(),
+                   feed.eval_batches, costs.StepCost.of(cfg, devices), watch, Preemption(),
                    goodput.Attempt(watch, started, run_dir if is_main else None, log.info),
                    profile_lib.Profile(cfg.run, run_dir, log, watch),
                    Watchdog(cfg.run.stuck_timeout_s if jax.process_count() > 1 else 0))
@@ -360,7 +360,7 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
         run.log.tick(step)
         if step % cfg.train.log_every == 0 or step == steps:
             fetched = jax.device_get(pending)  # host sync point
-            row = metrics_lib.make_row(step, fetched, window.close(step), run.cost, tokens_seen)
+            row = costs.make_row(step, fetched, window.close(step), run.cost, tokens_seen)
             history.append(row)
             run.log.write(row)
             run_dir_lib.check_kept(Path(cfg.run.dir))  # removed: stop now, not at the next save

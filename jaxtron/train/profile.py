@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 
 from jaxtron import config as config_lib
-from jaxtron.plan import metrics as metrics_lib
+from jaxtron.train import metrics as metrics_lib
 
 
 class Profile:

@@ -11,10 +11,11 @@ import shutil
 from pathlib import Path
 
 from jaxtron import cli
-from jaxtron.checkpoint import CheckpointSaveError, check_start, weights
+from jaxtron.checkpoint import CheckpointSaveError, weights
 from jaxtron.checkpoint.lock import LOCK_FILE
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
+from jaxtron.train.start import check_start
 
 
 def check_paths(cfg: Config) -> None:

@@ -1,12 +1,12 @@
 """Compile the real train step for a GPU cluster that is not here, and report what it would run.
 
 XLA compiles for GPUs it cannot see: `jax.experimental.topologies` gives compile-only devices of a
-`GpuTargetConfig` (jaxtron/plan/targets/*.txtpb: the device's SMs, memory, cuDNN and CUDA versions),
-arranged as hosts x GPUs. The plan, state and batch shardings and the jitted step are the ones
-`train()` builds; `.lower().compile()` runs XLA's whole GPU pipeline (SPMD partitioning, fusion,
-the latency-hiding scheduler, cuDNN and Triton kernel choices, buffer assignment) with the XLA
-flags a GPU host would get. Nothing is autotuned and nothing runs; the result is the optimized
-HLO and its memory analysis, read by `jaxtron.plan.hlo`.
+`GpuTargetConfig` (jaxtron/program/targets/*.txtpb: the device's SMs, memory, cuDNN and CUDA
+versions), arranged as hosts x GPUs. The plan, state and batch shardings and the jitted step are
+the ones `train()` builds; `.lower().compile()` runs XLA's whole GPU pipeline (SPMD partitioning,
+fusion, the latency-hiding scheduler, cuDNN and Triton kernel choices, buffer assignment) with the
+XLA flags a GPU host would get. Nothing is autotuned and nothing runs; the result is the optimized
+HLO and its memory analysis, read by `jaxtron.program.hlo`.
 
 Needs the CUDA plugin (`pip install -e '.[gpu-aot]'`: jax-cuda12-plugin and cuDNN) and
 JAX_PLATFORMS=cpu, so that jax starts no CUDA runtime; `jaxtron train --compile-for` sets both up.
@@ -26,8 +26,9 @@ from jaxtron import parallel
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
 from jaxtron.ops import attention, experts
-from jaxtron.plan import autofit, flops, hlo, memory, metrics, xla_flags
+from jaxtron.plan import autofit, costs, memory
 from jaxtron.plan.setup import Setup, set_up
+from jaxtron.program import flops, hlo, xla_flags
 
 TARGET_DIR = Path(__file__).resolve().parent / "targets"
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb"}
@@ -49,7 +50,7 @@ def check_target(target: str, num_devices: int, gpus_per_host: int,
     """A known target, the CUDA plugin installed, whole hosts: before anything compiles.
     `option` is the command's option that asked for the compile, as its messages name it."""
     target_config(target)
-    from jaxtron.plan import xla_flags
+    from jaxtron.program import xla_flags
 
     if not any(map(xla_flags._installed, PLUGINS)):
         raise ConfigError(f"{option} needs jax's CUDA plugin, which is not installed: {INSTALL}")
@@ -196,7 +197,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
         "fits": peak <= usable,
         "plan_peak_bytes": sum(estimate.values()),
         "plan_terms": estimate,
-        "flops": {"model_per_device": round(metrics.flops_per_token(cfg.model, cfg.train.seq_len)
+        "flops": {"model_per_device": round(costs.flops_per_token(cfg.model, cfg.train.seq_len)
                                             * tokens),
                   "compiled_per_device": counted["matmul"] + counted["attention"],
                   "matmul_per_device": counted["matmul"],
@@ -205,9 +206,9 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
                   "ragged_matmul_bound_per_device": counted["ragged"],
                   "fp8_matmul_per_device": counted["fp8"],
                   "fp8_e5m2_matmul_per_device": counted["fp8_e5m2"],
-                  "expected_matmul_per_device": flops.expected_matmul(
+                  "expected_matmul_per_device": costs.expected_matmul(
                       cfg, tokens, plan.mesh_sizes.get("expert", 1)),
-                  "six_n_tokens_per_device": round(6 * metrics.matmul_params(cfg.model) * tokens)},
+                  "six_n_tokens_per_device": round(6 * costs.matmul_params(cfg.model) * tokens)},
         "collectives": rows,
         "exposed_bytes_per_axis": exposed_bytes(rows),
         "kernels": hlo.kernels(module),

@@ -3,7 +3,7 @@ the fixed suites of rows that jaxtron bench runs one process each.
 
 A row's numbers are the compiled train step (the config's mesh, flags and attention kernel) on
 random full-length documents, so the data pipeline is out of the measurement. tokens/s, TFLOP/s
-per device and MFU follow jaxtron/plan/metrics.py (model FLOPs only: remat does not inflate them);
+per device and MFU follow jaxtron/plan/costs.py (model FLOPs only: remat does not inflate them);
 the step time is the median over the timed steps, its spread (max - min) / median; the peak
 memory is the device allocator's own `peak_bytes_in_use` (None where the device keeps no
 statistics: CPUs); the attention kernel is read from the compiled program, not the config.
@@ -109,8 +109,9 @@ def measure(cfg: Config, steps: int, warmup: int, checks: bool = False) -> dict:
     import jax
 
     from jaxtron import parallel
-    from jaxtron.plan import autofit, hlo, memory, metrics, xla_flags
+    from jaxtron.plan import autofit, costs, memory
     from jaxtron.plan.setup import set_up
+    from jaxtron.program import hlo, xla_flags
     from jaxtron.step.state import init_state
 
     devices = xla_flags.start_backend()  # one that cannot start here: one line, not a trace
@@ -137,8 +138,8 @@ def measure(cfg: Config, steps: int, warmup: int, checks: bool = False) -> dict:
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     step_time = statistics.median(times)
-    cost = metrics.StepCost.of(cfg, devices)
-    row = metrics.make_row(steps, {"loss": loss, "lr": 0.0, "grad_norm": 0.0}, step_time, cost,
+    cost = costs.StepCost.of(cfg, devices)
+    row = costs.make_row(steps, {"loss": loss, "lr": 0.0, "grad_norm": 0.0}, step_time, cost,
                            (warmup + steps) * cost.tokens)
     stats = devices[0].memory_stats() or {}
     return {
@@ -169,7 +170,7 @@ def gpu_checks(cfg: Config, devices: list) -> dict[str, str]:
     import os
 
     from jaxtron.ops import attention
-    from jaxtron.plan import aot, xla_flags
+    from jaxtron.program import aot, xla_flags
 
     if devices[0].platform != "gpu":
         skip = f"not checked: {devices[0].platform} devices, no GPU"
@@ -208,7 +209,7 @@ def gpu_checks(cfg: Config, devices: list) -> dict[str, str]:
 
 def total_memory(device) -> int | None:
     """The GPU's memory in bytes: nvidia-smi's figure, else the target table's for its kind."""
-    from jaxtron.plan import aot
+    from jaxtron.program import aot
 
     if shutil.which("nvidia-smi"):
         index = str(getattr(device, "local_hardware_id", None) or 0)

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from jaxtron.config import Config
-from jaxtron.plan import xla_flags
+from jaxtron.program import xla_flags
 
 MAXTEXT_VERSION = "0.2.5"
 MAXTEXT_MODULE = "maxtext.trainers.pre_train.train"

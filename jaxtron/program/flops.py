@@ -1,21 +1,14 @@
-"""Matmul and attention FLOPs: counted in a compiled step's HLO, and expected from the config.
+"""Matmul and attention FLOPs counted in a compiled step's HLO.
 
-`compiled` reads the optimized HLO (`jaxtron.plan.hlo`): 2 * M * N * K of every matmul (dots, inside
-fusions too, cuBLAS calls, Triton GEMM fusions) apart from the cuDNN attention kernels
+`compiled` reads the optimized HLO (`jaxtron.program.hlo`): 2 * M * N * K of every matmul (dots,
+inside fusions too, cuBLAS calls, Triton GEMM fusions) apart from the cuDNN attention kernels
 (`__cudnn$fmha...`), per device per step, times the trip counts of the loops around them. The MoE
 experts' grouped matmuls (tokamax's ragged_dot, `ragged`) are counted apart, at their
 buffers' static size: 2 * R * K * N for R rows, of which a kernel works on the rows its group sizes
 cover (jaxtron/model/moe.py: a device's rows are its expert group's pairs, and each pair is its
-one expert's: over the group's devices, R / |expert| rows on average).
-
-`expected_matmul` is what the remat policy implies for the matmuls: 6N per token (forward and
-backward of every matmul weight, `metrics.matmul_params`), plus the forward that the policy
-recomputes in the backward (a mixture of experts: with gate and up the router too; over an expert
-axis every ring step recomputes its gate and up in its own backward, whatever the policy), plus
-the LM head's forward, which a loss in more than one chunk
-recomputes under every policy (jaxtron/ops/vocab.py: the backward recomputes each chunk's logits
-from the saved logsumexp; in one chunk XLA merges that with the forward's). Their ratio says whether
-the compiler recomputes what the policy asks, and no more.
+one expert's: over the group's devices, R / |expert| rows on average). Against
+jaxtron/plan/costs.py's expected_matmul, their ratio says whether the compiler recomputes what the
+policy asks, and no more.
 """
 
 from __future__ import annotations
@@ -24,23 +17,8 @@ import json
 import math
 import re
 
-from jaxtron.config import Config, ModelConfig
-from jaxtron.ops import vocab
-from jaxtron.plan import hlo, metrics
-from jaxtron.plan.hlo import Instruction, Module
-
-# The projections each remat policy (model.REMAT_POLICIES) recomputes in the backward. The down
-# projection never is: its output only joins the residual stream, which nothing in the backward
-# reads, so XLA drops it from the recompute. The output projection is recomputed whenever the
-# residual after attention is not saved (the MLP's norm reads it).
-RECOMPUTED = {
-    "none": (),
-    "save_dots": (),  # every projection's output saved
-    "offload_dots": (),  # ... in host memory
-    "save_qkv_out": ("o", "gate", "up"),  # q, k, v and the attention output saved
-    "save_attn_out": ("q", "k", "v", "o", "gate", "up"),
-    "full": ("q", "k", "v", "o", "gate", "up"),
-}
+from jaxtron.program import hlo
+from jaxtron.program.hlo import Instruction, Module
 
 
 def compiled(module: Module) -> dict[str, int]:
@@ -65,33 +43,6 @@ def compiled(module: Module) -> dict[str, int]:
                 totals["fp8"] += runs * flops
                 totals["fp8_e5m2"] += runs * flops * ("f8e5m2" in dtypes)
     return totals
-
-
-def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1) -> int:
-    """Matmul FLOPs per device per step that cfg.model.remat implies: 6N per token, the policy's
-    recomputed projections (2 FLOPs per weight per token) and the chunked LM head's. Measured
-    exact over data, fsdp and tensor; with a pipeline only approximate, a lower bound: the stages
-    also run in the bubble iterations (tiny, 2 stages, 4 microbatches: compiled 1.15x this)."""
-    m = cfg.model
-    names = RECOMPUTED[m.remat]
-    if m.num_experts and "gate" in names:
-        names = (*names, "router")
-    if m.num_experts and mesh_expert > 1 and "gate" not in names:  # each ring step's own
-        names = (*names, "gate", "up")
-    recomputed = m.num_layers * sum(_weights(m)[name] for name in names)
-    chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
-    head = m.d_model * m.vocab_size if chunked else 0
-    return round((6 * metrics.matmul_params(m) + 2 * recomputed + 2 * head) * tokens_per_device)
-
-
-def _weights(m: ModelConfig) -> dict[str, int]:
-    """The weights of one layer's projections, by name; of a mixture of experts, those a token
-    runs (its experts_per_token experts' and the router)."""
-    d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
-    if m.num_experts:
-        f = (m.moe_mlp_dim or m.mlp_dim) * m.experts_per_token
-    return {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
-            "gate": d * f, "up": d * f, "down": f * d, "router": d * m.num_experts}
 
 
 def _flops(inst: Instruction, module: Module) -> int:

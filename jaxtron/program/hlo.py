@@ -12,7 +12,7 @@ layers, the microbatch and pipeline loops) and async wrappers. Everything here c
   scheduled between start and done (the text is in XLA's schedule order), hidden behind compute.
 - `kernels`: custom calls (cuBLAS, cuDNN) and Triton fusions, by name, in executions per step.
 
-FLOPs of the matmuls and attention kernels are counted in `jaxtron.plan.flops`.
+FLOPs of the matmuls and attention kernels are counted in `jaxtron.program.flops`.
 """
 
 from __future__ import annotations
