@@ -1,4 +1,4 @@
-"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via jaxtron/hf/__init__.py.
+"""Our Llama forward equals Hugging Face transformers' on random tiny weights, via jaxtron/hf/model_dir.py.
 
 Each case builds the real HF model (torch, float32, eval) with every weight randomised (norm scales
 and biases too, so a swapped or dropped tensor shows), converts its state dict with the one

@@ -12,6 +12,7 @@ from test_aot import TINY
 
 from jaxtron import config as config_lib
 from jaxtron import parallel
+from jaxtron.parallel import mesh as mesh_lib
 from jaxtron.program import aot, hlo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ def test_devices_are_ordered_host_major():
     """Devices listed in any order go host by host, so a host's devices are neighbours."""
     shuffled = [_Device(i, p) for i, p in [(5, 1), (0, 0), (7, 1), (2, 0), (4, 1), (1, 0),
                                            (6, 1), (3, 0)]]
-    assert [d.id for d in parallel._host_major(shuffled)] == list(range(8))
+    assert [d.id for d in mesh_lib._host_major(shuffled)] == list(range(8))
     assert parallel.devices_per_host(shuffled) == 4
 
 

@@ -266,7 +266,7 @@ def test_train_on_a_dataset_made_by_prepare_data(tmp_path, capsys, monkeypatch):
 
     check = prepared.check_dataset
     monkeypatch.setattr(prepared, "check_dataset", counted)
-    monkeypatch.setattr(jaxtron.data, "check_dataset", counted)
+    monkeypatch.setattr(jaxtron.data.pipeline, "check_dataset", counted)
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out = tmp_path / "ds"

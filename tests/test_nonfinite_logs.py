@@ -6,7 +6,7 @@ import logging
 import jax.numpy as jnp
 
 from jaxtron import config
-from jaxtron import step as step_lib
+from jaxtron.step import train_step as step_lib  # loss_and_grads calls it there
 from jaxtron.train.loop import train
 
 

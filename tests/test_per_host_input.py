@@ -22,6 +22,7 @@ from jaxtron import config, parallel
 from jaxtron import data as data_lib
 from jaxtron.config import DataConfig, DatasetEntry, MeshConfig, TrainConfig
 from jaxtron.data import corpus as corpus_lib
+from jaxtron.data import pipeline
 from jaxtron.data import tokenizer as tokenizer_lib
 from jaxtron.data.rows import local_rows
 from jaxtron.train import loop as train_lib
@@ -60,7 +61,7 @@ def sources(tmp_path_factory) -> dict:
 
 def reference(data: DataConfig, train: TrainConfig, start: int = 0) -> grain.DatasetIterator:
     """The global batches from item `start` on, packed from the chunks themselves."""
-    stream = data_lib._stream(data, train.seq_len, VOCAB, train.seed)
+    stream = pipeline._stream(data, train.seq_len, VOCAB, train.seed)
     ds = stream.items[start:].to_iter_dataset(data_lib.READ)
     if stream.split is not None:
         ds = grain.experimental.FlatMapIterDataset(ds, stream.split)

@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="presets (--config NAME, shipped with jaxtron): " + ", ".join(preset_names())
                + ". overrides: section.key=value, anywhere on the line; sections: model, mesh, "
                "pipeline, xla, data, train, optim, checkpoint, run "
-               "(jaxtron/config/__init__.py lists every "
+               "(jaxtron/config/schema.py lists every "
                "key). `base:` in a preset names another preset, relative to the preset's file. "
                "Exit status: 0 done, 2 bad input (one line says what to change), 3 stopped on a "
                "non-finite loss, 4 a due checkpoint could not be saved (or run.dir was removed), "

@@ -95,7 +95,7 @@ def _check_unlocked(run_dir: Path) -> None:
 
 def _resume_warning(step_dir: Path, cfg) -> str | None:
     """The warning a run gives when the checkpoint's input position cannot be resumed exactly
-    with this config's data layout (jaxtron/data/__init__.py); None when it can, or was not
+    with this config's data layout (jaxtron/data/pipeline.py); None when it can, or was not
     saved."""
     try:
         saved = data.saved_iterator_state(step_dir / "data", 0, 1)
