@@ -1,26 +1,9 @@
 """Attention under context parallelism: each rank's queries against K and V gathered over
 `context`, causal by true position, packed documents kept apart.
 
-Each rank holds two pieces of c = T / 2C positions of every sequence (jaxtron/parallel/context.py):
-piece j = r and piece j = 2C-1-r, natural positions [jc, (j+1)c). Keys and values are gathered over
-`context` (grouped-query attention keeps them small: K heads against N); the gradient of the
-gather is one reduce-scatter. Chosen over a ring of `ppermute`s by the compiled 8B step at
-131,072 tokens on 8 H100s: XLA overlaps three quarters of the K/V gathers with other kernels, and
-what is left (8 GiB per GPU per step, ~30 ms of NVLink) is all a ring could hide, with C steps per
-layer and a dK/dV ring in the backward (docs/parallelism.md).
-
-Two kernels (`model.attention`):
-- xla: the mask from segment ids and natural positions, over all T keys. The reference.
-- cudnn: cuDNN's fused kernel has causal masks aligned to the top-left only and no per-row key
-  ranges, so each piece is two calls merged by their log-sum-exps:
-  D, the diagonal block: the piece against its own keys, causal, with the same-segment mask
-  as a bias [c, c]; P, the prefix: only the piece's first document can reach keys before it
-  (documents are contiguous runs, the packer's padding at a row's end one more), so its first
-  n0 rows attend to the keys from that document's start a0 up to the piece's start jc: a window
-  of the natural-order keys starting at a0, with cuDNN's padding mask (q_seqlen = n0,
-  kv_seqlen = jc - a0). The backward is cuDNN's backward
-  kernel per call, given the merged output and log-sum-exp (a part's softmax is exp(s - lse)
-  with the merged lse), which is exact.
+`xla` masks by segment ids and natural positions over all keys (the reference); `cudnn` runs each
+of a rank's two pieces as a diagonal block and a prefix window, merged by their log-sum-exps.
+docs/operations.md, "Attention over context ranks", says why a gather and not a ring.
 """
 
 from __future__ import annotations

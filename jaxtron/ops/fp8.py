@@ -1,42 +1,9 @@
 """FP8 matmuls with per-tensor scales, for Hopper's FP8 tensor cores (`model.fp8`).
 
-A projection x[..., K] @ w[K, ...] in FP8: x and w are divided by a scale, clipped and rounded to
-float8_e4m3fn (3 mantissa bits, range +-448), multiplied as FP8 with a result in the compute
-dtype (what a remat policy that keeps matmul outputs keeps: a float32 one doubled those bytes),
-and the product multiplied back by both scales in float32. In the backward the incoming
-gradient is rounded the same way to float8_e5m2 (2 mantissa bits, range +-57344: gradients need
-range more than precision) and meets the FP8 operands the forward kept, in two more FP8 matmuls.
-The master weights, the optimizer and every other op are unchanged.
-
-Scales (`scale`): amax / the format's largest value, so that the tensor's largest magnitude lands
-on the format's largest. `tensorwise` takes amax from the tensor at this step (the forward's x and
-w before their matmul, the gradient in the backward): each cast waits for a reduction over its
-own tensor. `delayed` casts with the largest amax of the same tensor over the last
-`model.fp8_history` steps (`History`, in the train state; `history_scale`) and nothing else: no
-reduction over the tensor is an input of its cast, so the matmul need not wait for one. The
-step's own amax is still taken (`observed_scale`, `observe_grad`), beside the matmul, and feeds
-only the history. A tensor larger than its history saturates at the format's largest value
-until the history catches up (TransformerEngine's delayed scaling, with its "max" rule). An
-empty history (a fresh run's first step, or `checkpoint.weights_only`) casts with scale 1, as
-TransformerEngine and Flax's fp8_ops start: the values themselves, clipped to the format's range
-(the smallest subnormals: 2^-9 in e4m3, 2^-16 in e5m2). A fallback to the tensor's own amax would
-put the reduction back in front of every cast of the one compiled program. The gradients cast
-are those of the step's summed loss, of order one per token, which scale 1 fits (the tiny
-model's step-1 gradients 9-15% from float32, tensorwise's 8-13%); under the default warm-up that
-step runs at learning rate 0 anyway. Its amaxes fill the histories, and from step 2 every cast
-is scaled by them.
-
-Observing amaxes (`observed_scale`, `observe_grad`): each projection's x, w and gradient amax
-leaves the step as the gradient of its history, with its amax in slot 0 and zeros elsewhere, so
-that the forward's and the backward's amaxes come out of one `jax.grad` with the weights'
-gradients, per layer under the scan over layers and under remat. The train step shifts the
-histories by one (`advance`) and logs the statistics (`statistics`), for `tensorwise` too (its
-histories are one slot long, not kept in the state).
-
-On a GPU, XLA compiles a `dot` of FP8 operands to an FP8 GEMM (a Triton GEMM fusion or cuBLASLt's
-FP8 matmul, whichever autotuning picks); on CPUs it runs the same rounding and multiplies in
-float32, so the numerics can be checked anywhere. The residuals the backward needs are the FP8
-operands: half the bytes of the compute dtype's.
+Operands are scaled and rounded to float8_e4m3fn (the backward's gradient to float8_e5m2),
+multiplied in FP8 and scaled back; `tensorwise` scales by this step's amax, `delayed` by the
+amax history kept in the train state (`History`), which the step's own amaxes feed.
+docs/operations.md, "FP8 matmuls", says how and why.
 """
 
 from __future__ import annotations

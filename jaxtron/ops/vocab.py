@@ -2,25 +2,9 @@
 the cross-entropy, summed over real tokens in chunks of positions so that the float32 logits
 [tokens, vocab] never exist whole.
 
-Without a mesh (one device, the reference in tests) they are plain jnp ops. Under a mesh each
-is a `custom_vjp` whose forward and backward are `shard_map`s with the collectives written out,
-so that the tables travel like every other weight (left to the compiler, the LM head was
-gathered in float32 and its gradient all-reduced whole, and the pipeline's embedding table was
-gathered over tensor too and its gradient all-reduced over every axis):
-
-- a table W[V_(tensor,stage), D_fsdp] (or the head W[D_fsdp, V_(tensor,stage)]) is cast to the
-  compute dtype and all-gathered over fsdp and stage: vocab stays split over tensor;
-- its gradient is summed on the device and leaves once: reduce-scatter over fsdp and stage,
-  all-reduce over the row axes the table is not split over (data). The LM head's per-chunk
-  products accumulate in float32 inside each GEMM and are summed over chunks in the compute dtype,
-  the dtype of the reduce-scatter after it (a float32 sum held two [D, V] float32 arrays at the
-  peak; docs/performance.md); the embedding's scatter-add sums in float32;
-- embedding: each tensor rank looks up the tokens in its vocab slice, and the rows meet by a
-  reduce-scatter over tensor that leaves x[B, T_tensor, D] sequence-split, as the layers take it;
-- loss: x is gathered over tensor and each tensor rank computes the logits of its vocab slice,
-  chunk by chunk; logsumexp and the target's logit combine over tensor ([b, chunk] values). The
-  backward recomputes each chunk's logits from the saved logsumexp; x's gradient leaves by
-  reduce-scatter over tensor.
+Under a mesh each is a `custom_vjp` of `shard_map`s with its collectives written out, so that the
+tables travel like every other weight; docs/operations.md, "The embedding and the head", lists
+them.
 """
 
 from __future__ import annotations

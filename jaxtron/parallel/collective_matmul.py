@@ -1,25 +1,9 @@
 """Tensor-parallel matmuls overlapped with their collectives (collective matmul).
 
-With sequence parallelism a block's input is split over `tensor` along the sequence,
-x[B, T_tensor, D], and its column-parallel matmuls (W_q, W_k, W_v, W_gate, W_up: output dimension
-split over `tensor`) need the whole sequence: XLA all-gathers x, then multiplies. The row-parallel
-ones (W_o, W_down: contracting dimension split) produce partial sums that XLA reduce-scatters back
-over the sequence. Each collective sits on the critical path, between two matmuls that wait for it.
-
-Here each of these becomes n = |tensor| steps inside a `shard_map` over `tensor`:
-
-    gather_matmuls:   multiply the sequence chunk in hand while a collective-permute passes it
-                      on to the neighbour and brings the next one (n-1 permutes of x/n);
-    matmul_scatter:   multiply the chunk whose partial sum is due next while the running sum
-                      travels one device on (n-1 permutes of out/n).
-
-The permutes do not depend on the matmul beside them, so XLA's latency-hiding scheduler runs them
-together (an async collective-permute started before the GEMM, finished after). The backward
-of each is the other written out (custom VJPs): the gather's input gradient a scatter ring of
-g W^T, the scatter's a gather ring of its output's gradient, each step's weight gradient summed
-on the way. The values equal the plain matmuls up to float rounding of the summation order
-(tests/test_collective_matmul.py). Only `tensor` is manual here (the pipeline's stages are
-already): data and fsdp stay with the compiler, so FSDP gathers the weights as before.
+The sequence-parallel all-gather before a column-parallel matmul (`gather_matmuls`) and the
+reduce-scatter after a row-parallel one (`matmul_scatter`) become |tensor| steps of a matmul
+beside a collective-permute, which XLA runs together; each backward is the other ring written out.
+docs/operations.md, "Collective matmul", says how.
 """
 
 from __future__ import annotations
@@ -36,12 +20,6 @@ AXIS = "tensor"
 # dot(x, w, contract) -> x's last `contract` dimensions against w's first (jnp.tensordot's), as
 # a pytree (a `Partial`): the arrays it holds (FP8 scales) enter the shard_map as its arguments
 Dot = Partial
-
-
-def applies() -> bool:
-    """True inside a mesh whose `tensor` axis has more than one device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.shape.get(AXIS, 1) > 1
 
 
 def _context() -> tuple[tuple[str, ...] | None, str | tuple[str, ...]]:

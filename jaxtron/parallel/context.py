@@ -20,12 +20,6 @@ from jaxtron.parallel import constrain
 AXIS = "context"
 
 
-def ways() -> int:
-    """How many context ranks split the sequence in the current mesh (1 outside one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
-
-
 def order(t: int, c: int) -> np.ndarray:
     """The natural position at each balanced position of a sequence of `t` over `c` ranks: rank
     r's 2t/2c positions are pieces r and 2c-1-r."""

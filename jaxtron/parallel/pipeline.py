@@ -1,31 +1,10 @@
 """Pipeline parallelism over the `stage` mesh axis, inside one SPMD program.
 
-The stacked layer weights [L, ...] are split into S stages (sharded over `stage`), each stage into
-R repeats of L/(S*R) consecutive layers. A step's batch is split into M microbatches. Every
-iteration, all S stages run at once (one stage function in a `shard_map` over `stage`: each device
-runs its own stage's layers), then the activations move one stage on (a roll over the stage-sharded
-dimension, which XLA turns into a collective permute; the last stage's output rings back to stage
-0). Item k = r*M + m (microbatch m in repeat r) is at stage s in iteration k + s, so the schedule
-takes M*R + S - 1 iterations, of which S - 1 per stage are idle: the bubble.
-
-    gpipe     R = 1: stage s holds layers [s*L/S, (s+1)*L/S). Bubble (S-1)/(M+S-1).
-    circular  R > 1 (interleaved): stage s holds the R non-adjacent groups s, S+s, 2S+s, ... and
-              a microbatch goes round the ring R times. Bubble (S-1)/(R*M+S-1); needs M >= S.
-
-Autodiff of the iteration scan gives the backward pass in reverse (all forwards, then all
-backwards), so activation memory grows with M; `pipeline.passes` bounds it by running the
-microbatches in sequential groups. The schedule lives in `_iteration` alone: a 1F1B schedule
-replaces it with an explicit backward (custom_vjp) and keeps the rest.
-
-Weights over fsdp. The stage's weights are gathered over fsdp once per pass, in the compute
-dtype, before the iteration loop (`_gathered`); their gradient is summed over the iterations in
-float32, split over fsdp (pipeline.grad_sum=sharded: a reduce-scatter per iteration) or whole on
-each fsdp device (whole: one reduce-scatter per pass, 4 bytes per stage parameter more).
-
-Storage order. A circular stage's layers are not contiguous in model order, so the stacked weights
-are kept in *stage order* (`layer_order`): stage s's groups next to each other, so that the
-reshape to [S, R, L/(S*R)] is local to each device. Checkpoints record the order; restoring under
-another layout permutes the layers back (`reorder`).
+The stacked layers are split into S stages of R repeats; M microbatches go through an iteration
+loop in which every stage runs at once and the activations move one stage on (`_iteration`).
+gpipe (R = 1) and circular (R > 1); the backward is autodiff of the loop. Weights are gathered
+over fsdp once per pass, and kept in stage order (`layer_order`, `reorder`). docs/operations.md,
+"The pipeline", has the schedule, its bubble and the storage order.
 """
 
 from __future__ import annotations
