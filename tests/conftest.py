@@ -16,6 +16,9 @@
 - Each test starts with the signal handlers pytest started with: launch.main() called in-process
   keeps its start-up handler installed (a process ends after it), which changed what a later
   test's Ctrl-C meant.
+
+Only hooks and fixtures live here: what test modules share is in helpers.py (its asserts are
+rewritten by pytest, as a test module's are).
 """
 
 import atexit
@@ -26,12 +29,12 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
+
+pytest.register_assert_rewrite("helpers")  # before a test module imports it
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -90,7 +93,8 @@ def _gpu_missing() -> str | None:
 
 # What an end-to-end test calls: a command (launch.py, a tool, in-process or as a process), the
 # training loop, or the compile of the whole step for GPUs. A test that calls one of these, or a
-# helper of its module that does (one level), is marked e2e; the rest are unit tests.
+# helper of its module or of helpers.py that does (one level), is marked e2e; the rest are unit
+# tests.
 E2E_CALLS = re.compile(r"\b(?:run_launch|launch\.main|subprocess\.(?:run|Popen)|train(?:_lib)?\.train"
                        r"|train\(|compile_step_for|compile_for|\w+_tool\.main|bench\.main)\b")
 
@@ -111,7 +115,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if module not in helpers:
             helpers[module] = {name for name, value in vars(module).items()
                                if inspect.isfunction(value) and not name.startswith("test")
-                               and value.__module__ == module.__name__
+                               and value.__module__ in (module.__name__, "helpers")
                                and _end_to_end(value, set())}
         function = getattr(item, "function", None)
         end_to_end = function is not None and _end_to_end(function, helpers[module])
@@ -150,35 +154,3 @@ def _signal_handlers_as_at_start():
     for sig, handler in _STARTING.items():
         signal.signal(sig, handler)
     yield
-
-
-# ------------------------------------------------------------- helpers the test files share
-# (imported as `from conftest import ...`: pytest puts tests/ on the path)
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "configs" / "tiny.yaml"
-QUIET = ("run.tensorboard=false", "run.progress=lines")  # no event files, a line per log step
-
-
-def tiny_config(*overrides: str, run_dir: str | Path | None = None):
-    """configs/tiny.yaml with `overrides`, quiet (QUIET) and, given one, its own run.dir."""
-    from jaxtron import config
-
-    where = (f"run.dir={run_dir}",) if run_dir is not None else ()
-    return config.load([TINY], [*QUIET, *where, *overrides])
-
-
-def run_launch(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    """`python launch.py ARGS` in the repository root, its output captured as text."""
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False, **kwargs)
-
-
-def assert_refused(status: int, err: str, *names: str, code: int = 2) -> None:
-    """A refusal as every command makes one: exit status `code` (2: bad input), one line on
-    stderr, and in it each of `names` (the key, the flag, the path, the value to use instead)
-    whatever the words around them, so that a reworded message keeps its tests."""
-    assert status == code, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    missing = [name for name in names if name.strip() not in lines[0]]
-    assert not missing, f"{missing} not named in: {lines[0]}"

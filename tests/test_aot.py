@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import assert_refused
+from helpers import TINY, assert_refused
 
 import launch
 from jaxtron import config as config_lib
@@ -26,7 +26,6 @@ from jaxtron.plan import costs
 from jaxtron.program import aot, hlo
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 GiB = 2**30
 
 
@@ -614,7 +613,7 @@ def test_a_moe_preset_as_shipped_fits_with_a_tenth_spare_and_runs_the_chosen_exp
     0.4 GiB): Mixtral 8x7B on 16 H100s peak 58.1 GiB (18% spare), matmuls 1.24x
     6 * N_active * tokens; Qwen3-30B-A3B on 8 peak 60.0 GiB (16% spare), 1.27x; both 1.00-1.01x
     what remat=full implies. The experts run as tokamax's Mosaic GPU grouped matmuls, on their
-    routed rows only: with XLA's own ragged_dot (model.moe_kernel=xla) XLA computes every expert
+    routed rows only: with XLA's own ragged_dot (model.moe.kernel=xla) XLA computes every expert
     on every token, E / k times the FLOPs."""
     report = _launch(tmp_path, config, devices, shipped=True)
     memory, counts = report["memory"], report["flops"]
@@ -645,7 +644,7 @@ def test_experts_compile_to_grouped_kernels_on_their_rows_only(tmp_path):
     """configs/tiny_moe.yaml in bf16, mesh.expert=8 on 8 H100s: the experts' matmuls are the
     Mosaic GPU grouped kernels over the ring's steps, each step's static rows 8x what a device
     works on (each pair is its one expert's), and every matmul is the policy's; with
-    model.moe_kernel=xla the same step computes every expert on every token (XLA rewrites
+    model.moe.kernel=xla the same step computes every expert on every token (XLA rewrites
     ragged_dot as a dense matmul): more than twice the experts' FLOPs on top."""
     common = ("model.dtype=bfloat16", "mesh.expert=8", "mesh.fsdp=1", "train.batch_size=8",
               "train.seq_len=256", "model.remat=full")
@@ -654,7 +653,7 @@ def test_experts_compile_to_grouped_kernels_on_their_rows_only(tmp_path):
     assert counts["matmul_per_device"] == pytest.approx(counts["expected_matmul_per_device"],
                                                         rel=0.01)
     assert counts["ragged_matmul_per_device"] * 8 == counts["ragged_matmul_bound_per_device"]
-    dense = _launch(tmp_path, "tiny_moe.yaml", 8, *common, "model.moe_kernel=xla")
+    dense = _launch(tmp_path, "tiny_moe.yaml", 8, *common, "model.moe.kernel=xla")
     assert dense["flops"]["ragged_matmul_per_device"] == 0
     extra = dense["flops"]["matmul_per_device"] - counts["matmul_per_device"]
     assert extra > 2 * counts["ragged_matmul_per_device"]
@@ -668,9 +667,9 @@ def test_float32_experts_compile_for_a_gpu_with_xla_s_grouped_matmul(tmp_path, c
     report = _launch(tmp_path, "tiny_moe.yaml", 1)
     assert report["fits"] and "mosaic_gpu_v2" not in report["kernels"]
     status = launch.main(["--config", str(ROOT / "configs" / "tiny_moe.yaml"), "--dry-run",
-                          "model.moe_kernel=mosaic"])
-    assert_refused(status, capsys.readouterr().err, "model.moe_kernel=mosaic",
-                   "model.dtype=bfloat16", "model.moe_kernel=xla")
+                          "model.moe.kernel=mosaic"])
+    assert_refused(status, capsys.readouterr().err, "model.moe.kernel=mosaic",
+                   "model.dtype=bfloat16", "model.moe.kernel=xla")
 
 
 # What an FP8 cast waits on in the optimized program. A value's flags: ABS, it derives from an

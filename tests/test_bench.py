@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 import pytest
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron.bench import benchmark
 from jaxtron.commands import bench, bench_data

@@ -10,7 +10,7 @@ from pathlib import Path
 import grain
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxtron import data as data_lib
 from jaxtron.checkpoint import Checkpoints, CheckpointSaveError
@@ -339,21 +339,21 @@ def test_what_a_resume_may_change_of_the_model():
     mlp_dim's); implementation choices and the objective's knobs never."""
     from jaxtron.checkpoint.weights import model_changes
 
-    moe = ("model.num_experts=4", "model.experts_per_token=2")
+    moe = ("model.moe.num_experts=4", "model.moe.experts_per_token=2")
     saved = _saved(*moe)
     changes = lambda *o, resume=True: model_changes(saved, tiny_config(*moe, *o).model, resume)
-    assert changes("model.experts_per_token=1") == ["model.experts_per_token=2 -> 1"]
-    assert changes("model.experts_per_token=1", resume=False) == []  # a new run from it may
-    assert changes("model.norm_topk_prob=false", "model.rope_theta=1e6") == [
-        "model.rope_theta=10000.0 -> 1000000.0", "model.norm_topk_prob=true -> false"]
+    assert changes("model.moe.experts_per_token=1") == ["model.moe.experts_per_token=2 -> 1"]
+    assert changes("model.moe.experts_per_token=1", resume=False) == []  # a new run from it may
+    assert changes("model.moe.norm_topk_prob=false", "model.rope_theta=1e6") == [
+        "model.rope_theta=10000.0 -> 1000000.0", "model.moe.norm_topk_prob=true -> false"]
     assert changes("model.qk_norm=true", resume=False) == ["model.qk_norm=false -> true"]
-    assert changes("model.num_experts=8", resume=False) == ["model.num_experts=4 -> 8"]
-    assert changes("model.moe_mlp_dim=512", resume=False) == ["model.moe_mlp_dim=0 -> 512"]
-    assert changes("model.moe_mlp_dim=768") == []  # tiny's mlp_dim: the same experts
-    assert changes("model.moe_kernel=xla", "model.capacity_factor=1.25", "model.moe_aux_coef=0.1",
-                   "model.moe_z_coef=0.01", "model.dtype=bfloat16", "model.remat=full",
+    assert changes("model.moe.num_experts=8", resume=False) == ["model.moe.num_experts=4 -> 8"]
+    assert changes("model.moe.mlp_dim=512", resume=False) == ["model.moe.mlp_dim=0 -> 512"]
+    assert changes("model.moe.mlp_dim=768") == []  # tiny's mlp_dim: the same experts
+    assert changes("model.moe.kernel=xla", "model.moe.capacity_factor=1.25", "model.moe.aux_coef=0.1",
+                   "model.moe.z_coef=0.01", "model.dtype=bfloat16", "model.remat=full",
                    "model.scan_layers=false", "model.fp8=tensorwise", "model.init_std=0.01") == []
     dense = _saved()  # no router: top-k and the experts' width mean nothing
-    assert model_changes(dense, tiny_config("model.experts_per_token=1",
-                                            "model.moe_mlp_dim=64").model, True) == []
-    assert model_changes(dense, tiny_config(*moe).model, True) == ["model.num_experts=0 -> 4"]
+    assert model_changes(dense, tiny_config("model.moe.experts_per_token=1",
+                                            "model.moe.mlp_dim=64").model, True) == []
+    assert model_changes(dense, tiny_config(*moe).model, True) == ["model.moe.num_experts=0 -> 4"]

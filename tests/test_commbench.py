@@ -22,9 +22,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "commbench.py"
 ROW = re.compile(r"^(\w+)\s+(\w+)\s+(\d+)\s+(\d+)\s+([\d.]+ [KMG]?i?B)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
 
 
-
-
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron.commands import commbench as cb
 
@@ -147,7 +145,6 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 def test_a_count_out_of_range_is_named(capsys, args, message):
     assert_refused(cb.main(["mesh.fsdp=8", *args]), capsys.readouterr().err, "commbench.py: error:",
                    message)
-
 
 
 @pytest.mark.parametrize("flag, name, message", [

@@ -274,3 +274,39 @@ def test_a_bad_value_in_a_mixture_item_names_the_item(mixture, said):
     Float", naming neither the list nor the item."""
     with pytest.raises(config.ConfigError, match=f"^{re.escape(said)}$"):
         config.load([], ["data.source=arrayrecord", f"data.mixture={mixture}"])
+
+
+# The experts' keys before model.moe held them, as a checkpoint's or an import's config has them.
+FLAT_EXPERTS = {"num_experts": 8, "experts_per_token": 2, "moe_mlp_dim": 192,
+                "norm_topk_prob": False, "capacity_factor": 1.5, "moe_aux_coef": 0.02,
+                "moe_z_coef": 0.001, "moe_kernel": "xla"}
+
+
+@pytest.mark.parametrize("old", sorted(config.FLAT_MOE))
+def test_an_experts_key_of_before_the_section_is_refused_naming_its_new_one(old):
+    with pytest.raises(config.ConfigError) as refused:
+        config.load(["configs/tiny.yaml"], [f"model.{old}=1"])
+    assert str(refused.value) == f"'model.{old}' is 'model.moe.{config.FLAT_MOE[old]}' now"
+
+
+def test_a_stored_config_of_before_the_section_is_read_into_it():
+    """A checkpoint's meta of before model.moe: its run config (config_of), the model it is
+    compared with on resume (model_changes) and inspect-ckpt's model line read the experts."""
+    import yaml
+
+    from jaxtron.checkpoint import weights
+    from jaxtron.commands.inspect_ckpt import model_summary
+
+    tree = yaml.safe_load(config.to_yaml(config.load(["configs/tiny.yaml"])))
+    tree["model"] = {**{k: v for k, v in tree["model"].items() if k != "moe"}, **FLAT_EXPERTS}
+    meta = {"config": yaml.safe_dump(tree)}
+    want = config.MoEConfig(num_experts=8, experts_per_token=2, mlp_dim=192,
+                            norm_topk_prob=False, capacity_factor=1.5, aux_coef=0.02,
+                            z_coef=0.001, kernel="xla")
+    assert weights.config_of(meta).model.moe == want
+    assert config.model_config(tree["model"]).moe == want
+    now = config.load(["configs/tiny_moe.yaml"], ["model.moe.mlp_dim=192"]).model
+    assert weights.model_changes(meta, now, resume=True) == [
+        "model.mlp_dim=768 -> 384", "model.moe.norm_topk_prob=false -> true"]
+    assert "moe.num_experts=8, moe.experts_per_token=2, moe.mlp_dim=192" in model_summary(
+        meta["config"])

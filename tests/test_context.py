@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_refused, run_launch, tiny_config
+from helpers import assert_refused, run_launch, tiny_config
 
 from jaxtron import parallel
 from jaxtron.config import ConfigError, MeshConfig

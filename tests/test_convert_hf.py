@@ -20,8 +20,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from test_hf_parity import CASES, LLAMA3_ROPE, TOL, _case, _hf, _inputs
-from test_tokenizer import LLAMA3, build_bpe, ids_of
+from helpers import (
+    HF_CASES,
+    HF_TOL,
+    LLAMA3,
+    LLAMA3_ROPE,
+    assert_refused,
+    build_bpe,
+    hf_case,
+    hf_inputs,
+    hf_logits,
+    ids_of,
+)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -42,7 +52,6 @@ from jaxtron.step import state as state_lib
 from jaxtron.step.optim import make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
-from conftest import assert_refused
 
 from jaxtron.commands import convert_hf
 
@@ -58,8 +67,8 @@ def _convert(*args) -> int:
 
 
 def _save(name: str, path: Path, dtype=torch.float32, **kwargs) -> torch.nn.Module:
-    """The tiny random model of CASES[name], saved by transformers (sharded by default)."""
-    model = _case(name)[0]
+    """The tiny random model of HF_CASES[name], saved by transformers (sharded by default)."""
+    model = hf_case(name)[0]
     copy = AutoModelForCausalLM.from_config(model.config).eval()
     copy.load_state_dict(model.state_dict())
     copy.to(dtype).save_pretrained(path, **{"max_shard_size": "100KB", **kwargs})
@@ -75,7 +84,7 @@ def _assert_same_tensors(a: Path, b: Path) -> None:
         np.testing.assert_array_equal(left[name], right[name], err_msg=name)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(HF_CASES))
 def test_import_then_export_gives_the_same_tensors_and_logits(tmp_path, name):
     """float32, sharded with an index: the exported directory has the original's exact tensors,
     loads in transformers with nothing missing or unexpected, and gives the original's logits."""
@@ -87,8 +96,9 @@ def test_import_then_export_gives_the_same_tensors_and_logits(tmp_path, name):
     back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert type(back).__name__ == type(original).__name__
-    tokens, positions, _ = _inputs(CASES[name][2])
-    assert np.abs(_hf(back.eval(), tokens, positions) - _hf(original, tokens, positions)).max() < TOL
+    tokens, positions, _ = hf_inputs(HF_CASES[name][2])
+    assert np.abs(hf_logits(back.eval(), tokens, positions)
+                  - hf_logits(original, tokens, positions)).max() < HF_TOL
 
 
 def test_bfloat16_weights_go_through_bit_exact(tmp_path):
@@ -175,8 +185,8 @@ def test_a_pipeline_run_exports_to_transformers_and_fine_tunes_back_on_another_m
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 32))
-    theirs = _hf(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
-    assert np.abs(hf.logits(cfg.model, params, tokens) - theirs).max() < TOL
+    theirs = hf_logits(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
+    assert np.abs(hf.logits(cfg.model, params, tokens) - theirs).max() < HF_TOL
     run_tokenizer = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)
     assert tokenizer_lib.from_path(tmp_path / "hf").sha256 == run_tokenizer.sha256
 
@@ -241,7 +251,7 @@ def test_importing_a_jaxtron_run_says_to_export_it(pipeline_run, tmp_path, capsy
 
 
 def test_pickled_weights_need_allow_pickle(tmp_path, capsys):
-    model = _case("llama3")[0]
+    model = hf_case("llama3")[0]
     model.config.save_pretrained(tmp_path / "hf")
     torch.save(model.state_dict(), tmp_path / "hf" / "pytorch_model.bin")  # the older layout
     err = _one_line(capsys, 2, "import", tmp_path / "hf", tmp_path / "imp")
@@ -634,7 +644,6 @@ v1.partial.save = _slow_save
 """
 
 
-
 @pytest.mark.parametrize("sig, existed", [(signal.SIGINT, False), (signal.SIGTERM, False),
                                           (signal.SIGINT, True)])
 def test_a_stopped_import_is_one_line_and_leaves_no_output(tmp_path, sig, existed):
@@ -796,10 +805,11 @@ def test_a_windowed_mixtral_keeps_its_window_and_round_trips_through_transformer
     windowed.save_pretrained(tmp_path / "hf")
     full = MixtralForCausalLM(MixtralConfig(**tiny, sliding_window=None)).eval()
     full.load_state_dict(windowed.state_dict())
-    tokens, positions, _ = _inputs(24)
+    tokens, positions, _ = hf_inputs(24)
     tokens %= 128
-    want = _hf(windowed, tokens, positions)
-    assert np.abs(_hf(full, tokens, positions) - want).max() > 100 * TOL  # the window matters
+    want = hf_logits(windowed, tokens, positions)
+    # the window matters
+    assert np.abs(hf_logits(full, tokens, positions) - want).max() > 100 * HF_TOL
 
     assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
     preset = weights.config_of({"config": (tmp_path / "imp" / "config.yaml").read_text()})
@@ -807,23 +817,23 @@ def test_a_windowed_mixtral_keeps_its_window_and_round_trips_through_transformer
     cfg, params = weights.read_params(tmp_path / "imp")
     with pytest.raises(ConfigError, match="24 tokens exceed the model's attention window of 16"):
         hf.logits(cfg.model, params, tokens)
-    assert np.abs(hf.logits(cfg.model, params, tokens[:, :16]) - want[:, :16]).max() < TOL
+    assert np.abs(hf.logits(cfg.model, params, tokens[:, :16]) - want[:, :16]).max() < HF_TOL
 
     assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 16
     _assert_same_tensors(tmp_path / "hf", tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
-    assert np.abs(_hf(back.eval(), tokens, positions) - want).max() < TOL
+    assert np.abs(hf_logits(back.eval(), tokens, positions) - want).max() < HF_TOL
 
 
 MOE_RUN = ["model.num_layers=2", "model.d_model=32", "model.num_heads=4", "model.num_kv_heads=2",
-           "model.mlp_dim=48", "model.moe_mlp_dim=24", "model.num_experts=4",
-           "model.experts_per_token=2", "model.init_std=0.3", "train.steps=1"]
+           "model.mlp_dim=48", "model.moe.mlp_dim=24", "model.moe.num_experts=4",
+           "model.moe.experts_per_token=2", "model.init_std=0.3", "train.steps=1"]
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_experts_narrower_than_mlp_dim_export_to_transformers_and_back(tmp_path, family):
-    """A run whose experts (model.moe_mlp_dim=24) are narrower than model.mlp_dim=48 was written
+    """A run whose experts (model.moe.mlp_dim=24) are narrower than model.mlp_dim=48 was written
     with intermediate_size=48, which transformers' Mixtral refused (size mismatch), as did the
     import back. Mixtral's config.json now gives its experts' width as intermediate_size,
     Qwen3-MoE's as moe_intermediate_size: transformers loads every tensor and computes our
@@ -843,10 +853,10 @@ def test_experts_narrower_than_mlp_dim_export_to_transformers_and_back(tmp_path,
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert type(model).__name__ == hf.ARCHITECTURES[family]
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 32))
-    theirs = _hf(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
+    theirs = hf_logits(model.eval(), tokens, np.tile(np.arange(32), (2, 1)))
     diff = np.abs(hf.logits(cfg.model, params, tokens) - theirs).max()
     print(f"{family}: max |logit diff| {diff:.1e}, logits up to {np.abs(theirs).max():.1f}")
-    assert diff < TOL and np.abs(theirs).max() > 1
+    assert diff < HF_TOL and np.abs(theirs).max() > 1
 
     text = "def f(x):\n    return x  # é\n"
     ours = prepared.dataset_tokenizer(cfg.data, cfg.model.vocab_size)
@@ -855,7 +865,7 @@ def test_experts_narrower_than_mlp_dim_export_to_transformers_and_back(tmp_path,
 
     assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
     again, back = weights.read_params(tmp_path / "imp")
-    assert (again.model.num_experts, again.model.moe_mlp_dim or again.model.mlp_dim) == (4, 24)
+    assert (again.model.moe.num_experts, again.model.moe.mlp_dim or again.model.mlp_dim) == (4, 24)
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         np.testing.assert_array_equal(got, want)
 

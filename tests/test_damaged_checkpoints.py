@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_refused
+from helpers import assert_refused
 
 import launch
 from jaxtron import config

@@ -13,9 +13,7 @@ from pathlib import Path
 import grain
 import numpy as np
 import pytest
-import sentencepiece as spm
-from array_record.python.array_record_module import ArrayRecordWriter
-from conftest import assert_refused
+from helpers import assert_refused, random_docs, write_dataset
 
 from jaxtron import data as data_lib
 from jaxtron.config import ConfigError, DataConfig, DatasetEntry, ModelConfig, TrainConfig
@@ -239,37 +237,6 @@ def _take(it, n: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------- prepared datasets (fixtures)
-def write_dataset(root: Path, splits: dict[str, list], tokenizer: Path, dtype: str = "uint16",
-                  shards: int = 2) -> str:
-    """A dataset laid out as docs/data_format.md says tools/prepare_data.py writes it."""
-    root.mkdir(parents=True)
-    shutil.copy(tokenizer, root / "tokenizer.model")
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    described = {}
-    for split, docs in splits.items():
-        names = [f"{split}-00000-{part:05d}.arrayrecord" for part in range(shards if docs else 0)]
-        for part, name in enumerate(names):
-            writer = ArrayRecordWriter(str(root / name), "group_size:1")
-            for doc in docs[part::shards]:
-                writer.write(np.asarray(doc, np.dtype(dtype).newbyteorder("<")).tobytes())
-            writer.close()
-        described[split] = {"shards": names, "documents": len(docs),
-                            "tokens": int(sum(len(d) for d in docs))}
-    tok = {"file": "tokenizer.model", "sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
-           "vocab_size": sp.get_piece_size(), "bos_id": sp.bos_id(), "eos_id": sp.eos_id()}
-    manifest = {"format": "jaxtron.tokens.v1", "tokenizer": tok, "dtype": dtype,
-                "val_fraction": 0.01, "splits": described, "sources": [],
-                "bad_input": {"count": 0, "examples": []}}
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return str(root)
-
-
-def _docs(seed: int, n: int, max_len: int, low: int, high: int) -> list[np.ndarray]:
-    """Random documents with tokens in [low, high): the range tells which dataset/split it is."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(low, high, rng.integers(1, max_len)).astype(np.int32) for _ in range(n)]
-
-
 A_TRAIN, A_VAL, B_TRAIN, B_VAL = (10, 4000), (4000, 4096), (4096, 8000), (8000, 8192)
 
 
@@ -278,9 +245,9 @@ def datasets(cfg, sp, tmp_path_factory) -> dict:
     """a: short docs (uint16); b: long docs (int32 records); c: no val split."""
     (model,) = corpus_lib.cache_dir(cfg).glob("tokenizer-*.model")
     root = tmp_path_factory.mktemp("datasets")
-    a = {"train": _docs(0, 600, 300, *A_TRAIN), "val": _docs(1, 30, 300, *A_VAL)}
-    b = {"train": _docs(2, 300, 1500, *B_TRAIN), "val": _docs(3, 10, 1500, *B_VAL)}
-    c = {"train": _docs(4, 50, 300, *A_TRAIN), "val": []}
+    a = {"train": random_docs(0, 600, 300, *A_TRAIN), "val": random_docs(1, 30, 300, *A_VAL)}
+    b = {"train": random_docs(2, 300, 1500, *B_TRAIN), "val": random_docs(3, 10, 1500, *B_VAL)}
+    c = {"train": random_docs(4, 50, 300, *A_TRAIN), "val": []}
     return {"a": write_dataset(root / "a", a, model), "b": write_dataset(root / "b", b, model,
             "int32", shards=3), "c": write_dataset(root / "c", c, model), "model": str(model),
             "docs": {"a": a, "b": b}}

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_refused
-from test_multiprocess import _env, _free_port
+from helpers import assert_refused, free_port, multiprocess_env
 
 import launch
 from jaxtron import config as config_lib
@@ -396,9 +395,9 @@ def test_two_processes_merge_their_problems(tmp_path):
     """Two real processes joined at a coordinator (4 CPU devices each): process 1 alone has
     CUDA_LAUNCH_BLOCKING set and a run.dir process 0 never wrote to (as on a host-local disk);
     process 0 prints both, naming process 1, and both stop with status 2."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for i in range(2):
-        env = _env() | ({"CUDA_LAUNCH_BLOCKING": "1"} if i else {})
+        env = multiprocess_env() | ({"CUDA_LAUNCH_BLOCKING": "1"} if i else {})
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "tools" / "doctor.py"), "--strict", "--coordinator",
              f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxtron import config
-from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.config import ConfigError, ModelConfig, MoEConfig
 from jaxtron.hf import mapping
 from jaxtron.model import decoder, families
 
@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
                     mlp_dim=24, dtype="float32")
 # the settings that make each family, from a config without the key
+EXPERTS = MoEConfig(num_experts=4)
 MADE_BY = {"llama": {}, "mistral": {"sliding_window": 32}, "qwen2": {"qkv_bias": True},
-           "qwen3": {"qk_norm": True}, "mixtral": {"num_experts": 4},
-           "qwen3_moe": {"num_experts": 4, "qk_norm": True}}
+           "qwen3": {"qk_norm": True}, "mixtral": {"moe": EXPERTS},
+           "qwen3_moe": {"moe": EXPERTS, "qk_norm": True}}
 
 
 def test_every_family_is_made_by_its_settings_and_builds_its_module():
@@ -32,14 +33,14 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
         model = families.build(named, nnx.Rngs(0))
         assert type(model) is decoder.Transformer and model.cfg == named
         experts = hasattr(model.layers.mlp, "router")
-        assert experts == bool(settings.get("num_experts")), name
+        assert experts == ("moe" in settings), name
 
 
 @pytest.mark.parametrize("family, settings, needs", [
     ("qwen2", {}, "model.qkv_bias=true"),
     ("llama", {"qk_norm": True}, "model.qk_norm=false"),
-    ("mixtral", {}, "model.num_experts > 0"),
-    ("qwen3", {"num_experts": 4, "qk_norm": True}, "model.num_experts=0"),
+    ("mixtral", {}, "model.moe.num_experts > 0"),
+    ("qwen3", {"moe": EXPERTS, "qk_norm": True}, "model.moe.num_experts=0"),
 ])
 def test_a_family_without_its_settings_is_refused_in_one_line(family, settings, needs):
     cfg = dataclasses.replace(SMALL, family=family, **settings)

@@ -5,19 +5,19 @@ compose with, passes."""
 import itertools
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxtron.config import ConfigError
 from jaxtron.parallel import features
 
 # what turns each feature on, as config overrides and mesh sizes
 ON = {"pipeline": ((), {"stage": 2}), "context": ((), {"context": 2}),
-      "experts": (("model.num_experts=4",), {}), "fp8_delayed": (("model.fp8=delayed",), {})}
+      "experts": (("model.moe.num_experts=4",), {}), "fp8_delayed": (("model.fp8=delayed",), {})}
 # the pairs that do not run today (a row removed from the table without the code to back it
 # fails here)
 REFUSED = [("context", "experts"), ("fp8_delayed", "pipeline"), ("pipeline", "experts")]
 SETTING = {"pipeline": "mesh.stage=2", "context": "mesh.context=2",
-           "experts": "model.num_experts=4", "fp8_delayed": "model.fp8=delayed"}
+           "experts": "model.moe.num_experts=4", "fp8_delayed": "model.fp8=delayed"}
 
 
 def _run_with(*names: str):

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import initial_gradients, tiny_config
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
-from test_parallel import _gradients
 
 from jaxtron import config, data, model, parallel
 from jaxtron.checkpoint import weights
@@ -167,7 +166,8 @@ def _assert_close(got, want):
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    return _gradients(tmp_path_factory.mktemp("fp8_one"), jax.devices()[:1], {"fsdp": 1}, FP8)
+    return initial_gradients(tmp_path_factory.mktemp("fp8_one"), jax.devices()[:1], {"fsdp": 1},
+                             FP8)
 
 
 @pytest.mark.parametrize("mesh,extra", [
@@ -175,7 +175,7 @@ def one_device(tmp_path_factory):
     ({"data": 2, "fsdp": 2, "tensor": 2}, ("model.collective_matmul=false",)),
 ], ids=["fsdp=8", "data=2,fsdp=2,tensor=2,plain"])
 def test_fp8_on_a_mesh_is_fp8_on_one_device(tmp_path, one_device, mesh, extra):
-    _assert_close(_gradients(tmp_path, jax.devices(), mesh, FP8, *extra), one_device)
+    _assert_close(initial_gradients(tmp_path, jax.devices(), mesh, FP8, *extra), one_device)
 
 
 @pytest.mark.parametrize("mesh,microbatches", [
@@ -186,18 +186,19 @@ def test_fp8_with_microbatches_on_a_mesh_is_fp8_on_one_device(tmp_path, mesh, mi
     """A pipeline and gradient accumulation both scale per microbatch: one device with the same
     microbatches is their reference."""
     micro = f"train.microbatches={microbatches}"
-    want = _gradients(tmp_path / "one", jax.devices()[:1], {"fsdp": 1}, FP8, micro)
-    _assert_close(_gradients(tmp_path / "mesh", jax.devices(), mesh, FP8, micro), want)
+    want = initial_gradients(tmp_path / "one", jax.devices()[:1], {"fsdp": 1}, FP8, micro)
+    _assert_close(initial_gradients(tmp_path / "mesh", jax.devices(), mesh, FP8, micro), want)
 
 
 def test_collective_fp8_on_a_mesh_computes_the_one_device_forward(tmp_path, one_device):
-    loss, _ = _gradients(tmp_path, jax.devices(), {"tensor": 2, "fsdp": 4}, FP8)
+    loss, _ = initial_gradients(tmp_path, jax.devices(), {"tensor": 2, "fsdp": 4}, FP8)
     np.testing.assert_allclose(loss, one_device[0], rtol=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("remat", ["save_dots", "save_qkv_out", "full"])
 def test_every_remat_policy_gives_the_same_fp8_gradients(tmp_path, one_device, remat):
-    loss, grads = _gradients(tmp_path, jax.devices()[:1], {"fsdp": 1}, FP8, f"model.remat={remat}")
+    loss, grads = initial_gradients(tmp_path, jax.devices()[:1], {"fsdp": 1}, FP8,
+                                    f"model.remat={remat}")
     assert loss == one_device[0]
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(one_device[1])):
         np.testing.assert_array_equal(g, w)

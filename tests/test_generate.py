@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_refused
 from flax import nnx
+from helpers import assert_refused
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -218,8 +218,6 @@ def test_cli_prints_transformers_greedy_ids(case):
     assert done.returncode == 0, done.stderr
     ids = [int(i) for i in done.stdout.strip().split(",")]
     assert ids == _hf_greedy(model, prompt, 20, eos=model.generation_config.eos_token_id)
-
-
 
 
 @pytest.fixture(scope="module")

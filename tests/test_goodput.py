@@ -12,47 +12,22 @@ attempt's account, logged at a step the second one redoes).
 import json
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from tensorboardX.proto import event_pb2
-from test_preemption import _run_until, _saved_steps
+from helpers import SMALL, run_until, saved_steps, tensorboard_scalars
 
 from jaxtron import config
 from jaxtron.train import goodput
 from jaxtron.train.loop import train
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["model.num_layers=2", "model.d_model=64", "model.num_heads=2", "model.num_kv_heads=1",
-         "model.mlp_dim=128", "train.seq_len=32", "train.batch_size=8", "train.log_every=1",
-         "optim.warmup_steps=1", "run.progress=lines"]
 TOLERANCE = 0.02
 SLACK_S = 0.2  # the test's own clock also runs over the exit's writes, after the account is taken
 STEPS = 24  # a stop that lands a few steps late still stops before the end
-
-
-def _tensorboard(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] as TensorBoard shows run_dir/tensorboard: every event file, oldest
-    first, where a SessionLog.START at step s (a resumed attempt's purge_step) hides what was
-    logged before it at steps >= s (TFRecord framing: length u64, its crc u32, the Event, its crc
-    u32)."""
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
-        data, at = path.read_bytes(), 0
-        while at < len(data):
-            (size,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + size])
-            at += 12 + size + 4
-            if event.session_log.status == event_pb2.SessionLog.START:
-                scalars = {tag: [(s, v) for s, v in points if s < event.step]
-                           for tag, points in scalars.items()}
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars
 
 
 def test_parts_add_up_to_the_wall_time(tmp_path, capsys):
@@ -80,7 +55,7 @@ def test_parts_add_up_to_the_wall_time(tmp_path, capsys):
     assert summary["redone_s"] == 0 and summary["attempts"] == 1
     out = capsys.readouterr().out
     assert f"goodput {100 * summary['goodput']:.1f}%" in out and "in 1 attempt " in out
-    board = _tensorboard(run_dir)
+    board = tensorboard_scalars(run_dir)
     for key in ("goodput", "wall_s", "step_s", "compile_s", "startup_s", "eval_s", "other_s"):
         assert board[f"goodput/{key}"] == [(6, pytest.approx(summary[key], rel=1e-6))], key
 
@@ -92,8 +67,8 @@ def _launch(run_dir: Path) -> list[str]:
 
 def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
     run_dir = tmp_path / "run"
-    assert _run_until(_launch(run_dir), run_dir, 4, signal.SIGTERM) == 75
-    *_, resumed, stopped = _saved_steps(run_dir)  # the step SIGTERM stopped at, saved
+    assert run_until(_launch(run_dir), run_dir, 4, signal.SIGTERM) == 75
+    *_, resumed, stopped = saved_steps(run_dir)  # the step SIGTERM stopped at, saved
     assert stopped >= 4 and resumed % 3 == 0 and resumed < stopped
     shutil.rmtree(run_dir / "checkpoints" / str(stopped))  # its save is lost: resume before it
     proc = subprocess.run(_launch(run_dir), cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -121,7 +96,7 @@ def test_preempted_then_resumed_run_accounts_both_attempts(tmp_path):
     assert parts == pytest.approx(summary["wall_s"])
 
     assert "in 2 attempts" in proc.stdout and f"{stopped - resumed} steps)" in proc.stdout
-    board = _tensorboard(run_dir)  # the first attempt's account, at a redone step, is hidden
+    board = tensorboard_scalars(run_dir)  # the first attempt's account, at a redone step, is hidden
     assert board["goodput/attempts"] == [(STEPS, 2.0)]
     assert board["goodput/redone_steps"] == [(STEPS, float(stopped - resumed))]
     assert board["goodput/goodput"][-1] == (STEPS, pytest.approx(summary["goodput"], rel=1e-6))
@@ -150,7 +125,7 @@ def test_killed_then_resumed_run_accounts_both_attempts(tmp_path):
         assert proc.wait(timeout=60) == -signal.SIGKILL
     (killed,) = json.loads((run_dir / goodput.FILE).read_text())
     assert killed["outcome"] == "running" and killed["last_step"] >= 6
-    for step in _saved_steps(run_dir):
+    for step in saved_steps(run_dir):
         if step > 4:
             shutil.rmtree(run_dir / "checkpoints" / str(step))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)

@@ -446,10 +446,10 @@ MOE_OVERRIDES = ["model.dtype=bfloat16", "model.attention=xla", "mesh.fsdp=1",
 
 def moe_gradients(kernel: str, device) -> tuple[float, dict]:
     """(loss, gradient) of configs/tiny_moe.yaml in bf16 at its initial weights on step_batch
-    (padding on every other row: unrouted pairs past the groups) with model.moe_kernel=kernel,
+    (padding on every other row: unrouted pairs past the groups) with model.moe.kernel=kernel,
     on one `device`."""
     cfg = config.load([ROOT / "configs" / "tiny_moe.yaml"], [*MOE_OVERRIDES,
-                                                             f"model.moe_kernel={kernel}"])
+                                                             f"model.moe.kernel={kernel}"])
     state = start_state(cfg)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, 1)

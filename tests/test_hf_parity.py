@@ -9,7 +9,6 @@ llama2 1.0e-5 / 5.7e-6, llama3 1.5e-5 / 1.2e-5, qwen2 8.0e-6 / 5.5e-6, mistral 1
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,67 +16,12 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from helpers import HF_CASES, HF_TINY, HF_TOL, hf_case, hf_inputs, hf_logits
 
 from jaxtron import config, hf
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.hf import mapping as hf_mapping
 from jaxtron.model import abstract_model
-
-# Max |logit difference| allowed. Both sides compute in float32 with logits of size ~5-10; the
-# measured gaps are ~1e-5 (float32 summation order), while a real bug (wrong RoPE scaling, a
-# swapped norm) moves logits by ~1e-1 or more.
-TOL = 1e-4
-
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            rms_norm_eps=1e-5, attn_implementation="eager")
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-               "rope_theta": 10000.0}
-# name: (HF classes, config overrides, sequence length)
-CASES = {
-    "llama2": (LlamaConfig, LlamaForCausalLM, 24, dict(
-        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    # head_dim 16 (not hidden/heads = 8) puts one RoPE wavelength (~20) inside the llama3 smoothing
-    # band (8..32) and makes q_proj [128, 64]; T=64 > 32 so the frequency scaling changes logits.
-    "llama3": (LlamaConfig, LlamaForCausalLM, 64, dict(
-        num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-        rope_parameters=LLAMA3_ROPE)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, 24, dict(
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    # MistralConfig defaults to sliding_window=4096, which the converter refuses; Mistral v0.2+
-    # checkpoints set it to null. rope_theta 1e6 as they do: the other cases all use the 1e4
-    # default, so only this one sees a rope_theta that the converter failed to carry over.
-    "mistral": (MistralConfig, MistralForCausalLM, 24, dict(
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-}
-
-
-@functools.cache
-def _case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
-    """HF model with random weights, our config, the HF tensors and our converted params."""
-    config_cls, model_cls, _, overrides = CASES[name]
-    torch.manual_seed(0)
-    hf_model = model_cls(config_cls(**TINY, **overrides)).eval()
-    with torch.no_grad():
-        for pname, p in hf_model.named_parameters():  # tied weights are listed once
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    hf_tensors = {k: v.numpy() for k, v in hf_model.state_dict().items()}
-    overrides = hf_mapping.config_from_hf(hf_model.config.to_dict())
-    cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
-    return hf_model, cfg, hf_tensors, hf_mapping.hf_to_params(hf_tensors, cfg)
 
 
 def _ours(cfg: ModelConfig, params: dict, tokens, positions, segment_ids) -> np.ndarray:
@@ -87,60 +31,50 @@ def _ours(cfg: ModelConfig, params: dict, tokens, positions, segment_ids) -> np.
     return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids)))
 
 
-def _hf(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """HF logits for one unpacked batch."""
-    with torch.no_grad():
-        out = model(input_ids=torch.from_numpy(tokens).long(),
-                    position_ids=torch.from_numpy(positions).long())
-    return out.logits.numpy()
-
-
-def _inputs(seq_len: int, batch: int = 2, seed: int = 0):
-    tokens = np.random.default_rng(seed).integers(0, TINY["vocab_size"], (batch, seq_len), np.int32)
-    positions = np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1))
-    return tokens, positions, np.ones_like(tokens)
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(HF_CASES))
 def test_logits_match_hf(name):
-    hf_model, cfg, _, params = _case(name)
-    tokens, positions, segment_ids = _inputs(CASES[name][2])
-    ref = _hf(hf_model, tokens, positions)
+    hf_model, cfg, _, params = hf_case(name)
+    tokens, positions, segment_ids = hf_inputs(HF_CASES[name][2])
+    ref = hf_logits(hf_model, tokens, positions)
     ours = _ours(cfg, params, tokens, positions, segment_ids)
     diff = np.abs(ours - ref).max()
     print(f"{name}: max |logit diff| {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
-    assert diff < TOL, f"{name}: logits differ from transformers by {diff:.2e} (tolerance {TOL})"
+    assert diff < HF_TOL, (f"{name}: logits differ from transformers by {diff:.2e} "
+                           f"(tolerance {HF_TOL})")
 
 
 def test_llama3_rope_scaling_matters():
-    """Without the llama3 frequency scaling the same weights must miss HF by far more than TOL."""
-    hf_model, cfg, _, params = _case("llama3")
-    tokens, positions, segment_ids = _inputs(CASES["llama3"][2])
+    """Without the llama3 frequency scaling the same weights must miss HF by far more than
+    HF_TOL."""
+    hf_model, cfg, _, params = hf_case("llama3")
+    tokens, positions, segment_ids = hf_inputs(HF_CASES["llama3"][2])
     unscaled = dataclasses.replace(cfg, rope_scaling_factor=0.0)
     diff = np.abs(_ours(unscaled, params, tokens, positions, segment_ids)
-                  - _hf(hf_model, tokens, positions)).max()
-    assert diff > 100 * TOL, f"rope scaling moved logits by only {diff:.2e}: the case tests nothing"
+                  - hf_logits(hf_model, tokens, positions)).max()
+    assert diff > 100 * HF_TOL, (f"rope scaling moved logits by only {diff:.2e}: the case tests "
+                                 "nothing")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(HF_CASES))
 def test_packed_documents_match_hf_alone(name):
     """Two documents packed in one row (segments 1, 2; positions restart) = each run alone in HF."""
-    hf_model, cfg, _, params = _case(name)
-    lengths = (CASES[name][2] * 5 // 8, CASES[name][2] * 3 // 8)
-    docs = [_inputs(n, batch=1, seed=i + 1)[0] for i, n in enumerate(lengths)]
+    hf_model, cfg, _, params = hf_case(name)
+    lengths = (HF_CASES[name][2] * 5 // 8, HF_CASES[name][2] * 3 // 8)
+    docs = [hf_inputs(n, batch=1, seed=i + 1)[0] for i, n in enumerate(lengths)]
     tokens = np.concatenate(docs, axis=1)
     positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])[None]
     segment_ids = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(lengths)])[None]
     ours = _ours(cfg, params, tokens, positions, segment_ids)
-    ref = np.concatenate([_hf(hf_model, d, np.arange(d.shape[1])[None]) for d in docs], axis=1)
+    ref = np.concatenate([hf_logits(hf_model, d, np.arange(d.shape[1])[None]) for d in docs],
+                         axis=1)
     diff = np.abs(ours - ref).max()
     print(f"{name} packed: max |logit diff| {diff:.2e}")
-    assert diff < TOL, f"{name}: packed logits differ from per-document HF by {diff:.2e}"
+    assert diff < HF_TOL, f"{name}: packed logits differ from per-document HF by {diff:.2e}"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(HF_CASES))
 def test_round_trip_is_exact(name):
-    _, cfg, hf_tensors, params = _case(name)
+    _, cfg, hf_tensors, params = hf_case(name)
     back = hf_mapping.params_to_hf(params, cfg)
     if cfg.tie_embeddings:  # HF's state dict lists the shared head too; checkpoints omit it
         hf_tensors = {k: v for k, v in hf_tensors.items() if k != "lm_head.weight"}
@@ -154,31 +88,33 @@ def test_round_trip_is_exact(name):
 def test_mistral_sliding_window_bounds_the_sequence(window):
     """A window shorter than the sequence changes HF's logits: the window converts as
     model.sliding_window, and a longer sequence is refused in training and in hf.logits."""
-    config_cls, model_cls, seq_len, overrides = CASES["mistral"]
-    hf_model = _case("mistral")[0]
+    config_cls, model_cls, seq_len, overrides = HF_CASES["mistral"]
+    hf_model = hf_case("mistral")[0]
     # HF Mistral reads only sliding_window; a stray use_sliding_window=false does not turn it off.
-    windowed = model_cls(config_cls(**TINY, **{**overrides, "sliding_window": 16, **window}))
+    windowed = model_cls(config_cls(**HF_TINY, **{**overrides, "sliding_window": 16, **window}))
     windowed.load_state_dict(hf_model.state_dict())
-    tokens, positions, _ = _inputs(seq_len)
-    diff = np.abs(_hf(windowed.eval(), tokens, positions) - _hf(hf_model, tokens, positions)).max()
+    tokens, positions, _ = hf_inputs(seq_len)
+    diff = np.abs(hf_logits(windowed.eval(), tokens, positions)
+                  - hf_logits(hf_model, tokens, positions)).max()
     print(f"window 16: HF logits move by {diff:.2e}")
-    assert diff > 100 * TOL, f"a window of 16 over {seq_len} tokens moved HF logits by {diff:.2e}"
+    assert diff > 100 * HF_TOL, (f"a window of 16 over {seq_len} tokens moved HF logits by "
+                                 f"{diff:.2e}")
     overrides = hf_mapping.config_from_hf(windowed.config.to_dict())
     assert overrides["sliding_window"] == 16  # kept, and it bounds the sequence:
     with pytest.raises(ConfigError, match=r"train.seq_len=24 is longer .*model.sliding_window=16"):
         config.load(overrides=[f"model.{k}={v}" for k, v in overrides.items()]
                     + ["train.seq_len=24"])
     cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
-    params = _case("mistral")[3]
+    params = hf_case("mistral")[3]
     with pytest.raises(ConfigError, match="24 tokens exceed the model's attention window of 16"):
         hf.logits(cfg, params, tokens)
     # Up to the window, full causal attention is the windowed model's.
     assert np.abs(hf.logits(cfg, params, tokens[:, :16])
-                  - _hf(windowed.eval(), tokens[:, :16], positions[:, :16])).max() < TOL
+                  - hf_logits(windowed.eval(), tokens[:, :16], positions[:, :16])).max() < HF_TOL
 
 
 def test_unknown_and_missing_names_are_named():
-    _, cfg, hf_tensors, _ = _case("llama2")
+    _, cfg, hf_tensors, _ = hf_case("llama2")
     extra = {**hf_tensors, "model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32),
              "model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8, np.float32)}
     with pytest.raises(ValueError, match=r"o_proj\.bias") as err:
@@ -205,20 +141,20 @@ def test_config_from_transformers4_style_json():
         hf_mapping.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(HF_CASES))
 def test_directory_in_and_out(tmp_path, name):
     """A directory saved by transformers (safetensors) reads with jaxtron.hf.from_pretrained and
     gives transformers' logits through jaxtron.hf.logits; written back with save_pretrained it
     loads in transformers with no missing or unexpected weight, the same tensors and logits."""
     from transformers import AutoModelForCausalLM
 
-    hf_model, _, hf_tensors, _ = _case(name)
+    hf_model, _, hf_tensors, _ = hf_case(name)
     hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # sharded, with an index
     assert (tmp_path / "hf" / hf.INDEX).is_file()
     cfg, params = hf.from_pretrained(tmp_path / "hf")
-    tokens, positions, _ = _inputs(CASES[name][2])
-    ref = _hf(hf_model, tokens, positions)
-    assert np.abs(hf.logits(cfg, params, tokens) - ref).max() < TOL
+    tokens, positions, _ = hf_inputs(HF_CASES[name][2])
+    ref = hf_logits(hf_model, tokens, positions)
+    assert np.abs(hf.logits(cfg, params, tokens) - ref).max() < HF_TOL
 
     model_type = hf_model.config.model_type
     hf.save_pretrained(cfg, params, tmp_path / "out", model_type)
@@ -228,11 +164,11 @@ def test_directory_in_and_out(tmp_path, name):
     written = hf.read_tensors(tmp_path / "out")
     for key, value in written.items():
         np.testing.assert_array_equal(value, hf_tensors[key])
-    assert np.abs(_hf(back.eval(), tokens, positions) - ref).max() < TOL
+    assert np.abs(hf_logits(back.eval(), tokens, positions) - ref).max() < HF_TOL
 
 
 def test_pickled_checkpoints_are_refused(tmp_path):
-    hf_model, *_ = _case("llama2")
+    hf_model, *_ = hf_case("llama2")
     hf_model.config.save_pretrained(tmp_path)
     torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")  # the older pickled layout
     with pytest.raises(ConfigError, match="only pickled weights .*pytorch_model.bin"):
@@ -240,25 +176,25 @@ def test_pickled_checkpoints_are_refused(tmp_path):
 
 
 def test_a_missing_router_aux_loss_coef_is_transformers_default():
-    """A config.json without router_aux_loss_coef imported model.moe_aux_coef=0.01; transformers
+    """A config.json without router_aux_loss_coef imported model.moe.aux_coef=0.01; transformers
     trains such a model with its config class's default, 0.001 for Mixtral and Qwen3-MoE."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
     for config_cls in (MixtralConfig, Qwen3MoeConfig):
-        config = config_cls(**{k: v for k, v in TINY.items() if k != "attn_implementation"},
+        config = config_cls(**{k: v for k, v in HF_TINY.items() if k != "attn_implementation"},
                             num_attention_heads=4).to_dict()
         default = config.pop("router_aux_loss_coef")
         assert default == config_cls().router_aux_loss_coef == 0.001
-        assert hf_mapping.config_from_hf(config)["moe_aux_coef"] == default
+        assert hf_mapping.config_from_hf(config)["moe"].aux_coef == default
         assert hf_mapping.config_from_hf({**config, "router_aux_loss_coef": 0.02})[
-            "moe_aux_coef"] == 0.02
+            "moe"].aux_coef == 0.02
 
 
 def test_a_windowed_model_exports_as_mistral_not_llama(tmp_path):
     """Llama has no attention window: a Llama-style model (no model.family) with
     model.sliding_window is Mistral by default, and written as llama it is refused in one line
     rather than lose its window."""
-    _, cfg, _, params = _case("mistral")
+    _, cfg, _, params = hf_case("mistral")
     cfg = dataclasses.replace(cfg, family="")  # the import recorded mistral
     windowed = dataclasses.replace(cfg, sliding_window=16)
     assert (hf.model_type_of(cfg), hf.model_type_of(windowed)) == ("llama", "mistral")

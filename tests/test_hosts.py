@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_aot import TINY
+from helpers import TINY
 
 from jaxtron import config as config_lib
 from jaxtron import parallel
@@ -137,7 +137,7 @@ def test_a_layout_within_a_node_is_proposed_only_where_it_fits():
 def test_the_run_log_counts_hosts_as_the_preflight_found_them(tmp_path, capsys, nodes, says):
     """The log's hosts are the ones the preflight counted (launch.py passes them on): two
     processes on one machine were 2 hosts in the log but one to the doctor."""
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     from jaxtron.train import doctor
     from jaxtron.train.loop import train

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron import config
 from jaxtron.train.loop import train
@@ -206,10 +206,10 @@ def test_the_model_line_names_experts_fp8_and_qk_norm_where_set(run_dir):
     from jaxtron.commands.inspect_ckpt import model_summary
 
     moe = config.load(["configs/tiny_moe.yaml"], ["model.fp8=delayed", "model.qk_norm=true",
-                                                  "model.moe_mlp_dim=192"])
+                                                  "model.moe.mlp_dim=192"])
     line = model_summary(config.to_yaml(moe))
-    assert line.endswith(", remat=none, num_experts=8, experts_per_token=2, moe_mlp_dim=192, "
+    assert line.endswith(", remat=none, moe.num_experts=8, moe.experts_per_token=2, moe.mlp_dim=192, "
                          "fp8=delayed, qk_norm=True"), line
     dense = _field(_inspect(run_dir).stdout, "model")
-    assert not re.search("experts|moe_mlp_dim|fp8|qk_norm|qkv_bias|sliding_window", dense), dense
+    assert not re.search("experts|moe|fp8|qk_norm|qkv_bias|sliding_window", dense), dense
     assert dense.startswith("num_layers=4, d_model=256")

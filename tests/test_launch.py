@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, assert_refused, run_launch
+from helpers import ROOT, assert_refused, run_launch
 
 import launch
 from jaxtron import config
@@ -401,11 +401,11 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 # Changed on resume: (override, the field as the checkpoints hold it). Arrays of other shapes
 # (these were "unreadable" checkpoints, with advice to move good ones aside), and the same arrays
 # computing another function (experts_per_token was taken silently: top-1 from there on).
-CHANGED_ON_RESUME = [("model.num_experts=4", "model.num_experts=8"),
-                     ("model.moe_mlp_dim=512", "model.moe_mlp_dim=0"),
+CHANGED_ON_RESUME = [("model.moe.num_experts=4", "model.moe.num_experts=8"),
+                     ("model.moe.mlp_dim=512", "model.moe.mlp_dim=0"),
                      ("model.qk_norm=true", "model.qk_norm=false"),
-                     ("model.experts_per_token=1", "model.experts_per_token=2"),
-                     ("model.norm_topk_prob=false", "model.norm_topk_prob=true"),
+                     ("model.moe.experts_per_token=1", "model.moe.experts_per_token=2"),
+                     ("model.moe.norm_topk_prob=false", "model.moe.norm_topk_prob=true"),
                      ("model.rope_theta=500000", "model.rope_theta=10000.0")]
 
 
@@ -431,11 +431,11 @@ def test_a_resume_that_changes_the_model_is_refused_before_writing(tmp_path, cap
             assert_refused(rc, err, line)
             assert out == ""
             assert _snapshot(run_dir) == before, override
-    proc = run_launch(*MOE_RUN, "train.steps=2", "model.experts_per_token=1", f"run.dir={run_dir}")
-    assert_refused(proc.returncode, proc.stderr, "model.experts_per_token=2 -> 1")
+    proc = run_launch(*MOE_RUN, "train.steps=2", "model.moe.experts_per_token=1", f"run.dir={run_dir}")
+    assert_refused(proc.returncode, proc.stderr, "model.moe.experts_per_token=2 -> 1")
     assert _snapshot(run_dir) == before
-    for override in ("model.moe_kernel=xla", "model.capacity_factor=1.5", "model.moe_aux_coef=0.1",
-                     "model.remat=full", "model.moe_mlp_dim=384"):  # 384 = mlp_dim: the same width
+    for override in ("model.moe.kernel=xla", "model.moe.capacity_factor=1.5", "model.moe.aux_coef=0.1",
+                     "model.remat=full", "model.moe.mlp_dim=384"):  # 384 = mlp_dim: the same width
         assert _main([*MOE_RUN, "train.steps=2", "--dry-run", override,
                       f"run.dir={run_dir}"]) == 0, override
         assert f"start: resumes from {run_dir}/checkpoints/1" in capsys.readouterr().out

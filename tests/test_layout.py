@@ -207,3 +207,57 @@ def test_no_package_hides_a_submodule(init):
         elif isinstance(node, ast.ImportFrom):
             bound |= {a.asname for a in node.names if a.asname and a.asname != a.name}
     assert not bound & submodules, sorted(bound & submodules)
+
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """The modules an import statement, or an import_module/__import__ call by name, takes."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module] if node.module and not node.level else []
+    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")):
+        return [str(node.args[0].value)]
+    return []
+
+
+def _shared_by_import(path: Path) -> list[str]:
+    """Each import in `path` of conftest or a test_* module, as 'file:line module': at any depth,
+    by name, and in a string that parses as Python (code a subprocess runs) at its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        inner = [node]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                inner = list(ast.walk(ast.parse(node.value)))
+            except (SyntaxError, ValueError):
+                continue  # prose, a path, a pattern: not code
+        found += [f"{path.name}:{node.lineno} {name}" for each in inner for name in _imported(each)
+                  if name.split(".")[0] == "conftest" or name.split(".")[0].startswith("test_")]
+    return found
+
+
+def test_test_modules_share_through_helpers_only():
+    """What test modules share is in tests/helpers.py: a test module that imports another runs
+    that one's module code again under its own name and ties the two together, and conftest.py
+    holds pytest's hooks and fixtures only."""
+    tests = ROOT / "tests"
+    found = [hit for path in [*sorted(tests.glob("test_*.py")), tests / "helpers.py",
+                              tests / "conftest.py"] for hit in _shared_by_import(path)]
+    assert not found, f"import from tests/helpers.py instead: {', '.join(found)}"
+
+
+def test_the_shared_import_check_finds_them_at_any_depth(tmp_path):
+    """The scan above finds conftest and test modules imported at the top, in a function, by
+    name, and in code for a subprocess; helpers and a module named like a test's are fine."""
+    sample = tmp_path / "test_sample.py"
+    # the names filled in: this file's own strings import nothing
+    sample.write_text("import {0}\nfrom helpers import ROOT\nimport testing\n\n\ndef f():\n"
+                      "    from {1} import x\n    importlib.import_module('{2}')\n"
+                      "    run(['python', '-c', 'from {2}.sub import y'])\n"
+                      .format("conftest", "test_data", "test_preemption"))
+    assert _shared_by_import(sample) == [
+        "test_sample.py:1 conftest", "test_sample.py:7 test_data",
+        "test_sample.py:8 test_preemption", "test_sample.py:9 test_preemption.sub"]

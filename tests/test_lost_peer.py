@@ -24,8 +24,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_multiprocess import OVERRIDES as MULTIPROCESS
-from test_multiprocess import PROCESSES, RTOL, _env, _free_port, _rows
+from helpers import (
+    MULTIPROCESS_OVERRIDES,
+    MULTIPROCESS_RTOL,
+    PROCESSES,
+    free_port,
+    metrics_rows,
+    multiprocess_env,
+)
 
 from jaxtron import config
 from jaxtron.checkpoint import weights
@@ -33,7 +39,7 @@ from jaxtron.train import loop as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_TIMEOUT_S = 20
-OVERRIDES = [*MULTIPROCESS, "model.num_layers=1", "train.steps=8",
+OVERRIDES = [*MULTIPROCESS_OVERRIDES, "model.num_layers=1", "train.steps=8",
              f"run.peer_timeout_s={PEER_TIMEOUT_S}"]
 # What a Python traceback or the C++ runtime's fatal exit leaves on a terminal.
 NOISE = ("Traceback", "F0000", "*** Check failure", "Fatal Python error", "@ 0x")
@@ -42,12 +48,12 @@ NOISE = ("Traceback", "F0000", "*** Check failure", "Fatal Python error", "@ 0x"
 def _start(run_dir: Path, logs: Path, name: str) -> list[subprocess.Popen]:
     """Both processes of the run, each in its own process group (the training process launch.py
     starts is in it); output in logs/<name>-<i>.txt."""
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
          "--num-processes", str(PROCESSES), "--process-id", str(i), *OVERRIDES,
          f"run.dir={run_dir}"],
-        cwd=ROOT, env=_env(), stdout=(logs / f"{name}-{i}.txt").open("w"),
+        cwd=ROOT, env=multiprocess_env(), stdout=(logs / f"{name}-{i}.txt").open("w"),
         stderr=subprocess.STDOUT, start_new_session=True) for i in range(PROCESSES)]
 
 
@@ -93,10 +99,10 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
     procs = _start(run_dir, logs, "lost")
     try:
         deadline = time.monotonic() + 400
-        while (len(_rows(run_dir)) < 4 and all(p.poll() is None for p in procs)
+        while (len(metrics_rows(run_dir)) < 4 and all(p.poll() is None for p in procs)
                and time.monotonic() < deadline):
             time.sleep(0.1)
-        assert len(_rows(run_dir)) >= 4, (logs / "lost-0.txt").read_text()[-3000:]
+        assert len(metrics_rows(run_dir)) >= 4, (logs / "lost-0.txt").read_text()[-3000:]
         # launch.py only: its training process dies with it, or stops with it
         procs[1].send_signal(sig)
         lost_at = time.monotonic()
@@ -127,11 +133,11 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
         _end(procs)
     rerun = (logs / "rerun-0.txt").read_text()
     assert codes == [0, 0] and f"step {newest}" in rerun, rerun[-3000:]
-    resumed = _rows(run_dir)[newest - 8:]  # after the lost attempt's rows
+    resumed = metrics_rows(run_dir)[newest - 8:]  # after the lost attempt's rows
     assert [r["step"] for r in resumed] == list(range(newest + 1, 9))
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in resumed],
-                                   [r[key] for r in reference[newest:]], rtol=RTOL)
+                                   [r[key] for r in reference[newest:]], rtol=MULTIPROCESS_RTOL)
 
 
 # Process 1 is alive but stuck in Python at step 4 (its heartbeats go on, so JAX never ends it).
@@ -155,9 +161,9 @@ def test_a_stuck_process_ends_the_run_in_one_line_each_with_75(tmp_path, referen
     logs.mkdir()
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(STUCK_AT_STEP_4)
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for i in range(PROCESSES):
-        env = _env()
+        env = multiprocess_env()
         if i == 1:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
         procs.append(subprocess.Popen(
@@ -187,11 +193,11 @@ def test_a_stuck_process_ends_the_run_in_one_line_each_with_75(tmp_path, referen
         assert [p.wait(timeout=400) for p in procs] == [0, 0]
     finally:
         _end(procs)
-    resumed = [r for r in _rows(run_dir) if r["step"] > newest][-(8 - newest):]
+    resumed = [r for r in metrics_rows(run_dir) if r["step"] > newest][-(8 - newest):]
     assert [r["step"] for r in resumed] == list(range(newest + 1, 9))
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in resumed],
-                                   [r[key] for r in reference[newest:]], rtol=RTOL)
+                                   [r[key] for r in reference[newest:]], rtol=MULTIPROCESS_RTOL)
 
 
 def test_the_supervisor_passes_on_the_watchdog_line_and_keeps_the_runtime_noise():

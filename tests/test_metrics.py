@@ -21,8 +21,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_goodput import SMALL, _tensorboard
-from test_preemption import _run_until, _saved_steps
+from helpers import SMALL, run_until, saved_steps, tensorboard_scalars
 
 from jaxtron import config
 from jaxtron.plan import setup as setup_lib
@@ -67,7 +66,7 @@ def test_a_resumed_attempt_replaces_the_rows_of_the_steps_it_redoes(tmp_path, ca
     evals = [json.loads(r) for r in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [(r["step"], r["eval_loss"]) for r in evals] == [(10, 1.0), (20, 1.0), (30, 2.0),
                                                              (40, 2.0)]
-    board = _tensorboard(tmp_path)
+    board = tensorboard_scalars(tmp_path)
     assert board["train/loss"] == [(s, 1.0) for s in range(1, 21)] + [(s, 2.0)
                                                                       for s in range(21, 41)]
     assert board["eval/loss"] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
@@ -83,8 +82,8 @@ def test_killed_and_resumed_run_logs_each_step_once(tmp_path):
     steps = 24  # a kill that lands a few steps late still finds steps to redo
     cmd = [sys.executable, str(ROOT / "launch.py"), *SMALL, f"train.steps={steps}",
            "train.eval_every=3", "checkpoint.every=4", f"run.dir={run_dir}"]
-    assert _run_until(cmd, run_dir, 10, signal.SIGKILL, saved=8) == -signal.SIGKILL
-    restored = max(_saved_steps(run_dir))
+    assert run_until(cmd, run_dir, 10, signal.SIGKILL, saved=8) == -signal.SIGKILL
+    restored = max(saved_steps(run_dir))
     killed = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)
     kept = [line for line in killed if json.loads(line)["step"] <= restored]
     assert len(kept) < len(killed)  # the killed attempt logged steps the next one redoes
@@ -96,7 +95,7 @@ def test_killed_and_resumed_run_logs_each_step_once(tmp_path):
     assert rows[:len(kept)] == kept
     assert _steps(run_dir / "eval.jsonl") == list(range(3, steps + 1, 3))
     losses = {json.loads(r)["step"]: json.loads(r)["loss"] for r in rows}
-    board = _tensorboard(run_dir)
+    board = tensorboard_scalars(run_dir)
     assert [s for s, _ in board["train/loss"]] == list(range(1, steps + 1))
     assert all(abs(v - losses[s]) <= 1e-6 * abs(losses[s]) for s, v in board["train/loss"]
                if s > restored)  # the resumed attempt's values (float32 in the event file)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import QUIET, ROOT, assert_refused
 from flax import nnx
+from helpers import QUIET, ROOT, assert_refused
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
@@ -32,7 +32,7 @@ from transformers import (
 import launch
 from jaxtron import config, data, hf, parallel
 from jaxtron.commands import convert_hf
-from jaxtron.config import ModelConfig
+from jaxtron.config import ModelConfig, MoEConfig
 from jaxtron.model import Transformer, moe
 from jaxtron.ops import experts
 from jaxtron.step import empty_histories, global_batch, loss_and_grads, loss_sums
@@ -97,7 +97,7 @@ def test_logits_match_transformers(hub, name):
     model, path = hub(name)
     cfg, params = hf.from_pretrained(path)
     assert cfg.qk_norm == name.startswith("qwen3")
-    assert cfg.num_experts == FAMILIES[name][2].get("num_local_experts",
+    assert cfg.moe.num_experts == FAMILIES[name][2].get("num_local_experts",
                                                     FAMILIES[name][2].get("num_experts", 0))
     tokens = _tokens()
     with torch.no_grad():
@@ -111,8 +111,9 @@ def test_renormalizing_qwen3_moe_top_k_matters(hub):
     """norm_topk_prob=false read as true misses transformers by far more than TOL."""
     model, path = hub("qwen3_moe")
     cfg, params = hf.from_pretrained(path)
-    assert not cfg.norm_topk_prob
-    wrong = hf.logits(dataclasses.replace(cfg, norm_topk_prob=True), params, _tokens())
+    assert not cfg.moe.norm_topk_prob
+    wrong = hf.logits(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, norm_topk_prob=True)),
+                      params, _tokens())
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(_tokens())).logits.numpy()
     assert np.abs(wrong - ref).max() > 100 * TOL
@@ -148,9 +149,9 @@ def _dense_reference(cfg: ModelConfig, layer: moe.MoE, x: np.ndarray) -> np.ndar
     logits = x @ np.asarray(layer.router[...], np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1)[:, :cfg.experts_per_token]
+    top = np.argsort(-probs, axis=-1)[:, :cfg.moe.experts_per_token]
     weights = np.take_along_axis(probs, top, -1)
-    if cfg.norm_topk_prob:
+    if cfg.moe.norm_topk_prob:
         weights /= weights.sum(-1, keepdims=True)
     gate, up, down = (np.asarray(w[...], np.float64) for w in (layer.w_gate, layer.w_up,
                                                               layer.w_down))
@@ -166,8 +167,8 @@ def _dense_reference(cfg: ModelConfig, layer: moe.MoE, x: np.ndarray) -> np.ndar
 def test_the_layer_is_its_dense_definition(normalized):
     """Sorting, grouped matmuls and bringing the rows back equal every expert on every token
     with the top-k mask; padding tokens (segment 0) get 0 and count in no statistic."""
-    cfg = ModelConfig(d_model=32, mlp_dim=48, num_experts=6, experts_per_token=3,
-                      norm_topk_prob=normalized, dtype="float32", init_std=0.2)
+    cfg = ModelConfig(d_model=32, mlp_dim=48, dtype="float32", init_std=0.2, moe=MoEConfig(
+        num_experts=6, experts_per_token=3, norm_topk_prob=normalized))
     layer = moe.MoE(cfg, nnx.Rngs(0))
     x = np.random.default_rng(1).normal(size=(2, 10, 32)).astype(np.float32)
     segments = np.ones((2, 10), np.int32)
@@ -187,8 +188,8 @@ def test_the_layers_gradients_are_its_dense_definitions():
     """Gradients through the sort, the grouped kernels and the permutations back (custom
     gathers both ways) equal those of every expert on every token with the top-k mask: inputs,
     router, experts."""
-    cfg = ModelConfig(d_model=16, mlp_dim=24, num_experts=4, experts_per_token=2,
-                      dtype="float32", init_std=0.3)
+    cfg = ModelConfig(d_model=16, mlp_dim=24, dtype="float32", init_std=0.3,
+                      moe=MoEConfig(num_experts=4, experts_per_token=2))
     graphdef, params = nnx.split(moe.MoE(cfg, nnx.Rngs(3)))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, 16)), jnp.float32)
     probe = jnp.asarray(np.random.default_rng(4).normal(size=(2, 6, 16)), jnp.float32)
@@ -218,9 +219,9 @@ def _aux(cfg, layer, x, real) -> float:
     logits = x @ np.asarray(layer.router[...], np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    top = np.argsort(-probs, axis=-1)[:, :cfg.experts_per_token]
-    picked = np.bincount(top.reshape(-1), minlength=cfg.num_experts) / len(x)
-    return cfg.num_experts * float(np.sum(picked * probs.mean(0)))
+    top = np.argsort(-probs, axis=-1)[:, :cfg.moe.experts_per_token]
+    picked = np.bincount(top.reshape(-1), minlength=cfg.moe.num_experts) / len(x)
+    return cfg.moe.num_experts * float(np.sum(picked * probs.mean(0)))
 
 
 def _curves(tmp_path, devices, *overrides) -> dict[str, np.ndarray]:
@@ -277,7 +278,7 @@ def test_expert_parallel_gradients_equal_one_device(devices):
 def test_capacity_drops_in_sequence_order_the_same_on_every_mesh(devices, tmp_path):
     """A capacity below the load drops pairs (moe_dropped > 0) the same way on 8 devices as on
     one; a capacity that holds every pair equals dropless bit for bit."""
-    tight = ("model.capacity_factor=0.5",)
+    tight = ("model.moe.capacity_factor=0.5",)
     one = config.load([MOE], [*QUIET, *SHORT, f"run.dir={tmp_path / 'a'}", *tight])
     rows = train(one, devices=devices[:1])
     # at most half the pairs fit, the most loaded layer's load 2.3-4x the mean: 61-86% dropped
@@ -293,7 +294,7 @@ def test_capacity_drops_in_sequence_order_the_same_on_every_mesh(devices, tmp_pa
     np.testing.assert_allclose([r["loss"] for r in sharded], [r["loss"] for r in rows],
                                rtol=1e-4)
     dropless = _curves(tmp_path / "c", devices[:1])
-    roomy = _curves(tmp_path / "d", devices[:1], "model.capacity_factor=4")  # E/k: every pair
+    roomy = _curves(tmp_path / "d", devices[:1], "model.moe.capacity_factor=4")  # E/k: every pair
     np.testing.assert_array_equal(roomy["loss"], dropless["loss"])
 
 
@@ -301,7 +302,7 @@ def test_router_losses_join_the_objective_not_the_logged_loss():
     """The objective sums aux_coef x aux + z_coef x z (each a sum over tokens) onto the
     cross-entropy; the cross-entropy (the logged loss, and eval's) is the same whatever the
     coefficients."""
-    cfg = config.load([MOE], [*QUIET, *SHORT, "model.moe_z_coef=0.01"])
+    cfg = config.load([MOE], [*QUIET, *SHORT, "model.moe.z_coef=0.01"])
     model = Transformer(cfg.model, nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     batch = {k: jnp.asarray(v) for k, v in
@@ -309,19 +310,19 @@ def test_router_losses_join_the_objective_not_the_logged_loss():
     total, (count, entropy, stats) = loss_sums(nnx.to_pure_dict(params), graphdef, batch,
                                                with_stats=True)
     m = cfg.model
-    expected = entropy + m.moe_aux_coef * stats["aux"] + m.moe_z_coef * stats["z"]
+    expected = entropy + m.moe.aux_coef * stats["aux"] + m.moe.z_coef * stats["z"]
     assert abs(float(total - expected)) < 1e-3 and float(total - entropy) > 0
     plain, plain_count = loss_sums(nnx.to_pure_dict(params), graphdef, batch)
     assert float(plain) == float(total) and int(plain_count) == int(count)
 
 
 @pytest.mark.parametrize("args, names", [
-    (["mesh.expert=2"], ["mesh.expert=2", "model.num_experts=0"]),
+    (["mesh.expert=2"], ["mesh.expert=2", "model.moe.num_experts=0"]),
     (["--config", str(MOE), "mesh.expert=3", "mesh.fsdp=2", "--devices", "6"],
-     ["model.num_experts=8", "mesh.expert=3"]),
-    (["--config", str(MOE), "mesh.stage=2"], ["mesh.stage=2", "model.num_experts=8"]),
-    (["--config", str(MOE), "model.experts_per_token=9"], ["model.experts_per_token=9"]),
-    (["--config", str(MOE), "model.moe_kernel=megablox"], ["model.moe_kernel=megablox"]),
+     ["model.moe.num_experts=8", "mesh.expert=3"]),
+    (["--config", str(MOE), "mesh.stage=2"], ["mesh.stage=2", "model.moe.num_experts=8"]),
+    (["--config", str(MOE), "model.moe.experts_per_token=9"], ["model.moe.experts_per_token=9"]),
+    (["--config", str(MOE), "model.moe.kernel=megablox"], ["model.moe.kernel=megablox"]),
     (["optim.mu_dtype=int8"], ["optim.mu_dtype=int8"]),
 ])
 def test_bad_moe_settings_are_one_line_and_status_2(capsys, args, names):
@@ -330,11 +331,11 @@ def test_bad_moe_settings_are_one_line_and_status_2(capsys, args, names):
 
 
 def test_a_grouped_kernel_that_is_not_installed_is_refused(capsys, monkeypatch):
-    """model.moe_kernel=mosaic without tokamax (or, on jax 0.11, =triton, whose kernel needs jax
+    """model.moe.kernel=mosaic without tokamax (or, on jax 0.11, =triton, whose kernel needs jax
     0.10): one line naming the setting and what works instead, status 2."""
     monkeypatch.setattr(experts, "_tokamax", lambda: None)
-    rc = launch.main(["--config", str(MOE), "model.moe_kernel=mosaic", "--dry-run"])
-    assert_refused(rc, capsys.readouterr().err, "model.moe_kernel=mosaic", "model.moe_kernel=xla")
+    rc = launch.main(["--config", str(MOE), "model.moe.kernel=mosaic", "--dry-run"])
+    assert_refused(rc, capsys.readouterr().err, "model.moe.kernel=mosaic", "model.moe.kernel=xla")
 
 
 class _JunkKernels:
@@ -378,8 +379,8 @@ def test_a_kernel_that_leaves_rows_unwritten_changes_no_gradient(monkeypatch, ju
     else:
         monkeypatch.setattr(experts, "_grouped", lambda kind: jax.lax.ragged_dot if kind == "xla"
                             else functools.partial(stand_in.ragged_dot, implementation=kind))
-    cfg = ModelConfig(d_model=16, mlp_dim=24, num_experts=4, experts_per_token=2,
-                      capacity_factor=0.75, dtype="float32", init_std=0.3, moe_kernel="xla")
+    cfg = ModelConfig(d_model=16, mlp_dim=24, dtype="float32", init_std=0.3, moe=MoEConfig(
+        num_experts=4, experts_per_token=2, capacity_factor=0.75, kernel="xla"))
     graphdef, params = nnx.split(moe.MoE(cfg, nnx.Rngs(3)))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, 16)), jnp.float32)
     probe = jnp.asarray(np.random.default_rng(4).normal(size=(2, 8, 16)), jnp.float32)
@@ -387,7 +388,7 @@ def test_a_kernel_that_leaves_rows_unwritten_changes_no_gradient(monkeypatch, ju
 
     def loss(params, x, kernel):
         layer = nnx.merge(graphdef, params)
-        layer.cfg = dataclasses.replace(cfg, moe_kernel=kernel)
+        layer.cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel=kernel))
         y, stats = layer(x, segments)
         assert float(stats["dropped"]) > 0  # a capacity that drops, not only padding
         return jnp.sum(y * probe) + jnp.sum(stats["probs"] * probe[:, 0, :4])
@@ -400,10 +401,11 @@ def test_a_kernel_that_leaves_rows_unwritten_changes_no_gradient(monkeypatch, ju
 
 def _grads_with(devices, kernel: str, *overrides, microbatches: int = 1) -> tuple:
     """(loss, gradients, the router metrics) of configs/tiny_moe.yaml's first batch at the
-    initial weights, with model.moe_kernel set after the config's checks (the stand-in kernel
+    initial weights, with model.moe.kernel set after the config's checks (the stand-in kernel
     runs in float32)."""
     cfg = config.load([MOE], [*QUIET, *SHORT, *overrides])
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_kernel=kernel))
+    moe_cfg = dataclasses.replace(cfg.model.moe, kernel=kernel)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe_cfg))
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
@@ -441,17 +443,17 @@ def test_the_expert_ring_with_a_junk_leaving_kernel_trains_like_xla(devices, mon
     _assert_gradients_close(got, want)
 
 
-@pytest.mark.parametrize("capacity", ["model.capacity_factor=0", "model.capacity_factor=0.5"])
+@pytest.mark.parametrize("capacity", ["model.moe.capacity_factor=0", "model.moe.capacity_factor=0.5"])
 def test_the_objective_is_the_same_for_any_microbatch_count(devices, capacity):
     """1, 2 and 4 microbatches of one batch (a padded row in it): the same loss, gradients and
     router metrics (balancing loss, z-loss, load, dropped share), dropless and with a capacity
     that drops 78% of the pairs. Measured (float32, jax 0.10.2 CPU): loss within 2.1e-7
     relative, gradients within 6.8e-7 of their norm, metrics within 1.1e-7."""
-    one = _grads_with(devices[:1], "xla", capacity, "model.moe_z_coef=0.01")
+    one = _grads_with(devices[:1], "xla", capacity, "model.moe.z_coef=0.01")
     if capacity.endswith("0.5"):
         assert 0.2 < float(one[2]["moe_dropped"]) < 0.9
     for m in (2, 4):
-        loss, grads, stats = _grads_with(devices[:1], "xla", capacity, "model.moe_z_coef=0.01",
+        loss, grads, stats = _grads_with(devices[:1], "xla", capacity, "model.moe.z_coef=0.01",
                                          microbatches=m)
         assert abs(float(loss) - float(one[0])) < 1e-5 * float(one[0]), m
         _assert_gradients_close(grads, one[1])

@@ -8,7 +8,6 @@ in this pytest process on conftest's 8 simulated devices.
 """
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import (
+    MULTIPROCESS_OVERRIDES,
+    MULTIPROCESS_RTOL,
+    PROCESSES,
+    free_port,
+    metrics_rows,
+    multiprocess_env,
+    start_processes,
+    wait_processes,
+)
 
 import launch
 from jaxtron import config
@@ -28,63 +37,7 @@ from jaxtron.train import distributed
 from jaxtron.train import loop as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
-PROCESSES = 2
-# decay_steps fixed: the learning rate of a step does not depend on train.steps, so a run of 4
-# steps resumed to 6 follows the same schedule as a straight 6-step run.
-OVERRIDES = ["train.log_every=1", "train.seq_len=64", "train.eval_every=0", "checkpoint.every=2",
-             "optim.warmup_steps=2", "optim.decay_steps=8", "run.tensorboard=false",
-             "run.progress=lines"]
-RTOL = 1e-5  # fp32: the cross-process all-reduce sums in another order than the in-process one
 DEAD_PEER_LIMIT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    """This environment with 4 CPU devices per process and nothing that suggests a cluster."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
-               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _start(run_dir: Path, logs: Path, name: str, *overrides: str,
-           pythonpath: dict[int, Path] | None = None,
-           own: dict[int, list[str]] | None = None) -> list[subprocess.Popen]:
-    """Both processes of one run; their output goes to logs/<name>-<i>.txt. `pythonpath` gives
-    a process a directory to import first (a sitecustomize.py that breaks something there),
-    `own` a process overrides of its own."""
-    port = _free_port()
-    procs = []
-    for i in range(PROCESSES):
-        env = _env()
-        if i in (pythonpath or {}):
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath[i]),
-                                                              env.get("PYTHONPATH")]))
-        log = (logs / f"{name}-{i}.txt").open("w")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", str(PROCESSES), "--process-id", str(i), *OVERRIDES,
-             f"run.dir={run_dir}", *overrides, *(own or {}).get(i, [])],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen], timeout: float = 400) -> list[int]:
-    deadline = time.monotonic() + timeout
-    return [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +49,15 @@ def runs(tmp_path_factory):
     logs.mkdir()
     procs = []
     try:
-        procs = _start(run_dir, logs, "first", "train.steps=4")
-        codes, saved = _wait(procs), run_dir / "checkpoints"
-        first = dict(codes=codes, rows=_rows(run_dir),
+        procs = start_processes(run_dir, logs, "first", "train.steps=4")
+        codes, saved = wait_processes(procs), run_dir / "checkpoints"
+        first = dict(codes=codes, rows=metrics_rows(run_dir),
                      checkpoints=sorted(p.name for p in saved.iterdir()) if saved.is_dir() else [])
         shutil.copytree(run_dir, tmp / "as_one")  # resumed below by one process
 
-        procs = _start(run_dir, logs, "second", "train.steps=1000")
+        procs = start_processes(run_dir, logs, "second", "train.steps=1000")
         deadline = time.monotonic() + 400
-        while (len(_rows(run_dir)) < 6 and all(p.poll() is None for p in procs)
+        while (len(metrics_rows(run_dir)) < 6 and all(p.poll() is None for p in procs)
                and time.monotonic() < deadline):
             time.sleep(0.2)
         procs[1].send_signal(signal.SIGKILL)
@@ -113,7 +66,8 @@ def runs(tmp_path_factory):
             code = procs[0].wait(timeout=DEAD_PEER_LIMIT_S + 60)
         except subprocess.TimeoutExpired:
             code = None
-        second = dict(code=code, stopped_after=time.monotonic() - killed, rows=_rows(run_dir)[4:])
+        second = dict(code=code, stopped_after=time.monotonic() - killed,
+                      rows=metrics_rows(run_dir)[4:])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -122,7 +76,7 @@ def runs(tmp_path_factory):
     outputs = {p.name: p.read_text() for p in sorted(logs.iterdir())}
 
     cfg = config.load([ROOT / "configs" / "tiny.yaml"],
-                      [*OVERRIDES, "train.steps=6", f"run.dir={tmp / 'reference'}"])
+                      [*MULTIPROCESS_OVERRIDES, "train.steps=6", f"run.dir={tmp / 'reference'}"])
     reference = train_lib.train(cfg)
     # The two processes' step-4 checkpoint, resumed by this one process over its 8 devices.
     as_one = train_lib.train(dataclasses.replace(
@@ -139,9 +93,11 @@ def test_two_processes_train_as_one(runs):
     first, outputs = runs["first"], runs["outputs"]
     assert first["codes"] == [0, 0], outputs
     assert [r["step"] for r in first["rows"]] == [1, 2, 3, 4]
-    np.testing.assert_allclose(_losses(first["rows"]), _losses(runs["reference"][:4]), rtol=RTOL)
+    np.testing.assert_allclose(_losses(first["rows"]), _losses(runs["reference"][:4]),
+                               rtol=MULTIPROCESS_RTOL)
     np.testing.assert_allclose([r["grad_norm"] for r in first["rows"]],
-                               [r["grad_norm"] for r in runs["reference"][:4]], rtol=RTOL)
+                               [r["grad_norm"] for r in runs["reference"][:4]],
+                               rtol=MULTIPROCESS_RTOL)
     assert "jax.distributed: 2 processes joined, 8 cpu devices" in outputs["first-0.txt"]
     # fsdp=8 over 2 processes of 4 devices, both on this machine: one host, in the log as in the
     # preflight checks (no axis crosses hosts, and no warning says one does).
@@ -163,7 +119,8 @@ def test_processes_checkpoint_together_and_resume(runs):
         assert "unreadable" not in text and "cannot resume the input exactly" not in text, text
     resumed = runs["second"]["rows"][:2]
     assert [r["step"] for r in resumed] == [5, 6]
-    np.testing.assert_allclose(_losses(resumed), _losses(runs["reference"][4:]), rtol=RTOL)
+    np.testing.assert_allclose(_losses(resumed), _losses(runs["reference"][4:]),
+                               rtol=MULTIPROCESS_RTOL)
 
 
 def test_checkpoint_of_two_processes_resumes_in_one(runs):
@@ -171,7 +128,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(runs):
     assert [r["step"] for r in runs["as_one"]] == [5, 6]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in runs["as_one"]],
-                                   [r[key] for r in runs["reference"][4:]], rtol=RTOL)
+                                   [r[key] for r in runs["reference"][4:]], rtol=MULTIPROCESS_RTOL)
 
 
 # stage=2 puts stage 0 on process 0's devices and stage 1 on process 1's, so every batch shard
@@ -188,22 +145,23 @@ def test_batch_shards_spanning_processes(tmp_path):
     the run exited with an error here)."""
     logs = tmp_path / "logs"
     logs.mkdir()
-    procs = _start(tmp_path / "run", logs, "spanning", *SPANNING)
+    procs = start_processes(tmp_path / "run", logs, "spanning", *SPANNING)
     try:
-        codes = _wait(procs)
+        codes = wait_processes(procs)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=60)
     assert codes == [0, 0], (logs / "spanning-0.txt").read_text()[-3000:]
-    rows = _rows(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run")
     cfg = config.load([ROOT / "configs" / "tiny.yaml"],
-                      [*OVERRIDES, *SPANNING, f"run.dir={tmp_path / 'reference'}"])
+                      [*MULTIPROCESS_OVERRIDES, *SPANNING, f"run.dir={tmp_path / 'reference'}"])
     reference = train_lib.train(cfg)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in reference], rtol=RTOL)
+        np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in reference],
+                                   rtol=MULTIPROCESS_RTOL)
 
 
 def test_killed_process_stops_the_other(runs):
@@ -244,10 +202,10 @@ def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path, la
         lag = {late: tmp_path / "lag"}
         lag[late].mkdir()
         (lag[late] / "sitecustomize.py").write_text(LAG_IN_THE_COMPARISON)
-    procs = _start(run_dir, logs, "differ", pythonpath=lag,
-                   own={0: ["train.steps=6"], 1: ["train.steps=8"]})
+    procs = start_processes(run_dir, logs, "differ", pythonpath=lag,
+                            own={0: ["train.steps=6"], 1: ["train.steps=8"]})
     try:
-        codes = _wait(procs, timeout=300)
+        codes = wait_processes(procs, timeout=300)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -273,13 +231,14 @@ def test_processes_given_different_configs_stop_at_once_in_one_line(tmp_path, la
 def test_a_process_left_alone_says_so_in_one_line(tmp_path, wait, message):
     """Process 1 never started (or two given --process-id 0): process 0 waited 300 s, then JAX
     aborted it from C++ (134, a stack, 'another task died'); now one line when the wait ends."""
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", "0", *OVERRIDES, f"run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env={**_env(), "JAXTRON_JOIN_TIMEOUT_S": wait}, capture_output=True, text=True,
-        timeout=120)
+         "--num-processes", "2", "--process-id", "0", *MULTIPROCESS_OVERRIDES,
+         f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env={**multiprocess_env(), "JAXTRON_JOIN_TIMEOUT_S": wait}, capture_output=True,
+        text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [f"launch.py: error: {message.format(port=port)}"]
     assert time.monotonic() - started < 60 and not (tmp_path / "run").exists()
@@ -289,11 +248,12 @@ def test_a_process_left_alone_says_so_in_one_line(tmp_path, wait, message):
 def test_a_signal_while_the_processes_join_stops_at_once(tmp_path, sig):
     """JAX waits for the other processes in C++, where no Python handler runs: SIGTERM (timeout,
     a scheduler) and Ctrl-C did nothing until JAX's own timeout aborted it, minutes later."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", "0", *OVERRIDES, f"run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--num-processes", "2", "--process-id", "0", *MULTIPROCESS_OVERRIDES,
+         f"run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=multiprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
@@ -334,9 +294,9 @@ def test_a_save_that_fails_on_one_process_ends_both(tmp_path):
     logs.mkdir()
     patched.mkdir()
     (patched / "sitecustomize.py").write_text(FULL_DISK)
-    procs = _start(run_dir, logs, "save", "train.steps=3", pythonpath={1: patched})
+    procs = start_processes(run_dir, logs, "save", "train.steps=3", pythonpath={1: patched})
     try:
-        codes = _wait(procs, timeout=400 + DEAD_PEER_LIMIT_S)
+        codes = wait_processes(procs, timeout=400 + DEAD_PEER_LIMIT_S)
     finally:
         for p in procs:
             if p.poll() is None:

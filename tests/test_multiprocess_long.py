@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_multiprocess import OVERRIDES, ROOT, _rows, _start, _wait
+from helpers import MULTIPROCESS_OVERRIDES, ROOT, metrics_rows, start_processes, wait_processes
 
 from jaxtron import config
 from jaxtron.train import loop as train_lib
@@ -24,8 +24,8 @@ from jaxtron.train import loop as train_lib
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 60, 10
-# After OVERRIDES (a later override wins): tiny.yaml's warm-up, and a decay that does not depend
-# on train.steps, so that a one-step resume takes the long run's learning rate.
+# After MULTIPROCESS_OVERRIDES (a later override wins): tiny.yaml's warm-up, and a decay that does
+# not depend on train.steps, so that a one-step resume takes the long run's learning rate.
 LONG = [f"train.steps={STEPS}", f"checkpoint.every={EVERY}", f"checkpoint.keep={STEPS}",
         "optim.warmup_steps=20", f"optim.decay_steps={STEPS}"]
 
@@ -35,11 +35,12 @@ def long_run(tmp_path_factory):
     """Two processes train 60 steps (checkpoints every 10); one process trains the same 60."""
     tmp = tmp_path_factory.mktemp("long")
     (tmp / "logs").mkdir()
-    procs = _start(tmp / "two", tmp / "logs", "long", *LONG)
-    assert _wait(procs, timeout=1800) == [0, 0], [p.read_text()[-2000:]
-                                                  for p in (tmp / "logs").iterdir()]
-    cfg = config.load([ROOT / "configs" / "tiny.yaml"], [*OVERRIDES, *LONG, f"run.dir={tmp / 'one'}"])
-    return dict(two=_rows(tmp / "two"), one=train_lib.train(cfg), cfg=cfg, tmp=tmp)
+    procs = start_processes(tmp / "two", tmp / "logs", "long", *LONG)
+    assert wait_processes(procs, timeout=1800) == [0, 0], [p.read_text()[-2000:]
+                                                           for p in (tmp / "logs").iterdir()]
+    cfg = config.load([ROOT / "configs" / "tiny.yaml"],
+                      [*MULTIPROCESS_OVERRIDES, *LONG, f"run.dir={tmp / 'one'}"])
+    return dict(two=metrics_rows(tmp / "two"), one=train_lib.train(cfg), cfg=cfg, tmp=tmp)
 
 
 def test_every_step_from_the_same_state_agrees_to_rounding(long_run):

@@ -15,20 +15,16 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import PARALLEL_STEPS, initial_gradients, parallel_config, tiny_config
 
-from jaxtron import config, data, parallel
+from jaxtron import data
 from jaxtron.config import DataConfig, DatasetEntry
 from jaxtron.data import corpus, tokenizer
-from jaxtron.step import empty_histories, global_batch, loss_and_grads
-from jaxtron.step.optim import make_optimizer
-from jaxtron.step.state import init_state, make_plan
 from jaxtron.train.loop import train
 
 RTOL = 1e-5  # losses
 NORM_RTOL = 1e-5  # grad norms
 GRAD_TOL = 1e-5  # each gradient array, relative to its norm
-STEPS = 5
 MESHES = [
     {"data": 8, "fsdp": 1},
     {"fsdp": 8},
@@ -42,36 +38,11 @@ MESHES = [
 MESH_IDS = [",".join(f"{k}={v}" for k, v in m.items()) for m in MESHES]
 
 
-def _cfg(tmp_path, mesh: dict, *extra: str, inputs: DataConfig | None = None) -> config.Config:
-    cfg = tiny_config(*(f"mesh.{axis}={size}" for axis, size in mesh.items()),
-                      f"train.steps={STEPS}", "train.log_every=1", "train.batch_size=16",
-                      "train.seq_len=128", "optim.warmup_steps=0", *extra,
-                      run_dir=tmp_path / "run")
-    return cfg if inputs is None else dataclasses.replace(cfg, data=inputs)
-
-
 def _curves(tmp_path, devices, mesh: dict, *extra: str,
             inputs: DataConfig | None = None) -> dict[str, np.ndarray]:
     """Per-step loss and grad_norm of a real training run (on `inputs`, else the default)."""
-    history = train(_cfg(tmp_path, mesh, *extra, inputs=inputs), devices=devices)
+    history = train(parallel_config(tmp_path, mesh, *extra, inputs=inputs), devices=devices)
     return {key: np.array([row[key] for row in history]) for key in ("loss", "grad_norm")}
-
-
-def _gradients(tmp_path, devices, mesh: dict, *extra: str,
-               inputs: DataConfig | None = None) -> tuple[float, dict]:
-    """Loss and gradients at the initial weights on the first training batch."""
-    cfg = _cfg(tmp_path, mesh, *extra, inputs=inputs)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, len(devices))
-    mesh_ = parallel.make_mesh(cfg.mesh, devices)
-    grad_fn = jax.jit(lambda params, batch: loss_and_grads(
-        params, plan.graphdef, batch, plan.accumulation, plan.pipe,
-        histories=empty_histories(plan.histories)))
-    with jax.set_mesh(mesh_):
-        batch = global_batch(next(data.make_batches(cfg.data, cfg.train, cfg.model.vocab_size)),
-                             mesh_)
-        loss, grads, _ = grad_fn(init_state(cfg, plan, tx, mesh_)["params"], batch=batch)
-    return float(loss), jax.device_get(grads)
 
 
 def _assert_grads_close(grads: dict, reference: dict) -> None:
@@ -90,7 +61,7 @@ def one_device(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_device_grads(tmp_path_factory):
-    return _gradients(tmp_path_factory.mktemp("one_grads"), jax.devices()[:1], {"fsdp": 1})
+    return initial_gradients(tmp_path_factory.mktemp("one_grads"), jax.devices()[:1], {"fsdp": 1})
 
 
 # data=8 (the batch split only, as fsdp=8 splits it too) and the context meshes with tensor or
@@ -104,7 +75,7 @@ SLOW_CURVES = [{"data": 8, "fsdp": 1}, {"context": 2, "tensor": 2, "fsdp": 2},
     for m in MESHES], ids=MESH_IDS)
 def test_mesh_matches_one_device(tmp_path, one_device, mesh):
     curves = _curves(tmp_path, jax.devices(), mesh)
-    assert curves["loss"].shape == (STEPS,) and np.all(np.isfinite(curves["loss"]))
+    assert curves["loss"].shape == (PARALLEL_STEPS,) and np.all(np.isfinite(curves["loss"]))
     assert curves["loss"][-1] < curves["loss"][0] - 0.5  # it is training, not just agreeing
     np.testing.assert_allclose(curves["loss"], one_device["loss"], rtol=RTOL)
     np.testing.assert_allclose(curves["grad_norm"], one_device["grad_norm"], rtol=NORM_RTOL)
@@ -112,7 +83,7 @@ def test_mesh_matches_one_device(tmp_path, one_device, mesh):
 
 @pytest.mark.parametrize("mesh", MESHES, ids=MESH_IDS)
 def test_mesh_gradients_match_one_device(tmp_path, one_device_grads, mesh):
-    loss, grads = _gradients(tmp_path, jax.devices(), mesh)
+    loss, grads = initial_gradients(tmp_path, jax.devices(), mesh)
     np.testing.assert_allclose(loss, one_device_grads[0], rtol=RTOL)
     _assert_grads_close(grads, one_device_grads[1])
 
@@ -121,7 +92,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, one_device, one_d
     """train.microbatches=2 sums the same gradients as one batch of 16 (here on data=2,fsdp=4):
     every gradient array at the start, and the loss and grad-norm curves of 5 updates."""
     mesh, micro = {"data": 2, "fsdp": 4}, "train.microbatches=2"
-    loss, grads = _gradients(tmp_path / "grads", jax.devices(), mesh, micro)
+    loss, grads = initial_gradients(tmp_path / "grads", jax.devices(), mesh, micro)
     np.testing.assert_allclose(loss, one_device_grads[0], rtol=RTOL)
     _assert_grads_close(grads, one_device_grads[1])
     curves = _curves(tmp_path, jax.devices(), mesh, micro)
@@ -140,7 +111,8 @@ def test_plain_tensor_matmuls_match_one_device(tmp_path, one_device_grads, mesh,
     """model.collective_matmul=false: the tensor-parallel matmuls as XLA partitions them, with
     their all-gathers and reduce-scatters, give the one-device loss and gradients (the default,
     collective matmuls, runs in the mesh tests above: measured <= 6e-8 of each gradient's norm)."""
-    loss, grads = _gradients(tmp_path, jax.devices(), mesh, "model.collective_matmul=false", *extra)
+    loss, grads = initial_gradients(tmp_path, jax.devices(), mesh, "model.collective_matmul=false",
+                                    *extra)
     np.testing.assert_allclose(loss, one_device_grads[0], rtol=RTOL)
     _assert_grads_close(grads, one_device_grads[1])
 
@@ -150,7 +122,7 @@ def short_documents(tmp_path_factory) -> DataConfig:
     """A prepared dataset of 2 to 19 random tokens per document (the default corpus's
     tokenizer): every 128-token row packs several, so documents begin and end inside the context
     ranks' pieces of 16 positions and run across their boundaries."""
-    from test_data import write_dataset
+    from helpers import write_dataset
 
     cfg = tiny_config()
     tokenizer.load_tokenizer(cfg.data, cfg.model.vocab_size)
@@ -166,7 +138,7 @@ def test_context_parallel_trains_packed_documents_like_one_device(tmp_path, shor
     """The issue's check: mesh.context=4 mesh.fsdp=2 on packed short documents against one
     device, 5 steps of losses and grad norms, and every gradient array at the start. Measured:
     losses and grad norms within 3e-7 relative (asserted 1e-5)."""
-    cfg = _cfg(tmp_path / "look", {"fsdp": 1}, inputs=short_documents)
+    cfg = parallel_config(tmp_path / "look", {"fsdp": 1}, inputs=short_documents)
     batch = next(data.make_batches(cfg.data, cfg.train, cfg.model.vocab_size))
     segments = np.asarray(batch["segment_ids"])
     assert np.mean([len(set(row) - {0}) for row in segments]) >= 4  # several per row
@@ -179,8 +151,8 @@ def test_context_parallel_trains_packed_documents_like_one_device(tmp_path, shor
     assert got["loss"][-1] < got["loss"][0] - 0.5
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=RTOL)
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=NORM_RTOL)
-    loss, grads = _gradients(tmp_path / "g", jax.devices(), mesh, inputs=short_documents)
-    reference = _gradients(tmp_path / "g1", jax.devices()[:1], one, inputs=short_documents)
+    loss, grads = initial_gradients(tmp_path / "g", jax.devices(), mesh, inputs=short_documents)
+    reference = initial_gradients(tmp_path / "g1", jax.devices()[:1], one, inputs=short_documents)
     np.testing.assert_allclose(loss, reference[0], rtol=RTOL)
     _assert_grads_close(grads, reference[1])
 

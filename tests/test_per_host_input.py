@@ -15,8 +15,16 @@ import grain
 import jax
 import numpy as np
 import pytest
-from test_data import _docs, write_dataset
-from test_multiprocess import OVERRIDES, ROOT, RTOL, _rows, _start, _wait
+from helpers import (
+    MULTIPROCESS_OVERRIDES,
+    MULTIPROCESS_RTOL,
+    ROOT,
+    metrics_rows,
+    random_docs,
+    start_processes,
+    wait_processes,
+    write_dataset,
+)
 
 from jaxtron import config, parallel
 from jaxtron import data as data_lib
@@ -50,10 +58,11 @@ def sources(tmp_path_factory) -> dict:
         [line for text in texts for line in text.splitlines()], VOCAB))
     stdlib = DataConfig(tokenizer=str(model))
     corpus_lib.load_corpus(stdlib, tokenizer_lib.load_tokenizer(stdlib, VOCAB))  # cached
-    a = write_dataset(tmp / "a", {"train": _docs(0, 300, 300, 3, 500),
-                                  "val": _docs(1, 10, 300, 3, 500)}, model)
-    b = write_dataset(tmp / "b", {"train": _docs(2, 100, 1500, 500, VOCAB),
-                                  "val": _docs(3, 5, 1500, 500, VOCAB)}, model, "int32", shards=3)
+    a = write_dataset(tmp / "a", {"train": random_docs(0, 300, 300, 3, 500),
+                                  "val": random_docs(1, 10, 300, 3, 500)}, model)
+    b = write_dataset(tmp / "b", {"train": random_docs(2, 100, 1500, 500, VOCAB),
+                                  "val": random_docs(3, 5, 1500, 500, VOCAB)}, model, "int32",
+                      shards=3)
     mixture = DataConfig(source="arrayrecord", mixture=[DatasetEntry(a, 0.6), DatasetEntry(b, 0.4)])
     print(f"\nsources ready in {time.perf_counter() - start:.1f} s")
     return {"stdlib": stdlib, "mixture": mixture, "model": str(model)}
@@ -152,9 +161,9 @@ def test_two_processes_build_half_the_rows_and_train_as_one(sources, tmp_path, c
     logs = tmp_path / "logs"
     logs.mkdir()
     overrides = [*MESH, f"data.tokenizer={sources['model']}"]
-    procs = _start(tmp_path / "run", logs, "rows", *overrides)
+    procs = start_processes(tmp_path / "run", logs, "rows", *overrides)
     try:
-        codes = _wait(procs, timeout=300)
+        codes = wait_processes(procs, timeout=300)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -165,11 +174,11 @@ def test_two_processes_build_half_the_rows_and_train_as_one(sources, tmp_path, c
     for text in out:
         assert "input: 8 of 16 rows per step" in text, text[-3000:]
     cfg = config.load([ROOT / "configs" / "tiny.yaml"],
-                      [*OVERRIDES, *overrides, f"run.dir={tmp_path / 'reference'}"])
+                      [*MULTIPROCESS_OVERRIDES, *overrides, f"run.dir={tmp_path / 'reference'}"])
     reference_rows = train_lib.train(cfg)
-    rows = _rows(tmp_path / "run")
+    rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in rows], [r[key] for r in reference_rows],
-                                   rtol=RTOL)
+                                   rtol=MULTIPROCESS_RTOL)
     assert "input: 16 of 16 rows per step" in capsys.readouterr().out

@@ -17,7 +17,7 @@ from jaxtron.step.optim import make_optimizer
 from jaxtron.step.state import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron.commands import plan as plan_tool
 
@@ -258,7 +258,6 @@ def test_a_find_part_no_layout_name_has_is_refused_before_planning(capsys):
     out, err = capsys.readouterr()
     assert out == "", out
     assert_refused(rc, err, "--find TP1 XX9", "'XX9'", "TP8", "PP2", "FSDP16", "remat=full")
-
 
 
 def test_find_accepts_every_part_a_layout_name_prints():

@@ -18,9 +18,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "plot.py"
 STEMS = ("loss", "lr", "throughput", "mfu", "grad_norm")
 
 
-
-
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron.commands import plot
 

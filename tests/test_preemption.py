@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import alive_pids, child_pids, run_until, saved_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -42,31 +43,6 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in rows}
 
 
-def _run_until(cmd: list[str], run_dir: Path, step: int, sig: int, saved: int = 0) -> int:
-    """Start `cmd`, send `sig` once metrics.jsonl has reached `step` (and checkpoint `saved`, which
-    is written in the background, is on disk); return the exit status."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 300
-        metrics, checkpoint = run_dir / "metrics.jsonl", run_dir / "checkpoints" / str(saved)
-        while time.time() < deadline and proc.poll() is None:
-            if metrics.exists() and (not saved or checkpoint.is_dir()) and any(
-                    json.loads(line)["step"] >= step  # whole lines: the last may be mid-write
-                    for line in metrics.read_text().split("\n")[:-1] if line):
-                proc.send_signal(sig)
-                break
-            time.sleep(0.02)
-        return proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)  # reaped: no zombie, and its files are closed before the next run
-
-
-def _saved_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
@@ -81,9 +57,9 @@ def straight(tmp_path_factory) -> dict[int, float]:
 def test_sigkill_then_rerun_is_bit_exact(tmp_path, straight, kill_at):
     run_dir = tmp_path / "run"
     cmd = _cmd(run_dir, "checkpoint.every=3")
-    status = _run_until(cmd, run_dir, kill_at, signal.SIGKILL, saved=kill_at // 3 * 3)
+    status = run_until(cmd, run_dir, kill_at, signal.SIGKILL, saved=kill_at // 3 * 3)
     assert status == -signal.SIGKILL
-    saved = _saved_steps(run_dir)
+    saved = saved_steps(run_dir)
     assert saved and max(saved) % 3 == 0 and max(saved) < STEPS  # died after a checkpoint
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
     resumed = _losses(run_dir)
@@ -105,8 +81,8 @@ def test_sigkill_then_rerun_is_bit_exact_with_fp8_delayed_scaling(tmp_path):
     run_dir = tmp_path / "run"
     cmd = _cmd(run_dir, "train.steps=6", "checkpoint.every=3", "model.fp8=delayed",
                "model.fp8_history=2")
-    assert _run_until(cmd, run_dir, 5, signal.SIGKILL, saved=3) == -signal.SIGKILL
-    assert _saved_steps(run_dir) == [3]
+    assert run_until(cmd, run_dir, 5, signal.SIGKILL, saved=3) == -signal.SIGKILL
+    assert saved_steps(run_dir) == [3]
     killed = _rows(run_dir)
     assert {4, 5} <= set(killed) and "fp8_amax_g" in killed[5]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
@@ -142,14 +118,14 @@ def test_sigkill_during_a_saves_commit_keeps_the_previous_checkpoint(tmp_path, s
         "PYTHONPATH")]))}
     killed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert _saved_steps(run_dir) == [3]
+    assert saved_steps(run_dir) == [3]
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.isdigit()]
     assert any(name.startswith("6.") for name in leftovers), leftovers  # the cut commit's
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert "resumed from" in rerun.stdout and "step 3" in rerun.stdout
     assert _losses(run_dir) == straight
-    assert _saved_steps(run_dir) == [6, 9, 10]  # checkpoint.keep=3
+    assert saved_steps(run_dir) == [6, 9, 10]  # checkpoint.keep=3
     assert [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.isdigit()] == []
 
 
@@ -157,10 +133,10 @@ def test_sigkill_during_a_saves_commit_keeps_the_previous_checkpoint(tmp_path, s
 def test_sigterm_saves_the_interrupted_step_and_resumes_exactly(tmp_path, straight, entry):
     run_dir = tmp_path / "run"
     cmd = _cmd(run_dir, "checkpoint.every=1000", entry=entry)  # only the signal and the end save
-    status = _run_until(cmd, run_dir, 3, signal.SIGTERM)
+    status = run_until(cmd, run_dir, 3, signal.SIGTERM)
     assert status == 75  # launch.EXIT_PREEMPTED
     logged = max(_losses(run_dir))
-    assert _saved_steps(run_dir) == [logged]  # the checkpoint is of the step it stopped at
+    assert saved_steps(run_dir) == [logged]  # the checkpoint is of the step it stopped at
     assert 3 <= logged < STEPS
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -170,10 +146,10 @@ def test_sigterm_saves_the_interrupted_step_and_resumes_exactly(tmp_path, straig
 
 def test_sighup_from_a_closed_terminal_saves_the_step_like_sigterm(tmp_path):
     run_dir = tmp_path / "run"
-    status = _run_until(_cmd(run_dir, "checkpoint.every=1000"), run_dir, 3, signal.SIGHUP)
+    status = run_until(_cmd(run_dir, "checkpoint.every=1000"), run_dir, 3, signal.SIGHUP)
     assert status == 75
     logged = max(_losses(run_dir))
-    assert _saved_steps(run_dir) == [logged] and 3 <= logged < STEPS
+    assert saved_steps(run_dir) == [logged] and 3 <= logged < STEPS
 
 
 def test_a_signal_during_an_evaluation_saves_that_step_without_finishing_it(tmp_path):
@@ -193,35 +169,9 @@ def test_a_signal_during_an_evaluation_saves_that_step_without_finishing_it(tmp_
     cmd = _cmd(run_dir, "checkpoint.every=1000", "train.eval_every=2", "train.eval_batches=4000",
                "data.source=arrayrecord", f"data.mixture=[{{path: {held_out}}}]",
                "model.vocab_size=1024", "model.num_layers=4")
-    assert _run_until(cmd, run_dir, 2, signal.SIGINT) == 75
-    assert _saved_steps(run_dir) == [2]
+    assert run_until(cmd, run_dir, 2, signal.SIGINT) == 75
+    assert saved_steps(run_dir) == [2]
     assert (run_dir / "eval.jsonl").read_text() == ""  # step 2's evaluation never finished
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pids: list[int]) -> list[int]:
-    """Those of `pids` still running (not gone, not a zombie waiting to be reaped)."""
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
 
 
 def test_the_data_workers_end_with_a_run_killed_by_sigkill(tmp_path):
@@ -236,15 +186,15 @@ def test_the_data_workers_end_with_a_run_killed_by_sigkill(tmp_path):
         while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
             assert time.time() < deadline and proc.poll() is None, "no step was logged"
             time.sleep(0.05)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert workers  # the Grain worker (and multiprocessing's resource tracker)
     finally:
         proc.kill()
         proc.wait(timeout=60)
     deadline = time.time() + 30
-    while _alive(workers) and time.time() < deadline:
+    while alive_pids(workers) and time.time() < deadline:
         time.sleep(0.1)
-    left = _alive(workers)
+    left = alive_pids(workers)
     for pid in left:  # not to leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert left == []
@@ -274,7 +224,7 @@ def test_a_stop_sent_to_every_process_of_the_job_is_one_line(tmp_path, sig):
     # plugin (the gpu-aot extra) but no NVIDIA driver, absl logs that at each worker's start.
     lines = [line for line in err.splitlines() if not line.startswith(PLUGIN_NOISE)]
     assert proc.returncode == 75 and len(lines) == 1, err[-3000:]
-    assert lines[0].startswith(f"preempted by signal {int(sig)} at step ") and _saved_steps(run_dir)
+    assert lines[0].startswith(f"preempted by signal {int(sig)} at step ") and saved_steps(run_dir)
 
 
 def test_data_workers_that_end_with_the_run_leave_nothing_behind():
@@ -297,7 +247,7 @@ def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path):
     proc.stdout.readline()
     proc.stdout.close()  # the reader exits
     assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
-    assert _saved_steps(run_dir) == [STEPS]
+    assert saved_steps(run_dir) == [STEPS]
     assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
 
 
@@ -382,6 +332,6 @@ def test_nohup_keeps_a_run_going_when_the_terminal_hangs_up(tmp_path):
     same signal without nohup checkpoints and exits 75: the SIGHUP test above.)"""
     run_dir = tmp_path / "run"
     nohup = ["sh", "-c", 'trap "" HUP && exec "$@"', "nohup"]  # no preexec_fn: no fork of jax
-    status = _run_until([*nohup, *_cmd(run_dir, "checkpoint.every=1000")], run_dir, 2,
-                        signal.SIGHUP)
-    assert status == 0 and _saved_steps(run_dir) == [STEPS]
+    status = run_until([*nohup, *_cmd(run_dir, "checkpoint.every=1000")], run_dir, 2,
+                       signal.SIGHUP)
+    assert status == 0 and saved_steps(run_dir) == [STEPS]

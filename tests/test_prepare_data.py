@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron.config import ConfigError
 from jaxtron.data.tokenizer import train_tokenizer
@@ -650,7 +650,7 @@ def test_a_stop_midway_keeps_the_finished_units_and_says_so(tmp_path, tokenizer,
 def test_the_workers_end_with_a_parent_killed_by_sigkill(tmp_path, tokenizer, corpus):
     """kill -9 of prepare_data left its worker tokenizing into --out (41 files 5 s after the
     kill); now the workers die with it: nothing more is written, and the rerun finishes."""
-    from test_preemption import _alive, _children
+    from helpers import alive_pids, child_pids
 
     _, texts = corpus
     big = tmp_path / "big.jsonl"  # one unit of some seconds' work: shards appear as it goes
@@ -666,16 +666,16 @@ def test_the_workers_end_with_a_parent_killed_by_sigkill(tmp_path, tokenizer, co
         while proc.poll() is None and not list(cut.glob("train-*.arrayrecord")):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
     finally:
         proc.kill()
         proc.wait(timeout=60)
     deadline = time.monotonic() + 10  # a worker looks for its parent every 0.2 s
-    while _alive(workers) and time.monotonic() < deadline:
+    while alive_pids(workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     written = sorted(cut.iterdir())
     time.sleep(1)
-    left = _alive(workers)
+    left = alive_pids(workers)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert workers and left == [] and sorted(cut.iterdir()) == written
@@ -721,7 +721,7 @@ def test_ctrl_c_as_the_workers_start_is_the_parents_one_line(tmp_path, tokenizer
     """A terminal's Ctrl-C reaches the whole process group, the pool's workers too: as they
     started (importing jax: a second) each printed a KeyboardInterrupt traceback under
     `jaxtron prepare-data`. They start with SIGINT blocked now: the parent's one line, 130."""
-    from test_preemption import _children
+    from helpers import child_pids
 
     out = tmp_path / "ds"
     proc = subprocess.Popen([sys.executable, *command, *map(str, corpus[0]), "--tokenizer",
@@ -730,7 +730,7 @@ def test_ctrl_c_as_the_workers_start_is_the_parents_one_line(tmp_path, tokenizer
                             start_new_session=True)  # its own group, as a shell's job
     try:
         deadline = time.monotonic() + 120
-        while proc.poll() is None and len(_children(proc.pid)) < 3:  # the resource tracker, and
+        while proc.poll() is None and len(child_pids(proc.pid)) < 3:  # the resource tracker, and
             assert time.monotonic() < deadline  # the first worker starting
             time.sleep(0.005)
         for _ in range(20):  # through the workers' imports, as a user pressing it again would

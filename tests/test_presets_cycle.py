@@ -4,7 +4,7 @@ order each names the next (it named only the one it came back to)."""
 import os
 
 import pytest
-from conftest import assert_refused
+from helpers import assert_refused
 
 import launch
 from jaxtron import config

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import grain
 import numpy as np
 import pytest
-from conftest import assert_refused
+from helpers import assert_refused
 
 from jaxtron import config
 from jaxtron.checkpoint import LOCK_FILE, Checkpoints, CheckpointSaveError

@@ -10,14 +10,12 @@ import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import grain
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from helpers import BPE_LEARNED, BPE_LINES, LLAMA3, STDLIB, build_bpe, ids_of
 from transformers import PreTrainedTokenizerFast
 
 from jaxtron import data as data_lib
@@ -27,46 +25,11 @@ from jaxtron.data import prepared
 from jaxtron.data.tokenizer import from_path, load_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-LINES = [line for name in ("textwrap.py", "string.py")
-         for line in (STDLIB / name).read_text().split("\n") if line][:600]
 UNICODE = "héllo — 世界 🐍 naïve\tcafé\r\n"
 TEXTS = [UNICODE, (STDLIB / "textwrap.py").read_text(), "  x = 1\n\n\tif y:  pass  ", ""]
-LEARNED = 500  # byte-level BPE pieces before the special tokens
 
-LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 LLAMA2 = ["<unk>", "<s>", "</s>"]
 QWEN2 = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def build_bpe(folder: Path, specials: list[str], config: dict | None = None,
-              bos_template: str | None = None) -> Path:
-    """folder/tokenizer.json: byte-level BPE trained on LINES, `specials` added after it, the
-    template's token prepended by the post-processor as Llama's tokenizer.json does, and a
-    tokenizer_config.json beside it when `config` is given."""
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(LINES, trainers.BpeTrainer(
-        vocab_size=LEARNED, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    assert hf.get_vocab_size() == LEARNED
-    hf.add_special_tokens(specials)
-    if bos_template:
-        hf.post_processor = processors.TemplateProcessing(
-            single=f"{bos_template} $A", special_tokens=[(bos_template,
-                                                          hf.token_to_id(bos_template))])
-    folder.mkdir(parents=True, exist_ok=True)
-    hf.save(str(folder / "tokenizer.json"))
-    if config is not None:
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder / "tokenizer.json"
-
-
-def ids_of(path: Path, *tokens: str) -> list[int]:
-    """The ids the tokenizers library gives these tokens in the file's vocabulary."""
-    hf = HFTokenizer.from_file(str(path))
-    return [hf.token_to_id(t) for t in tokens]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +46,7 @@ def qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("sp") / "small.model"
-    path.write_bytes(train_tokenizer(LINES + UNICODE.split("\n"), 400))
+    path.write_bytes(train_tokenizer(BPE_LINES + UNICODE.split("\n"), 400))
     return path
 
 
@@ -92,8 +55,8 @@ def test_tokenizer_json_encodes_as_transformers_without_special_tokens(llama3):
     tok = from_path(llama3)
     fast = PreTrainedTokenizerFast(tokenizer_file=str(llama3))
     bos, eos = ids_of(llama3, "<|begin_of_text|>", "<|end_of_text|>")
-    assert (bos, eos) == (LEARNED, LEARNED + 1)
-    assert (tok.bos_id(), tok.eos_id(), tok.get_piece_size()) == (bos, eos, LEARNED + 3)
+    assert (bos, eos) == (BPE_LEARNED, BPE_LEARNED + 1)
+    assert (tok.bos_id(), tok.eos_id(), tok.get_piece_size()) == (bos, eos, BPE_LEARNED + 3)
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids == fast.encode(text, add_special_tokens=False)
@@ -104,7 +67,7 @@ def test_tokenizer_json_encodes_as_transformers_without_special_tokens(llama3):
     assert tok.encode("a<|end_of_text|>b")[1] == eos  # special tokens in text, as transformers
     assert tok.decode(np.array([bos, *tok.encode("x")], np.int32)) == "<|begin_of_text|>x"
     assert (tok.piece_to_id("<|eot_id|>"), tok.piece_to_id("nope"), tok.id_to_piece(eos)) == (
-        LEARNED + 2, None, "<|end_of_text|>")
+        BPE_LEARNED + 2, None, "<|end_of_text|>")
     assert tok.file == "tokenizer.json" and tok.files == {"tokenizer.json": llama3.read_bytes()}
     assert tok.sha256 == hashlib.sha256(llama3.read_bytes()).hexdigest()
 
@@ -151,7 +114,7 @@ def test_bos_and_eos_follow_each_family(tmp_path, specials, config, bos, eos):
     path = build_bpe(tmp_path, specials, config)
     tok = from_path(path)
     assert (tok.bos_id(), tok.eos_id()) == tuple(ids_of(path, bos, eos))
-    assert tok.eos_id() >= LEARNED  # a special token, not a learned piece
+    assert tok.eos_id() >= BPE_LEARNED  # a special token, not a learned piece
 
 
 def _one_line_error(path, message: str) -> None:
@@ -215,10 +178,11 @@ def test_stdlib_batches_put_bos_and_eos_around_documents(llama3, tmp_path):
     data = DataConfig(tokenizer=str(path), cache_dir=str(tmp_path))
     tok = from_path(path)
     bos, eos = ids_of(path, *LLAMA3[:2])
-    with pytest.raises(ConfigError, match=f"^model.vocab_size={LEARNED + 2} is smaller than the "
-                       f"tokenizer's {LEARNED + 3} pieces; raise it$"):
-        data_lib.make_batches(data, TrainConfig(), LEARNED + 2)
-    it = data_lib.make_batches(data, TrainConfig(batch_size=16, seq_len=256, seed=3), LEARNED + 3)
+    with pytest.raises(ConfigError, match=f"^model.vocab_size={BPE_LEARNED + 2} is smaller than "
+                       f"the tokenizer's {BPE_LEARNED + 3} pieces; raise it$"):
+        data_lib.make_batches(data, TrainConfig(), BPE_LEARNED + 2)
+    it = data_lib.make_batches(data, TrainConfig(batch_size=16, seq_len=256, seed=3),
+                               BPE_LEARNED + 3)
     batches = [next(it) for _ in range(20)]
     it.close()
     docs = corpus_lib.load_corpus(data, tok)
@@ -245,7 +209,7 @@ def _split(out: Path, split: str) -> list[list[int]]:
 
 
 def test_prepared_dataset_with_a_tokenizer_json(tmp_path, qwen2, sp_model):
-    docs = [line + "\n" + UNICODE for line in LINES[:300]]
+    docs = [line + "\n" + UNICODE for line in BPE_LINES[:300]]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     out = tmp_path / "ds"
     out.mkdir()
@@ -261,7 +225,8 @@ def test_prepared_dataset_with_a_tokenizer_json(tmp_path, qwen2, sp_model):
     manifest = json.loads((out / "manifest.json").read_text())
     (eos,) = ids_of(qwen2, "<|endoftext|>")
     assert manifest["tokenizer"] == {"file": "tokenizer.json", "sha256": hashlib.sha256(
-        qwen2.read_bytes()).hexdigest(), "vocab_size": LEARNED + 3, "bos_id": eos, "eos_id": eos}
+        qwen2.read_bytes()).hexdigest(), "vocab_size": BPE_LEARNED + 3, "bos_id": eos,
+        "eos_id": eos}
     assert manifest["dtype"] == "uint16"
     assert sorted(p.name for p in out.glob("tokenizer*")) == ["tokenizer.json",
                                                              "tokenizer_config.json"]
@@ -270,8 +235,8 @@ def test_prepared_dataset_with_a_tokenizer_json(tmp_path, qwen2, sp_model):
 
     data = DataConfig(source="arrayrecord", mixture=[DatasetEntry(str(out), 1.0)],
                       cache_dir=str(tmp_path), tokenizer=str(qwen2))
-    assert prepared.dataset_tokenizer(data, LEARNED + 3).sha256 == tok.sha256
-    it = data_lib.make_batches(data, TrainConfig(batch_size=4, seq_len=64, seed=1), LEARNED + 3)
+    assert prepared.dataset_tokenizer(data, BPE_LEARNED + 3).sha256 == tok.sha256
+    it = data_lib.make_batches(data, TrainConfig(batch_size=4, seq_len=64, seed=1), BPE_LEARNED + 3)
     batches = [next(it) for _ in range(3)]
     it.close()
     starts, ends = check_segments(batches, [np.array(d) for d in _split(out, "train")], eos, eos)
@@ -284,7 +249,7 @@ def test_prepared_dataset_with_a_tokenizer_json(tmp_path, qwen2, sp_model):
     for other in (sp_model, build_bpe(tmp_path / "l2", LLAMA2), same_ids):
         with pytest.raises(ConfigError, match=f"^data.tokenizer={other} is not the datasets' "
                            "tokenizer .*with its bos and eos"):
-            data_lib.check_dataset(dataclasses.replace(data, tokenizer=str(other)), LEARNED + 3)
+            data_lib.check_dataset(dataclasses.replace(data, tokenizer=str(other)), BPE_LEARNED + 3)
     twin = tmp_path / "twin"  # the same ids in another dataset, but documents start otherwise
     shutil.copytree(out, twin)
     manifest["tokenizer"]["bos_id"] = ids_of(qwen2, "<|im_start|>")[0]
@@ -293,10 +258,10 @@ def test_prepared_dataset_with_a_tokenizer_json(tmp_path, qwen2, sp_model):
                                                                                         1.0)])
     with pytest.raises(ConfigError, match=f"^data.mixture path {twin} was tokenized with another "
                        f"tokenizer than {out}"):
-        data_lib.check_dataset(both, LEARNED + 3)
-    with pytest.raises(ConfigError, match=f"^model.vocab_size={LEARNED} is smaller than the "
-                       f"datasets' tokenizer \\({LEARNED + 3} pieces\\)"):
-        data_lib.check_dataset(data, LEARNED)
+        data_lib.check_dataset(both, BPE_LEARNED + 3)
+    with pytest.raises(ConfigError, match=f"^model.vocab_size={BPE_LEARNED} is smaller than the "
+                       f"datasets' tokenizer \\({BPE_LEARNED + 3} pieces\\)"):
+        data_lib.check_dataset(data, BPE_LEARNED)
 
 
 def test_prepare_refuses_a_tokenizer_json_without_eos_in_one_line(tmp_path):

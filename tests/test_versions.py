@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import assert_refused
+from helpers import assert_refused
 from packaging.requirements import Requirement
 
 import jaxtron

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, assert_refused, run_launch
+from helpers import ROOT, assert_refused, run_launch
 
 import launch
 from jaxtron.config import ConfigError, XlaConfig, load

@@ -16,6 +16,7 @@ checkpoint answers at once, without their start-up.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shlex
 import tempfile
@@ -141,21 +142,21 @@ def read_meta(step_dir: Path) -> dict:
 
 # What a start may not change of the model its checkpoints hold, per ModelConfig field. Any other
 # field may change on resume: an implementation of the same function (scan_layers, remat,
-# attention, attention_check, collective_matmul, moe_kernel), the compute precision (dtype; fp8
+# attention, attention_check, collective_matmul, moe.kernel), the compute precision (dtype; fp8
 # between none and tensorwise, which keep no state), the init (init_std: read at step 0 only), and
 # the training objective's knobs, which the weights' meaning does not depend on, as optim.* may
-# change: moe_aux_coef, moe_z_coef and capacity_factor (a compute budget per sequence: the pairs
-# over it are dropped, the router and experts stay those of the same dropless model).
+# change: moe.aux_coef, moe.z_coef and moe.capacity_factor (a compute budget per sequence: the
+# pairs over it are dropped, the router and experts stay those of the same dropless model).
 ARRAYS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
           "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype",
-          "num_experts")  # the saved arrays' shapes and dtypes: a restore into others fails
-MOE_ARRAYS = ("moe_mlp_dim",)  # the experts' width (0: mlp_dim), where both have experts
+          "moe.num_experts")  # the saved arrays' shapes and dtypes: a restore into others fails
+MOE_ARRAYS = ("moe.mlp_dim",)  # the experts' width (0: mlp_dim), where both have experts
 # The same arrays, another function: a resume in run.dir that changed one would go on training
 # (and save as the run's) another model than its steps so far trained, with no error. A new run
 # that starts from the checkpoint (checkpoint.restore, e.g. fine-tuning with a longer RoPE) may.
 FUNCTION = ("rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
             "rope_original_max_len", "norm_eps", "sliding_window")
-MOE_FUNCTION = ("experts_per_token", "norm_topk_prob")  # where both have experts
+MOE_FUNCTION = ("moe.experts_per_token", "moe.norm_topk_prob")  # where both have experts
 
 
 def model_changes(meta: dict, model: config_lib.ModelConfig, resume: bool = False) -> list[str]:
@@ -164,35 +165,38 @@ def model_changes(meta: dict, model: config_lib.ModelConfig, resume: bool = Fals
     `model.key=saved -> now`; empty when the model is the checkpoint's (an older or foreign meta
     is left to the restore)."""
     try:
-        saved = config_lib.ModelConfig(**{k: v for k, v in
-                                          yaml.safe_load(meta["config"])["model"].items()
-                                          if k in config_lib.ModelConfig.__dataclass_fields__})
+        saved = config_lib.model_config(yaml.safe_load(meta["config"])["model"])
     except (KeyError, TypeError, ValueError, AttributeError):
         return []  # an older or foreign meta: the restore itself decides
     keys = [*ARRAYS, *(FUNCTION if resume else ())]
-    if saved.num_experts and model.num_experts:  # a dense model reads none of these
+    if saved.moe.num_experts and model.moe.num_experts:  # a dense model reads none of these
         keys += [*MOE_ARRAYS, *(MOE_FUNCTION if resume else ())]
     changed = [_change(k, saved, model) for k in keys if _differs(k, saved, model)]
     if _histories(saved) != _histories(model):  # model.fp8=delayed's amax histories
         changed += [_change(k, saved, model)
-                    for k in ("fp8", "fp8_history") if getattr(saved, k) != getattr(model, k)]
+                    for k in ("fp8", "fp8_history") if _value(saved, k) != _value(model, k)]
     return changed
 
 
 def _differs(key: str, saved: config_lib.ModelConfig, model: config_lib.ModelConfig) -> bool:
-    """Field `key` differs as the checkpoint depends on it: moe_mlp_dim as the experts' width
+    """Field `key` differs as the checkpoint depends on it: moe.mlp_dim as the experts' width
     (0 and mlp_dim's value are the same width)."""
-    if getattr(saved, key) == getattr(model, key):
+    if _value(saved, key) == _value(model, key):
         return False
-    width = lambda m: m.moe_mlp_dim or m.mlp_dim
-    return key != "moe_mlp_dim" or width(saved) != width(model)
+    width = lambda m: m.moe.mlp_dim or m.mlp_dim
+    return key != "moe.mlp_dim" or width(saved) != width(model)
+
+
+def _value(model: config_lib.ModelConfig, key: str) -> Any:
+    """The field `key` names, dotted into a section (moe.num_experts)."""
+    return functools.reduce(getattr, key.split("."), model)
 
 
 def _change(key: str, saved: config_lib.ModelConfig, model: config_lib.ModelConfig) -> str:
     """`model.key=saved -> now`, as the key and values are written in an override."""
     shown = lambda v: str(v).lower() if isinstance(v, bool) else str(v)
     name = "head_dim" if key == "head_size" else key
-    return f"model.{name}={shown(getattr(saved, key))} -> {shown(getattr(model, key))}"
+    return f"model.{name}={shown(_value(saved, key))} -> {shown(_value(model, key))}"
 
 
 def _histories(model: config_lib.ModelConfig) -> int:
@@ -203,7 +207,10 @@ def _histories(model: config_lib.ModelConfig) -> int:
 def config_of(meta: dict) -> config_lib.Config:
     """The run config a checkpoint was saved with (its meta's YAML, read through the schema);
     keys the schema no longer has (a checkpoint of an older version) are left out."""
-    tree = _known(yaml.safe_load(meta["config"]) or {}, config_lib.Config)
+    tree = yaml.safe_load(meta["config"]) or {}
+    if isinstance(tree.get("model"), dict):  # a checkpoint of before model.moe: its keys moved
+        tree = {**tree, "model": config_lib.nested(tree["model"])}
+    tree = _known(tree, config_lib.Config)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         f.write(yaml.safe_dump(tree))
         f.flush()

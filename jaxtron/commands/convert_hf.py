@@ -24,6 +24,7 @@ checkpoints directory, whose rotation would delete it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import glob
 import json
@@ -165,8 +166,10 @@ def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
             context: int, compute_dtype: str) -> dict:
     """The config preset that fine-tunes an imported model."""
     skip = {"scan_layers", "remat", "attention", "attention_check", "collective_matmul",
-            "init_std"} | (set() if cfg.sliding_window else {"sliding_window"})
+            "init_std", "moe"} | (set() if cfg.sliding_window else {"sliding_window"})
     model = {f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__ if f not in skip}
+    if cfg.moe.num_experts:  # a dense model's preset has no experts' section
+        model["moe"] = dataclasses.asdict(cfg.moe)
     preset = {
         "model": {**model, "dtype": compute_dtype},
         "train": {"seq_len": min(context, CONTEXT, cfg.sliding_window or CONTEXT)},

@@ -29,16 +29,16 @@ import yaml
 from jaxtron import cli, lifecycle
 from jaxtron.checkpoint.damage import damage, meta_damage, step_dirs, survey
 from jaxtron.checkpoint.weights import locate, read_meta
-from jaxtron.config import ConfigError
+from jaxtron.config import ConfigError, nested
 from jaxtron.lifecycle import one_line_errors
 
 MODEL_KEYS = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "vocab_size", "tie_embeddings", "dtype", "param_dtype", "remat")
 # Shown only where they change the model from the plain dense one: experts (with their top-k and
 # width), FP8 matmuls, q/k norms, QKV biases, an attention window.
-SET_KEYS = {"num_experts": lambda m: m.get("num_experts"),
-            "experts_per_token": lambda m: m.get("num_experts"),
-            "moe_mlp_dim": lambda m: m.get("num_experts") and m.get("moe_mlp_dim"),
+SET_KEYS = {"moe.num_experts": lambda m: m.get("moe.num_experts"),
+            "moe.experts_per_token": lambda m: m.get("moe.num_experts"),
+            "moe.mlp_dim": lambda m: m.get("moe.num_experts") and m.get("moe.mlp_dim"),
             "fp8": lambda m: m.get("fp8", "none") != "none",
             "qk_norm": lambda m: m.get("qk_norm"), "qkv_bias": lambda m: m.get("qkv_bias"),
             "sliding_window": lambda m: m.get("sliding_window")}
@@ -84,6 +84,9 @@ def model_summary(config_yaml: str) -> str:
         return "(config unreadable)"
     if not isinstance(model, dict):
         return "(no model section)"
+    model = nested(model)  # a checkpoint of before model.moe: its keys moved
+    moe = model.pop("moe", None)
+    model.update({f"moe.{k}": v for k, v in moe.items()} if isinstance(moe, dict) else {})
     keys = [k for k in MODEL_KEYS if k in model]
     keys += [k for k, is_set in SET_KEYS.items() if k in model and is_set(model)]
     return ", ".join(f"{k}={model[k]}" for k in keys) or "(no model section)"

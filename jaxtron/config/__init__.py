@@ -2,6 +2,7 @@
 (presets.py), and the one error bad input raises (errors.py)."""
 
 from jaxtron.config.schema import (  # noqa: F401 - the names callers take from the package
+    FLAT_MOE,
     SOURCES,
     CheckpointConfig,
     Config,
@@ -10,6 +11,7 @@ from jaxtron.config.schema import (  # noqa: F401 - the names callers take from 
     DatasetEntry,
     MeshConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     PipelineConfig,
     RunConfig,
@@ -17,5 +19,7 @@ from jaxtron.config.schema import (  # noqa: F401 - the names callers take from 
     XlaConfig,
     check_warnings,
     load,
+    model_config,
+    nested,
     to_yaml,
 )

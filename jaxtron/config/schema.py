@@ -25,6 +25,57 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """model.moe: the experts' own section (jaxtron/model/moe.py). num_experts SwiGLU experts of
+    width mlp_dim (0: model.mlp_dim) replace every layer's MLP; each token goes to
+    experts_per_token of them, picked by a router's softmax over all experts, the top-k
+    renormalized when norm_topk_prob (Mixtral's softmax over its top-k logits is the same).
+    0 experts: a dense model."""
+
+    num_experts: int = 0
+    experts_per_token: int = 2
+    mlp_dim: int = 0
+    norm_topk_prob: bool = True
+    # 0: dropless (every token reaches its experts); > 0: an expert takes at most
+    # ceil(capacity_factor * seq_len * experts_per_token / num_experts) of each sequence's pairs
+    capacity_factor: float = 0.0
+    # load-balancing loss: transformers' Mixtral form per sequence, all layers (moe.sequence_aux)
+    aux_coef: float = 0.01
+    z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
+    # the experts' grouped matmuls: auto (mosaic on GPUs, where tokamax is installed; else xla),
+    # mosaic (tokamax's Mosaic GPU ragged_dot), triton (its Triton one: jax 0.10 only), xla
+    # (jax.lax.ragged_dot: on GPUs XLA runs it as a dense matmul of every row with every expert)
+    kernel: str = "auto"
+
+
+# The experts' keys as they were before model.moe held them (model.num_experts, ...): a
+# checkpoint's or a run's stored config reads them into the section (`nested`); typed by a user
+# they are refused, naming the key now.
+FLAT_MOE = {"num_experts": "num_experts", "experts_per_token": "experts_per_token",
+            "moe_mlp_dim": "mlp_dim", "norm_topk_prob": "norm_topk_prob",
+            "capacity_factor": "capacity_factor", "moe_aux_coef": "aux_coef",
+            "moe_z_coef": "z_coef", "moe_kernel": "kernel"}
+
+
+def nested(model: dict) -> dict:
+    """A stored `model` section with the experts' keys of before model.moe moved into it."""
+    flat = {FLAT_MOE[k]: v for k, v in model.items() if k in FLAT_MOE}
+    if not flat:
+        return model
+    rest = {k: v for k, v in model.items() if k not in FLAT_MOE}
+    return {**rest, "moe": {**flat, **(rest.get("moe") or {})}}
+
+
+def model_config(model: dict) -> ModelConfig:
+    """A stored `model` section (a checkpoint's meta, in this or an earlier layout) as a
+    ModelConfig; keys the schema does not have are left out."""
+    tree = nested(model)
+    known = lambda schema, d: {k: v for k, v in d.items() if k in schema.__dataclass_fields__}
+    return ModelConfig(**{**known(ModelConfig, tree),
+                          "moe": MoEConfig(**known(MoEConfig, tree.get("moe") or {}))})
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe (jaxtron/model/families.py); "": the one
     # the settings below make
@@ -65,24 +116,8 @@ class ModelConfig:
     fp8: str = "none"
     fp8_history: int = 1024
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (head_size wide) before RoPE
-    # Mixture of experts (jaxtron/model/moe.py): num_experts SwiGLU experts of width moe_mlp_dim
-    # (0: mlp_dim) replace every layer's MLP; each token goes to experts_per_token of them, picked
-    # by a router's softmax over all experts, the top-k renormalized when norm_topk_prob
-    # (Mixtral's softmax over its top-k logits is the same). 0 experts: a dense model.
-    num_experts: int = 0
-    experts_per_token: int = 2
-    moe_mlp_dim: int = 0
-    norm_topk_prob: bool = True
-    # 0: dropless (every token reaches its experts); > 0: an expert takes at most
-    # ceil(capacity_factor * seq_len * experts_per_token / num_experts) of each sequence's pairs
-    capacity_factor: float = 0.0
-    # load-balancing loss: transformers' Mixtral form per sequence, all layers (moe.sequence_aux)
-    moe_aux_coef: float = 0.01
-    moe_z_coef: float = 0.0  # router z-loss: mean logsumexp(router logits)^2, mean over layers
-    # the experts' grouped matmuls: auto (mosaic on GPUs, where tokamax is installed; else xla),
-    # mosaic (tokamax's Mosaic GPU ragged_dot), triton (its Triton one: jax 0.10 only), xla
-    # (jax.lax.ragged_dot: on GPUs XLA runs it as a dense matmul of every row with every expert)
-    moe_kernel: str = "auto"
+    # the experts of a mixture-of-experts family (mixtral, qwen3_moe); a dense model has none
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def head_size(self) -> int:
@@ -97,7 +132,7 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     stage: int = 1
-    expert: int = 1  # splits the experts (model.num_experts); the batch is split over it too
+    expert: int = 1  # splits the experts (model.moe.num_experts); the batch is split over it too
     # splits each sequence (context parallelism, jaxtron/parallel/context.py); weights are split
     # over it too (ZeRO-3), the batch is not
     context: int = 1
@@ -245,6 +280,8 @@ def _check_keys(tree: dict, schema: type, where: str) -> None:
         if key not in hints and ":" in str(key):  # YAML read `{path:/data}` as one key
             raise ConfigError(f"'{path}': YAML needs a space after the colon, e.g. "
                               f"{{{str(key).replace(':', ': ', 1)}}}")
+        if key not in hints and schema is ModelConfig and key in FLAT_MOE:
+            raise ConfigError(f"'{path}' is 'model.moe.{FLAT_MOE[key]}' now")
         if key not in hints:
             raise ConfigError(f"unknown config key '{path}'{_closest(key, list(hints), where)}")
         sub = hints[key]
@@ -321,11 +358,11 @@ def _ranges(cfg: Config) -> tuple:
         ("model.rope_low_freq_factor", m.rope_low_freq_factor, *above_0),
         ("model.rope_high_freq_factor", m.rope_high_freq_factor, *above_0),
         ("model.rope_original_max_len", m.rope_original_max_len, *above_0),
-        ("model.capacity_factor", m.capacity_factor, *at_least(0)),
-        ("model.moe_aux_coef", m.moe_aux_coef, *at_least(0)),
-        ("model.moe_z_coef", m.moe_z_coef, *at_least(0)),
-        ("model.num_experts", m.num_experts, *at_least(0)),
-        ("model.moe_mlp_dim", m.moe_mlp_dim, *at_least(0)),
+        ("model.moe.capacity_factor", m.moe.capacity_factor, *at_least(0)),
+        ("model.moe.aux_coef", m.moe.aux_coef, *at_least(0)),
+        ("model.moe.z_coef", m.moe.z_coef, *at_least(0)),
+        ("model.moe.num_experts", m.moe.num_experts, *at_least(0)),
+        ("model.moe.mlp_dim", m.moe.mlp_dim, *at_least(0)),
         ("model.norm_eps", m.norm_eps, *above_0), ("model.init_std", m.init_std, *above_0),
         ("train.eval_every", t.eval_every, *at_least(0)),
         ("train.eval_batches", t.eval_batches, *at_least(1)),
@@ -408,9 +445,9 @@ def check_values(cfg: Config) -> None:
         )
     if m.head_size % 2:
         raise ConfigError(f"head size {m.head_size} must be even for RoPE; set model.head_dim")
-    if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
-        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
-                          f"model.num_experts={m.num_experts}")
+    if m.moe.num_experts and not 1 <= m.moe.experts_per_token <= m.moe.num_experts:
+        raise ConfigError(f"model.moe.experts_per_token={m.moe.experts_per_token} must be between "
+                          f"1 and model.moe.num_experts={m.moe.num_experts}")
 
 
 def check_warnings(cfg: Config) -> list[str]:

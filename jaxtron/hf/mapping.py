@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config import ModelConfig, MoEConfig
 from jaxtron.model import abstract_model, family_of
 
 ParamPath = tuple[str, ...]  # keys into our nested param dict
@@ -94,7 +94,7 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 def mlp_family(cfg: ModelConfig) -> str:
     """Which MLPS naming `cfg` has: dense, or its family's experts (qwen3_moe, mixtral)."""
-    return family_of(cfg) if cfg.num_experts else "dense"
+    return family_of(cfg) if cfg.moe.num_experts else "dense"
 
 
 def _hf_names(pattern: str, num_layers: int, num_experts: int = 0) -> list[str]:
@@ -136,7 +136,7 @@ def check_names(names: Iterable[str], cfg: ModelConfig) -> None:
     if cfg.tie_embeddings:
         present.discard("lm_head.weight")  # tied checkpoints may still list it: see check_tied
     wanted = [n for pattern, _, _ in rows(cfg)
-              for n in _hf_names(pattern, cfg.num_layers, cfg.num_experts)]
+              for n in _hf_names(pattern, cfg.num_layers, cfg.moe.num_experts)]
     missing = [n for n in wanted if n not in present]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the config needs: "
@@ -180,7 +180,7 @@ def layer_params(get: Callable[[str], np.ndarray], cfg: ModelConfig,
     for pattern, path, (to_ours, _) in rows(cfg):
         if "{j}" in pattern:  # [E, D, F]: one HF tensor per expert
             out[path] = np.stack([_ours(pattern.format(i=layer, j=j), path, to_ours, get, cfg,
-                                        shapes[path][2:]) for j in range(cfg.num_experts)])
+                                        shapes[path][2:]) for j in range(cfg.moe.num_experts)])
         elif "{i}" in pattern:
             out[path] = _ours(pattern.format(i=layer), path, to_ours, get, cfg, shapes[path][1:])
     return out
@@ -209,7 +209,7 @@ def hf_layout(cfg: ModelConfig) -> list[tuple[str, ParamPath, int | None, Callab
             if "{j}" in pattern:
                 out += [(pattern.format(i=i, j=j), path, i,
                          lambda y, h, j=j, to_hf=to_hf: to_hf(y[j], h))
-                        for j in range(cfg.num_experts)]
+                        for j in range(cfg.moe.num_experts)]
             elif "{i}" in pattern:
                 out.append((pattern.format(i=i), path, i, to_hf))
     return out
@@ -304,7 +304,8 @@ def _kind_of(value: Any) -> str:
 
 
 def config_from_hf(hf_config: dict) -> dict:
-    """HF config.json dict -> our `model.*` overrides (ModelConfig field names)."""
+    """HF config.json dict -> our `model.*` settings (ModelConfig field names; model.moe as a
+    MoEConfig)."""
     hf = hf_config
     if hf.get("model_type") is None:
         raise ValueError(f"model_type is missing; add the family ({', '.join(SUPPORTED_TYPES)})")
@@ -332,19 +333,18 @@ def config_from_hf(hf_config: dict) -> dict:
 
 
 def _experts(hf: dict) -> dict:
-    """The model.* fields of a mixture of experts (Mixtral, Qwen3-MoE); {} for dense families.
-    Mixtral's softmax over its top-k logits is ours with the top-k renormalized."""
+    """model.moe of a mixture of experts (Mixtral, Qwen3-MoE); {} for dense families. Mixtral's
+    softmax over its top-k logits is ours with the top-k renormalized."""
     kind = hf["model_type"]
     if kind not in ("mixtral", "qwen3_moe"):
         return {}
     experts = _setting(hf, "num_local_experts", int, 0) or _setting(hf, "num_experts", int)
-    return {
-        "num_experts": experts,
-        "experts_per_token": _setting(hf, "num_experts_per_tok", int),
-        "moe_mlp_dim": (_setting(hf, "moe_intermediate_size", int) if kind == "qwen3_moe"
-                        else 0),
-        "norm_topk_prob": kind == "mixtral" or _setting(hf, "norm_topk_prob", bool, False),
+    return {"moe": MoEConfig(
+        num_experts=experts,
+        experts_per_token=_setting(hf, "num_experts_per_tok", int),
+        mlp_dim=_setting(hf, "moe_intermediate_size", int) if kind == "qwen3_moe" else 0,
+        norm_topk_prob=kind == "mixtral" or _setting(hf, "norm_topk_prob", bool, False),
         # transformers' default when the key is absent: MixtralConfig and Qwen3MoeConfig both
         # say router_aux_loss_coef: float = 0.001 (transformers 5.24)
-        "moe_aux_coef": _setting(hf, "router_aux_loss_coef", float, 0.001),
-    }
+        aux_coef=_setting(hf, "router_aux_loss_coef", float, 0.001),
+    )}

@@ -225,14 +225,14 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
 
 def _experts(cfg: ModelConfig, model_type: str) -> dict:
     """The config.json keys of a mixture of experts (the inverse of mapping._experts)."""
-    if not cfg.num_experts:
+    if not cfg.moe.num_experts:
         return {}
-    out = {"num_local_experts": cfg.num_experts, "num_experts": cfg.num_experts,
-           "num_experts_per_tok": cfg.experts_per_token,
-           "router_aux_loss_coef": cfg.moe_aux_coef, "output_router_logits": False}
+    out = {"num_local_experts": cfg.moe.num_experts, "num_experts": cfg.moe.num_experts,
+           "num_experts_per_tok": cfg.moe.experts_per_token,
+           "router_aux_loss_coef": cfg.moe.aux_coef, "output_router_logits": False}
     if model_type == "qwen3_moe":
-        out |= {"moe_intermediate_size": cfg.moe_mlp_dim or cfg.mlp_dim,
-                "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+        out |= {"moe_intermediate_size": cfg.moe.mlp_dim or cfg.mlp_dim,
+                "norm_topk_prob": cfg.moe.norm_topk_prob, "decoder_sparse_step": 1,
                 "mlp_only_layers": []}
     return out
 
@@ -243,7 +243,7 @@ def _intermediate_size(cfg: ModelConfig, model_type: str) -> int:
     moe_intermediate_size wide, and its intermediate_size is for dense layers, of which jaxtron
     makes none)."""
     if model_type == "mixtral":
-        return cfg.moe_mlp_dim or cfg.mlp_dim
+        return cfg.moe.mlp_dim or cfg.mlp_dim
     return cfg.mlp_dim
 
 
@@ -263,10 +263,10 @@ def _check_family(cfg: ModelConfig, model_type: str) -> None:
                           f"(model.sliding_window={cfg.sliding_window}); write it as 'mistral'")
     if needed != model_type:
         raise ConfigError(f"model_type '{model_type}' does not compute this model (QKV biases "
-                          f"{cfg.qkv_bias}, q/k norms {cfg.qk_norm}, experts {cfg.num_experts}); "
-                          f"write it as '{needed}'")
-    if model_type == "mixtral" and not cfg.norm_topk_prob:
-        raise ConfigError("Mixtral renormalizes its top-k router weights; model.norm_topk_prob="
+                          f"{cfg.qkv_bias}, q/k norms {cfg.qk_norm}, experts "
+                          f"{cfg.moe.num_experts}); write it as '{needed}'")
+    if model_type == "mixtral" and not cfg.moe.norm_topk_prob:
+        raise ConfigError("Mixtral renormalizes its top-k router weights; model.moe.norm_topk_prob="
                           "false has no Mixtral equivalent")
 
 

@@ -162,13 +162,13 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
-    experts when model.num_experts > 0 (jaxtron/model/moe.py)."""
+    experts when model.moe.num_experts > 0 (jaxtron/model/moe.py)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = moe.MoE(cfg, rngs) if cfg.num_experts else MLP(cfg, rngs)
+        self.mlp = moe.MoE(cfg, rngs) if cfg.moe.num_experts else MLP(cfg, rngs)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
                  ) -> tuple[jax.Array, dict]:

@@ -3,8 +3,9 @@ that family. The family names are Hugging Face's `model_type`s, which the checkp
 reads and writes (jaxtron/hf/). Adding a family is its module (with a `Transformer(cfg, rngs)`)
 and one row of FAMILIES; families that compute with the same blocks share a module.
 
-A config without the key (model.family="", as every config before it) is the family its
-settings make (`family_of`)."""
+A family's own settings are its typed section of the model config: the expert families take
+`model.moe` (MoEConfig), which dense families leave at its defaults. A config without the key
+(model.family="", as every config before it) is the family its settings make (`family_of`)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def family_of(cfg: ModelConfig) -> str:
     Mistral: an attention window; else Llama)."""
     if cfg.family:
         return cfg.family
-    if cfg.num_experts:
+    if cfg.moe.num_experts:
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
     return ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
             "mistral" if cfg.sliding_window else "llama")
@@ -59,8 +60,8 @@ def check(cfg: ModelConfig) -> None:
     wrong = [f"model.{key}={str(want).lower()}" for key, want, have in (
         ("qkv_bias", family.qkv_bias, cfg.qkv_bias), ("qk_norm", family.qk_norm, cfg.qk_norm))
         if want != have]
-    if family.experts != bool(cfg.num_experts):
-        wrong.append("model.num_experts > 0" if family.experts else "model.num_experts=0")
+    if family.experts != bool(cfg.moe.num_experts):
+        wrong.append("model.moe.num_experts > 0" if family.experts else "model.moe.num_experts=0")
     if wrong:
         raise ConfigError(f"model.family={cfg.family} needs {' and '.join(wrong)}; set them, or "
                           f"the family these settings make (model.family={_made(cfg)})")

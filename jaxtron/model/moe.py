@@ -1,5 +1,5 @@
 """Mixture of experts: a top-k router in front of SwiGLU experts, dropless unless
-model.capacity_factor says otherwise; the experts run over the mesh in jaxtron/ops/experts.py.
+model.moe.capacity_factor says otherwise; the experts run over the mesh in jaxtron/ops/experts.py.
 
 Per layer: router logits [B, T, E] = x W_router in float32; probabilities the softmax over all E;
 each token's top k of them (renormalized to sum to 1 when norm_topk_prob) weight its experts'
@@ -39,7 +39,7 @@ class MoE(nnx.Module):
     the compiled peaks)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, e = cfg.d_model, cfg.moe_mlp_dim or cfg.mlp_dim, cfg.num_experts
+        d, f, e = cfg.d_model, cfg.moe.mlp_dim or cfg.mlp_dim, cfg.moe.num_experts
         self.cfg = cfg
         self.router = param(rngs, cfg, (d, e), ("embed", None))
         for name in ("w_gate", "w_up", "w_down"):
@@ -57,18 +57,18 @@ class MoE(nnx.Module):
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32),
                                 self.router[...].astype(jnp.float32))
         probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-        weight_BTk, expert_BTk = jax.lax.top_k(probs_BTE, cfg.experts_per_token)
-        if cfg.norm_topk_prob:
+        weight_BTk, expert_BTk = jax.lax.top_k(probs_BTE, cfg.moe.experts_per_token)
+        if cfg.moe.norm_topk_prob:
             weight_BTk = weight_BTk / jnp.sum(weight_BTk, axis=-1, keepdims=True)
         routed_BTk = jnp.broadcast_to(real_BT[..., None], expert_BTk.shape)
-        stats = _router_sums(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.num_experts)
-        if cfg.capacity_factor > 0:
+        stats = _router_sums(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.moe.num_experts)
+        if cfg.moe.capacity_factor > 0:
             kept_BTk = within_capacity(expert_BTk, routed_BTk, cfg)
             stats["dropped"] = jnp.sum(routed_BTk & ~kept_BTk).astype(jnp.float32)
             routed_BTk = kept_BTk
         # a pair routed nowhere gets expert E: it sorts after every real group, and no kernel
         # reads it
-        expert_BTk = jnp.where(routed_BTk, expert_BTk, cfg.num_experts)
+        expert_BTk = jnp.where(routed_BTk, expert_BTk, cfg.moe.num_experts)
         weights = [_expert_weights(self.cfg, w) for w in (self.w_gate, self.w_up, self.w_down)]
         y_BTD = ops.experts(x_BTD, expert_BTk, weight_BTk.astype(cfg.dtype), *weights)
         return y_BTD, stats
@@ -117,15 +117,15 @@ def sequence_aux(picked_LBE: jax.Array, probs_LBE: jax.Array, tokens_B: jax.Arra
 
 
 def within_capacity(expert_BTk: jax.Array, routed_BTk: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Which routed pairs an expert takes under model.capacity_factor: from each sequence at most
-    ceil(cf * T * k / E) pairs, first choices before second ones, tokens in order within a
+    """Which routed pairs an expert takes under model.moe.capacity_factor: from each sequence at
+    most ceil(cf * T * k / E) pairs, first choices before second ones, tokens in order within a
     choice (Switch's priority; per sequence as MaxText's capacity). Per sequence, the same pairs
     are dropped however the step is split (microbatches, mesh)."""
     b, t, k = expert_BTk.shape
-    capacity = math.ceil(cfg.capacity_factor * t * k / cfg.num_experts)
-    onehot = (jax.nn.one_hot(expert_BTk, cfg.num_experts, dtype=jnp.int32)
+    capacity = math.ceil(cfg.moe.capacity_factor * t * k / cfg.moe.num_experts)
+    onehot = (jax.nn.one_hot(expert_BTk, cfg.moe.num_experts, dtype=jnp.int32)
               * routed_BTk[..., None])  # [B, T, k, E]
-    by_choice = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, cfg.num_experts)
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, cfg.moe.num_experts)
     position = jnp.cumsum(by_choice, axis=1) - by_choice  # pairs before this one, per expert
     position = jnp.sum(position * by_choice, axis=-1).reshape(b, k, t).transpose(0, 2, 1)
     return routed_BTk & (position < capacity)
@@ -135,13 +135,13 @@ def describe_params(cfg: ModelConfig, total: int) -> str:
     """'46,702,792,704' for a dense model; for a mixture of experts the total and the active
     count: what one token runs, every weight less the num_experts - experts_per_token experts it
     skips in every layer."""
-    if not cfg.num_experts:
+    if not cfg.moe.num_experts:
         return f"{total:,}"
-    skipped = cfg.num_experts - cfg.experts_per_token
-    expert = 3 * cfg.d_model * (cfg.moe_mlp_dim or cfg.mlp_dim)
+    skipped = cfg.moe.num_experts - cfg.moe.experts_per_token
+    expert = 3 * cfg.d_model * (cfg.moe.mlp_dim or cfg.mlp_dim)
     active = total - cfg.num_layers * skipped * expert
-    return f"{total:,} ({active:,} active per token: {cfg.experts_per_token} of " \
-           f"{cfg.num_experts} experts)"
+    return f"{total:,} ({active:,} active per token: {cfg.moe.experts_per_token} of " \
+           f"{cfg.moe.num_experts} experts)"
 
 
 def step_sums(layer_stats: dict, tokens_B: jax.Array) -> dict:
@@ -157,11 +157,11 @@ def step_sums(layer_stats: dict, tokens_B: jax.Array) -> dict:
 
 
 def objective(sums: dict, cfg: ModelConfig) -> jax.Array:
-    """What the router losses add to the summed cross-entropy: moe_aux_coef x the balancing loss
-    and moe_z_coef x the z-loss, each summed over tokens (their means over the step's tokens
+    """What the router losses add to the summed cross-entropy: moe.aux_coef x the balancing loss
+    and moe.z_coef x the z-loss, each summed over tokens (their means over the step's tokens
     are what the coefficients weigh, as transformers adds router_aux_loss_coef x aux_loss to
     its mean loss)."""
-    return cfg.moe_aux_coef * sums["aux"] + cfg.moe_z_coef * sums["z"]
+    return cfg.moe.aux_coef * sums["aux"] + cfg.moe.z_coef * sums["z"]
 
 
 def zero_stats(params: dict) -> dict:

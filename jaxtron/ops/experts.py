@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtron.config import ConfigError, ModelConfig
 
 KERNELS = ("auto", "xla", "mosaic", "triton")
-# model.moe_kernel -> tokamax's name of its ragged_dot implementation
+# model.moe.kernel -> tokamax's name of its ragged_dot implementation
 TOKAMAX = {"mosaic": "mosaic_gpu", "triton": "triton"}
 EXPERT_AXIS = "expert"
 _BATCH = ("data", "fsdp", EXPERT_AXIS)  # act_batch in parallel.RULES
@@ -37,16 +37,16 @@ KERNEL_DTYPES = ("bfloat16", "float16")
 
 def check(cfg: ModelConfig) -> None:
     """The kernel name, and that tokamax has the kernel asked for here."""
-    if cfg.moe_kernel not in KERNELS:
-        raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} is not one of {', '.join(KERNELS)}")
-    if cfg.num_experts and cfg.moe_kernel in TOKAMAX and not available(cfg.moe_kernel):
-        raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} needs {_NEEDS[cfg.moe_kernel]} "
+    if cfg.moe.kernel not in KERNELS:
+        raise ConfigError(f"model.moe.kernel={cfg.moe.kernel} is not one of {', '.join(KERNELS)}")
+    if cfg.moe.num_experts and cfg.moe.kernel in TOKAMAX and not available(cfg.moe.kernel):
+        raise ConfigError(f"model.moe.kernel={cfg.moe.kernel} needs {_NEEDS[cfg.moe.kernel]} "
                           f"(here jax {jax.__version__}, tokamax {_version()}); pip install -e "
-                          "'.[gpu-aot]' installs the one for this Python, or model.moe_kernel=xla")
-    if cfg.num_experts and cfg.moe_kernel in TOKAMAX and cfg.dtype not in KERNEL_DTYPES:
-        raise ConfigError(f"model.moe_kernel={cfg.moe_kernel} takes bfloat16 or float16 experts, "
+                          "'.[gpu-aot]' installs the one for this Python, or model.moe.kernel=xla")
+    if cfg.moe.num_experts and cfg.moe.kernel in TOKAMAX and cfg.dtype not in KERNEL_DTYPES:
+        raise ConfigError(f"model.moe.kernel={cfg.moe.kernel} takes bfloat16 or float16 experts, "
                           f"not model.dtype={cfg.dtype}: model.dtype=bfloat16, or "
-                          "model.moe_kernel=xla")
+                          "model.moe.kernel=xla")
 
 
 _NEEDS = {"mosaic": "tokamax (0.0.12 on jax 0.10, 0.0.17 on jax 0.11)",
@@ -88,22 +88,23 @@ def available(kind: str) -> bool:
 
 
 def kernel(cfg: ModelConfig, platform: str | None = None) -> str:
-    """The grouped-matmul kernel model.moe_kernel means on `platform` (jax's default backend;
+    """The grouped-matmul kernel model.moe.kernel means on `platform` (jax's default backend;
     --compile-for settles it for GPUs before tracing, jaxtron/program/aot.py): on GPUs tokamax's
     Mosaic GPU kernel where it is installed and takes the compute dtype (bf16, f16), else
     XLA's."""
-    if cfg.moe_kernel != "auto":
-        return cfg.moe_kernel
+    if cfg.moe.kernel != "auto":
+        return cfg.moe.kernel
     platform = platform or jax.default_backend()
     gpu = platform in ("gpu", "cuda") and cfg.dtype in KERNEL_DTYPES
     return "mosaic" if gpu and available("mosaic") else "xla"
 
 
 def configure(cfg, platform: str):
-    """A Config with model.moe_kernel resolved for devices of `platform` (`kernel`)."""
-    if not cfg.model.num_experts or cfg.model.moe_kernel != "auto":
+    """A Config with model.moe.kernel resolved for devices of `platform` (`kernel`)."""
+    if not cfg.model.moe.num_experts or cfg.model.moe.kernel != "auto":
         return cfg
-    model = dataclasses.replace(cfg.model, moe_kernel=kernel(cfg.model, platform))
+    moe = dataclasses.replace(cfg.model.moe, kernel=kernel(cfg.model, platform))
+    model = dataclasses.replace(cfg.model, moe=moe)
     return dataclasses.replace(cfg, model=model)
 
 

@@ -17,8 +17,8 @@ FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
                                     else None),
     "context": lambda cfg, sizes: (f"mesh.context={sizes['context']}"
                                    if sizes.get("context", 1) > 1 else None),
-    "experts": lambda cfg, sizes: (f"model.num_experts={cfg.model.num_experts}"
-                                   if cfg.model.num_experts else None),
+    "experts": lambda cfg, sizes: (f"model.moe.num_experts={cfg.model.moe.num_experts}"
+                                   if cfg.model.moe.num_experts else None),
     "fp8_delayed": lambda cfg, sizes: "model.fp8=delayed" if cfg.model.fp8 == "delayed" else None,
 }
 # (feature, feature) -> the refusal, formatted with each feature's setting

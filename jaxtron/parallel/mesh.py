@@ -271,12 +271,13 @@ def check_layout(cfg: Config, sizes: dict[str, int]) -> None:
     for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads)):
         if value % sizes["tensor"]:
             raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={sizes['tensor']}")
-    experts, split = m.num_experts, sizes.get("expert", 1)
+    experts, split = m.moe.num_experts, sizes.get("expert", 1)
     if split > 1 and not experts:
         raise ConfigError(f"mesh.expert={split} splits the experts, and this model has none "
-                          "(model.num_experts=0); use mesh.fsdp or mesh.data instead")
+                          "(model.moe.num_experts=0); use mesh.fsdp or mesh.data instead")
     if experts and experts % split:
-        raise ConfigError(f"model.num_experts={experts} is not divisible by mesh.expert={split}")
+        raise ConfigError(f"model.moe.num_experts={experts} is not divisible by "
+                          f"mesh.expert={split}")
     if t.seq_len % sizes["tensor"]:
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor="
                           f"{sizes['tensor']} (sequence parallelism splits it between blocks)")

@@ -64,9 +64,9 @@ def matmul_params(cfg: ModelConfig) -> int:
     (the active parameters, less the embedding and norms)."""
     d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.mlp_dim
     per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
-    if cfg.num_experts:
-        width = (cfg.moe_mlp_dim or f) * cfg.experts_per_token
-        per_layer += 3 * d * (width - f) + d * cfg.num_experts
+    if cfg.moe.num_experts:
+        width = (cfg.moe.mlp_dim or f) * cfg.moe.experts_per_token
+        per_layer += 3 * d * (width - f) + d * cfg.moe.num_experts
     return cfg.num_layers * per_layer + d * cfg.vocab_size
 
 
@@ -120,7 +120,7 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
         "host_memory_gib": round(process_bytes() / 2**30, 4),
         # model.fp8: the amax and scale statistics of the step (jaxtron/ops/fp8.py statistics)
         **{key: float(value) for key, value in fetched.items() if key.startswith("fp8_")},
-        # model.num_experts: the router's statistics (jaxtron/model/moe.py metrics)
+        # model.moe.num_experts: the router's statistics (jaxtron/model/moe.py metrics)
         **{key: float(value) for key, value in fetched.items() if key.startswith("moe_")},
     }
 
@@ -146,9 +146,9 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1)
     also run in the bubble iterations (tiny, 2 stages, 4 microbatches: compiled 1.15x this)."""
     m = cfg.model
     names = RECOMPUTED[m.remat]
-    if m.num_experts and "gate" in names:
+    if m.moe.num_experts and "gate" in names:
         names = (*names, "router")
-    if m.num_experts and mesh_expert > 1 and "gate" not in names:  # each ring step's own
+    if m.moe.num_experts and mesh_expert > 1 and "gate" not in names:  # each ring step's own
         names = (*names, "gate", "up")
     recomputed = m.num_layers * sum(_weights(m)[name] for name in names)
     chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
@@ -160,7 +160,7 @@ def _weights(m: ModelConfig) -> dict[str, int]:
     """The weights of one layer's projections, by name; of a mixture of experts, those a token
     runs (its experts_per_token experts' and the router)."""
     d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
-    if m.num_experts:
-        f = (m.moe_mlp_dim or m.mlp_dim) * m.experts_per_token
+    if m.moe.num_experts:
+        f = (m.moe.mlp_dim or m.mlp_dim) * m.moe.experts_per_token
     return {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
-            "gate": d * f, "up": d * f, "down": f * d, "router": d * m.num_experts}
+            "gate": d * f, "up": d * f, "down": f * d, "router": d * m.moe.num_experts}

@@ -121,7 +121,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
         # With accumulation a mixture of experts' gradients are the running sum's last value, no
         # copy of their own (Mixtral 8x7B on 16 H100s, 16 microbatches: 30.1 GiB of temporaries
         # against 37.6 estimated with one)
-        "grads": 0 if m.num_experts and plan.accumulation > 1 else params,
+        "grads": 0 if m.moe.num_experts and plan.accumulation > 1 else params,
         "transposed_weights": _transposed_weights(plan, cfg) if stages == 1 else 0,
         # microbatches: the running sum and this microbatch's stacked gradients, and the float32
         # gradients of the embedding and head tables summed whole
@@ -145,9 +145,9 @@ def _local_seq(cfg: Config, sizes: dict[str, int]) -> int:
 def _mlp_width(cfg: Config, sizes: dict[str, int]) -> int:
     """The MLP width one device gathers per layer: mlp_dim, or its experts' widths together."""
     m = cfg.model
-    if not m.num_experts:
+    if not m.moe.num_experts:
         return m.mlp_dim
-    return (m.moe_mlp_dim or m.mlp_dim) * m.num_experts // sizes.get("expert", 1)
+    return (m.moe.mlp_dim or m.mlp_dim) * m.moe.num_experts // sizes.get("expert", 1)
 
 
 def _experts_bytes(cfg: Config, b: int, tp: int) -> int:
@@ -156,10 +156,10 @@ def _experts_bytes(cfg: Config, b: int, tp: int) -> int:
     the hidden activations and their gradients; jaxtron/model/moe.py). Read off the compiled
     Mixtral 8x7B (16 H100s) and Qwen3-30B-A3B (8) presets."""
     m = cfg.model
-    if not m.num_experts:
+    if not m.moe.num_experts:
         return 0
-    rows = b * cfg.train.seq_len * m.experts_per_token
-    return 6 * rows * (m.d_model + (m.moe_mlp_dim or m.mlp_dim) // tp) \
+    rows = b * cfg.train.seq_len * m.moe.experts_per_token
+    return 6 * rows * (m.d_model + (m.moe.mlp_dim or m.mlp_dim) // tp) \
         * jnp.dtype(m.dtype).itemsize
 
 
@@ -170,7 +170,7 @@ def _transposed_weights(plan, cfg: Config) -> int:
     in every layout without a pipeline: 1B, 7B, 8B and 70B, FSDP 2-32, TP 1-8)."""
     layers = plan.abstract["params"]["layers"]
     specs = plan.specs["params"]["layers"]
-    sizes, experts = plan.mesh_sizes, cfg.model.num_experts
+    sizes, experts = plan.mesh_sizes, cfg.model.moe.num_experts
     zero = sizes["fsdp"] * sizes.get("context", 1)  # the ways W_o and W_down are split on D
     names = (("attn", "wo"), ("mlp", "w_down")) if zero > 1 and not experts else ()
     if experts:

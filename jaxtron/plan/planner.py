@@ -151,7 +151,7 @@ def _contexts(cfg: Config, tensor: int, rest: int) -> list[int]:
     """Context sizes to try: for a dense model's sequences of LONG_CONTEXT positions or more,
     those dividing `rest` GPUs that split them into 2 * context * tensor pieces."""
     t = cfg.train.seq_len
-    if cfg.model.num_experts or t < LONG_CONTEXT:
+    if cfg.model.moe.num_experts or t < LONG_CONTEXT:
         return [1]
     return [c for c in _divisors(rest) if t % (2 * c * tensor) == 0]
 
@@ -167,10 +167,10 @@ def meshes(cfg: Config, gpus: int, per_node: int) -> list[dict[str, int]]:
         if m.num_kv_heads % tensor or m.num_heads % tensor:
             continue
         experts = [e for e in _divisors(min(per_node // tensor, gpus // tensor))
-                   if m.num_experts % e == 0] if m.num_experts else [1]
+                   if m.moe.num_experts % e == 0] if m.moe.num_experts else [1]
         for expert, context in itertools.product(experts, _contexts(cfg, tensor, gpus // tensor)):
             rest = gpus // tensor // expert // context
-            for stage in ([1] if m.num_experts else _divisors(rest)):
+            for stage in ([1] if m.moe.num_experts else _divisors(rest)):
                 if m.num_layers % stage or stage > m.num_layers:
                     continue
                 for fsdp in _divisors(rest // stage):
@@ -198,7 +198,7 @@ def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
         # without a pipeline, microbatches only trade speed for memory; a mixture of experts'
         # buffers grow with the rows of a microbatch, down to one sequence per GPU
         if mesh["stage"] == 1 and (schedule != "gpipe"
-                                   or micro > (rows if cfg.model.num_experts else 8)):
+                                   or micro > (rows if cfg.model.moe.num_experts else 8)):
             continue
         yield schedule, repeats, micro, remat, grad_sum
 

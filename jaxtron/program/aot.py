@@ -126,7 +126,7 @@ def gpu_program(cfg: Config) -> tuple[Config, list[str]]:
 
 def for_gpus(cfg: Config) -> Config:
     """cfg as it runs on GPUs: `model.attention=auto` resolved (cudnn in 16-bit compute), and
-    `model.moe_kernel=auto` (tokamax's Mosaic GPU kernel where it is installed)."""
+    `model.moe.kernel=auto` (tokamax's Mosaic GPU kernel where it is installed)."""
     return experts.configure(attention.configure(cfg, "gpu"), "gpu")
 
 

@@ -34,7 +34,7 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
               ops: layer_ops.LayerOps | None = None):
     """Summed next-token cross-entropy over real (non-padding) tokens, and their count.
 
-    A mixture of experts adds moe_aux_coef x the load-balancing loss and moe_z_coef x the
+    A mixture of experts adds model.moe.aux_coef x the load-balancing loss and z_coef x the
     z-loss, each summed over tokens (moe.objective): the mean objective is the cross-entropy plus
     the weighted router losses, and a sum over rows, so microbatches add up to the whole batch.
     `with_stats`: (objective sum, (count, cross-entropy sum, the router sums moe.step_sums of
@@ -129,7 +129,7 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
     A non-finite loss or gradient leaves params and optimizer state (and FP8 histories) as they
     were and counts the skip in `nonfinite` (consecutive skips); the host decides whether to go
     on. `histories`: the plan's abstract FP8 amax histories (Plan.histories). `capacity`: the
-    experts have one (model.capacity_factor), so the dropped share is a metric. `ops`: the
+    experts have one (model.moe.capacity_factor), so the dropped share is a metric. `ops`: the
     operations set the model calls (Plan.ops).
     """
     seen_by = _histories_in(state, histories)
@@ -164,7 +164,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
         train_step, graphdef=plan.graphdef, tx=tx,
         schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
         pipe=plan.pipe, chunk=cfg.train.loss_chunk, histories=plan.histories,
-        capacity=cfg.model.num_experts > 0 and cfg.model.capacity_factor > 0, ops=plan.ops,
+        capacity=cfg.model.moe.num_experts > 0 and cfg.model.moe.capacity_factor > 0, ops=plan.ops,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())
