@@ -3,10 +3,12 @@
 
 The experts run inside one `shard_map` over the mesh: each device holds E/|expert| experts (their
 D gathered over fsdp, F split over tensor) and its own rows of the batch. The tokens of an
-`expert` group go round a ring of permutes (`_local_experts`); at each step a device sorts the
+`expert` group go round a ring of permutes (`_ring`); at each step a device sorts the
 (token, choice) pairs that picked its own experts into contiguous groups, runs gate, up and down
 as three grouped matmuls over those rows only, and adds the weighted results onto the partial
 outputs travelling with the tokens; a sum over `tensor` closes the row-parallel down projection.
+The backward is a ring of its own in the same direction (a custom VJP), so that its permutes too
+run beside the kernels.
 Static shapes: a step's sorted buffer has room for all n * k pairs, the kernels work on the rows
 the group sizes cover. docs/parallelism.md says why a ring and not an all-to-all. The router, its
 losses and statistics are the model's (jaxtron/model/moe.py).
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.config import ConfigError, ModelConfig
@@ -133,37 +137,115 @@ def _local_experts(cfg: ModelConfig, kind: str, x_BTD, expert_BTk, weight_BTk, w
     """One device's part: its tokens [B', T, D], its experts [E', D, F'] (all of them off a
     mesh). Returns its tokens' outputs, summed over the expert and tensor axes.
 
-    Over an expert group of |expert| = G devices the tokens go round a ring: at step s a
-    device holds the tokens of the device s places before it, adds what its own experts make of
-    them to the partial outputs that travel with them, and passes both on; after G steps and one
-    last pass every device holds its own tokens' outputs from all G devices' experts. Each
-    step's permutes carry data the step's kernels do not wait for (the next tokens, the partial
-    sums of the last ones), so the scheduler can overlap them; and each step runs on its own
-    n * k rows, checkpointed (recomputed in its own backward), so that one step's buffers exist
-    at a time, not G steps'."""
+    Over an expert group of |expert| = G devices the tokens go round a ring (`_ring`); off one,
+    the device's experts run on its own tokens."""
     b, t, d = x_BTD.shape
     inside = not jax.sharding.get_abstract_mesh().empty
     groups = lambda name: jax.lax.axis_size(name) if inside else 1
-    ring = groups(EXPERT_AXIS)
-    first = jax.lax.axis_index(EXPERT_AXIS) * w_gate.shape[0] if ring > 1 else 0
     held = tuple(a.reshape(b * t, -1) for a in (x_BTD, expert_BTk, weight_BTk))
-
-    def mine(x_nD, expert_nk, weight_nk, w_gate, w_up, w_down):
-        return _my_experts(cfg, kind, x_nD, expert_nk, weight_nk, first, w_gate, w_up, w_down)
-
-    if ring > 1:
-        mine = jax.checkpoint(mine, policy=jax.checkpoint_policies.nothing_saveable)
-    out_nD = mine(*held, w_gate, w_up, w_down)
-    if ring > 1:
-        onward = [(i, (i + 1) % ring) for i in range(ring)]
-        pass_on = lambda a: jax.lax.ppermute(a, EXPERT_AXIS, onward)
-        for _ in range(ring - 1):
-            held = tuple(pass_on(a) for a in held)
-            out_nD = pass_on(out_nD) + mine(*held, w_gate, w_up, w_down)
-        out_nD = pass_on(out_nD)
+    if groups(EXPERT_AXIS) > 1:
+        out_nD = _ring(cfg, kind, held, (w_gate, w_up, w_down))
+    else:
+        out_nD = _my_experts(cfg, kind, *held, 0, w_gate, w_up, w_down)
     if groups("tensor") > 1:
         out_nD = jax.lax.psum(out_nD, "tensor")
     return out_nD.reshape(b, t, d)
+
+
+def _ring_steps(step_fn, travelling, own=None):
+    """The expert ring: at step s a device holds what the device s places before it sent
+    (`travelling`, a tuple of arrays), runs `step_fn(travelling) -> (partial, own_part)` on
+    it, adds `partial` to the partial sums that travel with it and `own_part` to its `own`
+    sum, which stays; after G steps and one last pass every device holds its own tokens'
+    sums. Each step begins with one permute of the next travellers and the last partial sums
+    together (XLA runs one collective permute at a time: two would leave one of them waiting
+    with nothing to hide it) and a barrier ties it to the step's kernels, so that it runs
+    beside them. Returns (partial sums, own)."""
+    ring = jax.lax.axis_size(EXPERT_AXIS)
+    onward = [(i, (i + 1) % ring) for i in range(ring)]
+    pass_on = lambda tree: _unpack(jax.lax.ppermute(_pack(tree), EXPERT_AXIS, onward), tree)
+    summed = None
+    for step in range(ring):
+        upcoming, moved = pass_on((travelling if step < ring - 1 else None, summed))
+        made, mine = step_fn(travelling)
+        upcoming, moved, made, mine = jax.lax.optimization_barrier((upcoming, moved, made, mine))
+        summed = made if moved is None else jax.tree.map(jnp.add, moved, made)
+        own = mine if own is None else jax.tree.map(jnp.add, own, mine)
+        travelling = upcoming
+    return pass_on(summed), own
+
+
+def _pack(tree) -> jax.Array:
+    """The arrays of `tree`, each [n, ...], as one [n, m] bfloat16 buffer, their bits as they
+    are (a 4-byte element as two halves): one permute for all of them."""
+    def view(a):
+        halves = a if a.dtype == jnp.bfloat16 else jax.lax.bitcast_convert_type(a, jnp.bfloat16)
+        return halves.reshape(a.shape[0], -1)
+
+    return jnp.concatenate([view(a) for a in jax.tree.leaves(tree)], axis=1)
+
+
+def _unpack(buffer: jax.Array, like):
+    """The inverse of `_pack`: arrays shaped and typed as those of `like`."""
+    leaves, tree = jax.tree.flatten(like)
+    out, at = [], 0
+    for a in leaves:
+        width = a.size // a.shape[0] * a.dtype.itemsize // 2
+        piece = buffer[:, at:at + width]
+        at += width
+        halves = [a.dtype.itemsize // 2] if a.dtype.itemsize > 2 else []
+        piece = piece.reshape(*a.shape, *halves)
+        same = a.dtype == jnp.bfloat16
+        out.append(piece if same else jax.lax.bitcast_convert_type(piece, a.dtype))
+    return jax.tree.unflatten(tree, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(cfg: ModelConfig, kind: str, held: tuple, weights: tuple) -> jax.Array:
+    """The tokens `held` (x [n, D], expert [n, k], weight [n, k]) round the expert ring through
+    this device's experts `weights` (gate, up [E', D, F'], down [E', F', D]): their outputs
+    [n, D] summed over the ring's devices (`_ring_steps`).
+
+    Its backward is a ring of its own, forward in the same direction: the tokens travel with
+    their outputs' gradient (a token's output gradient lives where the token does), each step
+    recomputes its experts' part and takes its gradient (`_ring_bwd`), the tokens' gradients
+    travel home as the outputs did, the experts' gradients stay. The backward autodiff would
+    write needs each step's tokens in reverse order, rebuilt by a chain of permutes before
+    any kernel can run: nothing to overlap them with."""
+    return _ring_fwd(cfg, kind, held, weights)[0]
+
+
+def _step(cfg, kind, first, held, weights):
+    return _my_experts(cfg, kind, *held, first, *weights)
+
+
+def _first(weights) -> jax.Array:
+    return jax.lax.axis_index(EXPERT_AXIS) * weights[0].shape[0]
+
+
+def _ring_fwd(cfg, kind, held, weights):
+    first = _first(weights)
+    out, _ = _ring_steps(lambda h: (_step(cfg, kind, first, h, weights), ()), held, ())
+    return out, (held, weights)
+
+
+def _ring_bwd(cfg, kind, residuals, g_nD):
+    held, weights = residuals
+    first = _first(weights)
+    x_nD, expert_nk, weight_nk = held
+
+    def step(travelling):
+        x, expert, weight, g = travelling
+        fn = lambda x, weight, *ws: _step(cfg, kind, first, (x, expert, weight), ws)
+        _, vjp = jax.vjp(fn, x, weight, *weights)
+        dx, dweight, *dws = vjp(g)
+        return (dx, dweight), tuple(dws)
+
+    (dx, dweight), dws = _ring_steps(step, (x_nD, expert_nk, weight_nk, g_nD))
+    return (dx, np.zeros(expert_nk.shape, jax.dtypes.float0), dweight), dws
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _my_experts(cfg: ModelConfig, kind: str, x_nD, expert_nk, weight_nk, first, w_gate, w_up,

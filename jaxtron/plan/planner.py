@@ -29,8 +29,8 @@ estimates one step's time as
     K and V all-gathered over it in the forward and backward and their gradients
     reduce-scattered, overlapped like fsdp's; its weights' ZeRO-3 gathers count with fsdp's.
   - expert (a mixture of experts): the expert ring's permutes, each layer's tokens and partial
-    outputs passed |expert| times, in the forward, the backward and each ring step's recompute;
-    half hidden behind the experts' kernels (the compiled presets: 44%).
+    outputs passed |expert| times in the forward, the tokens with their gradients in the backward;
+    mostly hidden behind the experts' kernels (the compiled presets: 84% and 95%).
 - latency: LATENCY_S per collective message and per pipeline iteration, which penalises many
   small steps (tiny microbatches, deep pipelines, many layers per step).
 
@@ -78,9 +78,10 @@ FSDP_OVERLAP = 0.85
 # attention as they are; the planner then keeps to the other axes)
 LONG_CONTEXT = 16384
 TENSOR_OVERLAP = 0.4
-# The expert ring's permutes hidden behind the experts' kernels: 44% of the bytes in the compiled
-# mixtral_8x7b and qwen3_30b_a3b presets (docs/compile_for.md).
-EXPERT_OVERLAP = 0.44
+# The expert ring's permutes hidden behind the experts' kernels: 84% and 95% of the bytes in the
+# compiled mixtral_8x7b and qwen3_30b_a3b presets, jax 0.10.2 (docs/performance.md, "The expert
+# ring beside its kernels"); the smaller taken.
+EXPERT_OVERLAP = 0.84
 # How much faster the layers' projections run as FP8 GEMMs (model.fp8) than in bf16, all told
 # (quantizing included). TorchTitan's Llama-3.1 8B on 8 H100s goes from 6,667 to 8,532 tokens/s
 # with Float8 (1.28x); with those projections some 70% of its step, that is 1.46x on them. The
@@ -270,9 +271,11 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     context_time = _seconds(kv_bytes, "context" in crossing)
     parts["context"] = context_time * (1 - FSDP_OVERLAP) + max(
         0.0, context_time * FSDP_OVERLAP - compute)
-    # the expert ring: a layer's tokens and partial sums passed |expert| times, forward, in each
-    # step's recompute and backward
-    expert_bytes = 2 * 3 * layers * seqs * slab * (ep - 1) if ep > 1 else 0.0
+    # the expert ring (ops/experts.py): forward, a layer's tokens passed |expert| - 1 times and
+    # the partial sums |expert| times; backward, the tokens with their outputs' gradient passed
+    # |expert| - 1 times and the tokens' gradient |expert| times. The compiled presets: 37
+    # slabs per layer and sequence at |expert| = 8.
+    expert_bytes = (5 * ep - 3) * layers * seqs * slab if ep > 1 else 0.0
     parts["expert"] = _seconds(expert_bytes, "expert" in crossing) * (1 - EXPERT_OVERLAP)
     messages = (4 * passes * layers * runs * (tp > 1) + layers * fsdp_uses * (f > 1)
                 + 3 * layers * runs * (cp > 1)
