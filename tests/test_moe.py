@@ -501,3 +501,15 @@ def test_the_balancing_loss_is_transformers_per_sequence(tmp_path, name):
           f"transformers' batch {theirs(slice(None)):.6f}")
     assert abs(ours - want) < 1e-5 * want
     assert abs(ours - theirs(slice(None))) > 1e-3  # the batch-pooled form is another number
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+def test_weights_fetched_a_layer_ahead_change_no_gradient(devices, remat):
+    """model.weights_ahead: the attention weights gathered over fsdp x expert one layer ahead
+    and carried into the next; loss, every gradient and the router sums as without."""
+    mesh = ("mesh.expert=4", "mesh.fsdp=2", f"model.remat={remat}")
+    want = _grads_with(devices, "xla", *mesh)
+    got = _grads_with(devices, "xla", *mesh, "model.weights_ahead=true")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    _assert_gradients_close(got[1], want[1])
+    np.testing.assert_allclose(got[2]["moe_load"], want[2]["moe_load"], rtol=1e-6)

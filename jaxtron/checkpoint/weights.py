@@ -142,11 +142,12 @@ def read_meta(step_dir: Path) -> dict:
 
 # What a start may not change of the model its checkpoints hold, per ModelConfig field. Any other
 # field may change on resume: an implementation of the same function (scan_layers, remat,
-# attention, attention_check, collective_matmul, moe.kernel), the compute precision (dtype; fp8
-# between none and tensorwise, which keep no state), the init (init_std: read at step 0 only), and
-# the training objective's knobs, which the weights' meaning does not depend on, as optim.* may
-# change: moe.aux_coef, moe.z_coef and moe.capacity_factor (a compute budget per sequence: the
-# pairs over it are dropped, the router and experts stay those of the same dropless model).
+# attention, attention_check, collective_matmul, weights_ahead, moe.kernel), the compute
+# precision (dtype; fp8 between none and tensorwise, which keep no state), the init (init_std:
+# read at step 0 only), and the training objective's knobs, which the weights' meaning does not
+# depend on, as optim.* may change: moe.aux_coef, moe.z_coef and moe.capacity_factor (a compute
+# budget per sequence: the pairs over it are dropped, the router and experts stay those of the
+# same dropless model).
 ARRAYS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
           "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype",
           "moe.num_experts")  # the saved arrays' shapes and dtypes: a restore into others fails

@@ -108,6 +108,11 @@ class ModelConfig:
     # mesh.tensor > 1: overlap each tensor-parallel matmul with its all-gather / reduce-scatter
     # over the sequence (jaxtron/parallel/collective_matmul.py); nothing changes with mesh.tensor=1
     collective_matmul: bool = True
+    # gather each layer's projection weights (attention; the MLP of a dense layer) over fsdp one
+    # layer ahead, beside the layer before, and keep them for the backward: (q, k, v, o) bytes
+    # per layer more memory, no gather at a layer's start (jaxtron/model/decoder.py). Under
+    # remat and model.fp8=none only; a pipeline's stages gather as before
+    weights_ahead: bool = False
     # none, tensorwise or delayed: the layers' projections (q, k, v, o, gate, up, down) as FP8
     # matmuls, e4m3 forward and e5m2 gradients, scaled per tensor by its amax at this step
     # (tensorwise) or over the last fp8_history steps (delayed; the histories are train state,

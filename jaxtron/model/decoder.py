@@ -286,12 +286,17 @@ def _run_stack(cfg: ModelConfig, ops: LayerOps, graphdef, stacked, x_BTD, positi
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
                               prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-        return jax.lax.scan(body, x_BTD, stacked)
+        return ops.scan_layers(body, x_BTD, stacked, PROJECTIONS if select is None else None)
     stats = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
         x_BTD, layer_stats = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))
         stats.append(layer_stats)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+
+# the projections' weights: model.weights_ahead fetches them in the compute dtype, the other
+# weights split over `embed` (a router's) as stored (ops/ahead.py)
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:

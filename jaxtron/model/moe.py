@@ -41,7 +41,9 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, e = cfg.d_model, cfg.moe.mlp_dim or cfg.mlp_dim, cfg.moe.num_experts
         self.cfg = cfg
-        self.router = param(rngs, cfg, (d, e), ("embed", None))
+        # whole on every device (D x E floats, 128 KiB for Mixtral): split, its gather was one
+        # more collective at each layer's start, which nothing can hide
+        self.router = param(rngs, cfg, (d, e), (None, None))
         for name in ("w_gate", "w_up", "w_down"):
             setattr(self, name, param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp")))
 

@@ -10,7 +10,8 @@ from the mesh at the point of the call:
 - attend: XLA, cuDNN, the context-parallel split (attention.py, context_attention.py);
 - embed, and the head with its chunked loss (vocab.py);
 - experts: the ring over `expert`, grouped kernels (experts.py);
-- run the layer stack: in order, or through the pipeline's stages (parallel/pipeline.py).
+- run the layer stack: in order (each layer's weights fetched a layer ahead with
+  model.weights_ahead, ahead.py), or through the pipeline's stages (parallel/pipeline.py).
 
 The context order has one contract: the model's entry points take batches in natural order and
 `balance` them here; the hidden states come back in the order `balance` made (under context
@@ -26,7 +27,7 @@ import jax
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.ops import attention, context_attention, experts, fp8, projections, vocab
+from jaxtron.ops import ahead, attention, context_attention, experts, fp8, projections, vocab
 from jaxtron.parallel import constrain, context, pipeline
 
 # between blocks, the rows and the sequence as split over the batch axes and tensor
@@ -43,6 +44,7 @@ class LayerOps:
     context_ways: int = 1  # context ranks that split each sequence
     pipe: pipeline.Pipeline | None = None  # the layers run through the pipeline's stages
     in_stage: bool = False  # these run inside a stage's per-device program (`for_layers`)
+    ahead: bool = False  # each layer's weights gathered a layer ahead (ahead.py)
 
     def for_layers(self) -> LayerOps:
         """The set the layers run with: inside the stages when they run through a pipeline."""
@@ -107,6 +109,14 @@ class LayerOps:
         return pipeline.run(layers_fn, stacked, x_BTD, positions_BT, segment_ids_BT,
                             pipe=self.pipe), {}
 
+    def scan_layers(self, body: Callable, x, stacked: Any, names: tuple[str, ...] | None):
+        """`jax.lax.scan(body, x, stacked)` over stacked layers; with model.weights_ahead their
+        weights split over `embed` fetched a layer ahead, `names` (the projections) in the
+        compute dtype (ahead.scan; None: as they are, a pipeline stage's pick)."""
+        if self.ahead and names is not None:
+            return ahead.scan(self.cfg, body, x, stacked, names)
+        return jax.lax.scan(body, x, stacked)
+
     def head_loss(self, head: Any, x_BTD, targets_BT, mask_BT, chunk: int) -> jax.Array:
         """The summed cross-entropy of final-normed hidden states over `mask` through `head`'s
         LM head (its `head()`, `head_weight()`), in chunks of `chunk` positions (vocab.py)."""
@@ -124,7 +134,8 @@ def build(cfg: ModelConfig, sizes: Mapping[str, int] | None,
         return LayerOps(cfg, pipe=pipe)
     return LayerOps(cfg, sharded=True,
                     overlapped=cfg.collective_matmul and sizes.get("tensor", 1) > 1,
-                    context_ways=sizes.get(context.AXIS, 1), pipe=pipe)
+                    context_ways=sizes.get(context.AXIS, 1), pipe=pipe,
+                    ahead=ahead.applies(cfg, sizes))
 
 
 def here(cfg: ModelConfig, pipe: pipeline.Pipeline | None = None) -> LayerOps:

@@ -19,14 +19,14 @@ from jaxtron.ops import fp8
 from jaxtron.parallel import collective_matmul, constrain
 
 
-def gathered(param: nnx.Param, cfg: ModelConfig) -> jax.Array:
+def gathered(param: nnx.Param, cfg: ModelConfig, dtype=None) -> jax.Array:
     """A layer's weight in the compute dtype with its `embed` dimension whole: gathered over
     fsdp here, at its use inside the layer's remat, so that the backward's recomputed forward
     and its gradient matmuls share one gather (left to each matmul, the collective matmuls'
     shard_maps above all, the backward gathered it twice). Not under remat=none: there the
     gathered copy would be kept for the backward, every layer's. docs/performance.md has the
-    measured bytes."""
-    w = param[...].astype(cfg.dtype)
+    measured bytes. `dtype`: another than the compute dtype (a router's float32)."""
+    w = param[...].astype(dtype or cfg.dtype)
     axes = _gathered_axes(param, cfg)
     return w if axes is None else constrain(w, axes)
 

@@ -156,6 +156,19 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1)
     return round((6 * matmul_params(m) + 2 * recomputed + 2 * head) * tokens_per_device)
 
 
+def expected_attention(cfg: Config, tokens_per_device: float) -> float:
+    """Attention's FLOPs per device per step as the compiled program counts its fused kernels
+    (`--compile-for`'s attention_per_device): the whole [T, T] of scores and weighted sum, with
+    no causal halving, 2 products forward, 5 backward, and the forward again under remat: per
+    token 2 * (2 + 5 + 2) * L * N * H * T. Exact for remat=full (Mixtral 8x7B on 16 H100s,
+    Qwen3-30B-A3B on 8, jax 0.10.2); the planner's step time reads it so that its estimate and
+    the compiled step (planner.compiled_step) count attention alike."""
+    m = cfg.model
+    products = 2 + 5 + (2 if m.remat != "none" else 0)
+    t = cfg.train.seq_len
+    return 2 * products * m.num_layers * m.num_heads * m.head_size * t * tokens_per_device
+
+
 def _weights(m: ModelConfig) -> dict[str, int]:
     """The weights of one layer's projections, by name; of a mixture of experts, those a token
     runs (its experts_per_token experts' and the router)."""

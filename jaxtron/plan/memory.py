@@ -14,6 +14,8 @@ terms, per device (b rows per device per microbatch, T the sequence, t = mesh.te
                         (2x params) and the tables' float32 gradients summed whole
   saved_activations     what autodiff keeps per layer run, by remat policy and attention kernel
                         (with a pipeline, every iteration's layers)
+  weights_ahead         model.weights_ahead: every layer's projection weights gathered in the
+                        compute dtype, kept for the backward (attention's; a dense layer's MLP too)
   pipeline_buffers      the output buffer [M, b, T/t, D], the inputs spread over the stages
                         [M/S, b, T/t, D], and the moving state
   pipeline_weight_grads the float32 gradients of the stage weights: the running sum and this
@@ -53,7 +55,7 @@ import jax.numpy as jnp
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
-from jaxtron.ops import attention
+from jaxtron.ops import ahead, attention
 from jaxtron.ops.vocab import chunks as loss_chunks
 from jaxtron.parallel import pipeline
 
@@ -128,6 +130,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
         "grad_accumulation": (2 * params + 4 * tables * v * d // tp
                               if plan.accumulation > 1 else 0),
         "saved_activations": saved,
+        "weights_ahead": _ahead_bytes(cfg, sizes),
         **pipe,
         # The layers' backward, the LM head's and the embedding's come one after the other: the
         # largest counts.
@@ -265,6 +268,18 @@ def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many:
     # the XLA attention's float32 scores, bf16 probabilities and mask are kept too
     return (everything + b * m.num_heads * seq * cfg.train.seq_len * (4 + act + 1) // tp
             + 2 * chunks)
+
+
+def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:
+    """model.weights_ahead's gathered projection weights, one copy per layer (Mixtral 8x7B on
+    16 H100s: its attention's, +2.5 GiB compiled as estimated)."""
+    m = cfg.model
+    if not ahead.applies(m, sizes) or sizes["stage"] > 1:
+        return 0
+    per_layer = (2 * m.d_model * m.num_heads * m.head_size
+                 + 2 * m.d_model * m.num_kv_heads * m.head_size
+                 + (0 if m.moe.num_experts else 3 * m.d_model * m.mlp_dim))
+    return m.num_layers * per_layer // sizes["tensor"] * jnp.dtype(m.dtype).itemsize
 
 
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:

@@ -7,9 +7,10 @@ estimates one step's time as
 
     step = compute / (1 - bubble) + exposed communication + per-message latency
 
-- compute: the model's training FLOPs per GPU (costs.flops_per_token) with the matmuls the
-  remat policy recomputes (costs.expected_matmul: what the compiled programs do, within 0.1%)
-  at ACHIEVABLE_TFLOPS; with model.fp8 the layers' projections FP8_SPEEDUP times faster.
+- compute: the matmuls with those the remat policy recomputes (costs.expected_matmul: what
+  the compiled programs do, within 0.1%) and attention's kernels as the compiled programs count
+  them (costs.expected_attention) per GPU, at ACHIEVABLE_TFLOPS; with model.fp8 the layers'
+  projections FP8_SPEEDUP times faster.
 - bubble: the pipeline's idle share, (S-1) / (M*R + S-1) for S stages, M microbatches per pass,
   R circular repeats (jaxtron.parallel.pipeline).
 - communication, per collective, bytes on the wire per GPU over the axis's link (NVLink inside a
@@ -22,7 +23,10 @@ estimates one step's time as
     their gradients reduce-scattered, every microbatch; with one, the stage's weights gathered
     once per pass and their gradients reduce-scattered every iteration. XLA's scheduler overlaps
     them with compute, so only what exceeds the compute is exposed. With model.fp8 the weights
-    travel in FP8 (one byte), their gradients in bf16.
+    travel in FP8 (one byte), their gradients in bf16. Of a mixture of experts, the attention
+    weights are sharded over fsdp x expert and each device's num_experts / |expert| experts over
+    fsdp (the router, small, is whole everywhere). model.weights_ahead gathers the dense weights
+    once per microbatch, a layer ahead beside the layer before, and keeps them for the backward.
   - data: the gradients' all-reduce, once per step, exposed.
   - stage: each microbatch's activations between neighbouring stages, forward and backward.
   - context (context parallelism, sequences of LONG_CONTEXT positions or more): each layer's
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
+from jaxtron.ops import ahead
 from jaxtron.parallel.pipeline import SCHEDULES
 from jaxtron.plan import costs, memory
 from jaxtron.plan.autofit import SPARE
@@ -82,6 +87,9 @@ TENSOR_OVERLAP = 0.4
 # compiled mixtral_8x7b and qwen3_30b_a3b presets, jax 0.10.2 (docs/performance.md, "The expert
 # ring beside its kernels"); the smaller taken.
 EXPERT_OVERLAP = 0.84
+# model.weights_ahead's gathers of each layer's dense weights, a layer ahead: 97% of their bytes
+# overlapped in the compiled mixtral_8x7b preset (jax 0.10.2, docs/performance.md)
+AHEAD_OVERLAP = 0.97
 # How much faster the layers' projections run as FP8 GEMMs (model.fp8) than in bf16, all told
 # (quantizing included). TorchTitan's Llama-3.1 8B on 8 H100s goes from 6,667 to 8,532 tokens/s
 # with Float8 (1.28x); with those projections some 70% of its step, that is 1.46x on them. The
@@ -214,6 +222,17 @@ def configure(cfg: Config, mesh: dict[str, int], schedule: str, repeats: int, mi
         train=dataclasses.replace(cfg.train, microbatches=micro))
 
 
+def _layer_weights(m, ep: int) -> tuple[float, float]:
+    """(a layer's dense matmul weights: attention, and the MLP or the router; the weights of the
+    experts one device holds of it, num_experts / ep of them), as counts of parameters."""
+    d, h = m.d_model, m.head_size
+    attention = 2 * d * m.num_heads * h + 2 * d * m.num_kv_heads * h
+    if not m.moe.num_experts:
+        return attention + 3 * d * m.mlp_dim, 0.0
+    width = m.moe.mlp_dim or m.mlp_dim
+    return attention + d * m.moe.num_experts, m.moe.num_experts / ep * 3 * d * width
+
+
 def _seconds(nbytes: float, crosses: bool) -> float:
     return nbytes / (1e9 * (NETWORK_GBPS if crosses else NVLINK_GBPS))
 
@@ -224,8 +243,8 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     gpus = math.prod(mesh.values())
     crossing = set(parallel.crossing_axes(mesh, per_node))
     tokens = t.batch_size * t.seq_len
-    attention = costs.flops_per_token(m, t.seq_len) - 6 * costs.matmul_params(m)
-    work = costs.expected_matmul(cfg, tokens / gpus) + attention * tokens / gpus
+    work = (costs.expected_matmul(cfg, tokens / gpus)
+            + costs.expected_attention(cfg, tokens / gpus))
     if m.fp8 != "none":  # the projections' share (all but the LM head and attention) in FP8
         head = 6 * m.d_model * m.vocab_size * tokens / gpus
         projections = costs.expected_matmul(cfg, tokens / gpus) - head
@@ -246,22 +265,30 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     tensor_time = _seconds(tensor_bytes, "tensor" in crossing)
     parts["tensor"] = tensor_time / tp if m.collective_matmul else tensor_time * (
         1 - TENSOR_OVERLAP)
-    layer_params = costs.matmul_params(dataclasses.replace(m, vocab_size=0)) / m.num_layers
-    f = mesh["fsdp"] * cp  # ZeRO-3 over fsdp and context
+    dense, local_experts = _layer_weights(m, ep)
+    f = mesh["fsdp"] * cp  # ZeRO-3 over fsdp and context; a layer's dense weights over expert too
     # Without a pipeline each microbatch gathers a layer's weights twice (forward, recompute or
     # backward) and reduce-scatters its gradient; a pipeline gathers a stage's weights once per
     # pass and reduce-scatters their gradient every iteration, or (grad_sum=whole) once, in
-    # float32: twice the bytes of a compute-dtype gather.
+    # float32: twice the bytes of a compute-dtype gather. model.weights_ahead gathers the dense
+    # weights once per microbatch, beside the layer before (`AHEAD_OVERLAP`).
     runs = iterations if stages > 1 else t.microbatches  # layer runs per sequence group
     whole = cfg.pipeline.grad_sum == "whole"
     fsdp_uses = (3 if whole else 1 + iterations) if stages > 1 else 3 * t.microbatches
     gathers = 1 if stages > 1 else 2 * t.microbatches
     units = fsdp_uses - (gathers / 2 if m.fp8 != "none" else 0)  # FP8 gathers: half a unit
-    fsdp_bytes = units * layers * layer_params / tp * act * (f - 1) / f
-    fsdp_time = _seconds(fsdp_bytes, bool({"fsdp", "context"} & crossing))
-    parts["fsdp"] = fsdp_time * (1 - FSDP_OVERLAP) + max(0.0, fsdp_time * FSDP_OVERLAP - compute)
+    fetched = ahead.applies(m, mesh) and stages == 1
+    g = f * ep  # the dense weights' group
+    dense_uses = 2 * t.microbatches if fetched else units
+    crosses = bool({"fsdp", "context"} & crossing)
+    dense_time = _seconds(dense_uses * layers * dense / tp * act * (g - 1) / g,
+                          crosses or "expert" in crossing)
+    fsdp_time = _seconds(units * layers * local_experts / tp * act * (f - 1) / f, crosses)
+    hidden = (AHEAD_OVERLAP if fetched else FSDP_OVERLAP) * dense_time + FSDP_OVERLAP * fsdp_time
+    parts["fsdp"] = dense_time + fsdp_time - hidden + max(0.0, hidden - compute)
     d = mesh["data"]
-    grads = costs.matmul_params(m) * 4 / (tp * stages * f)  # float32 gradients per GPU
+    held = m.num_layers * (dense / ep + local_experts) + m.d_model * m.vocab_size
+    grads = held * 4 / (tp * stages * f)  # float32 gradients per GPU
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
     stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
@@ -307,8 +334,11 @@ def evaluate(cfg: Config, gpus: int, per_node: int, gpu: str, usable: int,
 
 
 def rank(layouts: list[Layout]) -> list[Layout]:
-    """Those that fit first, fastest first; then those that do not, smallest peak first."""
-    return sorted(layouts, key=lambda x: (not x.fits, x.step_seconds if x.fits else x.peak_bytes))
+    """Those that fit first, fastest first (of equal times, the fewer microbatches, then the
+    smaller peak: the remat policy that recomputes what costs nothing); then those that do not,
+    smallest peak first."""
+    return sorted(layouts, key=lambda x: (not x.fits, x.step_seconds if x.fits else x.peak_bytes,
+                                          x.microbatches, x.peak_bytes))
 
 
 def why_slower(worse: Layout, better: Layout, usable: int) -> str:
