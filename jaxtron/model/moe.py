@@ -41,9 +41,13 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, e = cfg.d_model, cfg.moe.mlp_dim or cfg.mlp_dim, cfg.moe.num_experts
         self.cfg = cfg
-        # whole on every device (D x E floats, 128 KiB for Mixtral): split, its gather was one
-        # more collective at each layer's start, which nothing can hide
-        self.router = param(rngs, cfg, (d, e), (None, None))
+        # With model.weights_ahead, whole on every device (D x E floats, 128 KiB for Mixtral):
+        # split, its gather was one more collective at each layer's start, which each jax
+        # combined with the carried gather its own way. Without, split over embed: whole, jax
+        # 0.10.2 computed its gradient on the expert group's gathered tokens (Qwen3-30B-A3B
+        # +1.6 TFLOP per GPU per step, docs/performance.md).
+        self.router = param(rngs, cfg, (d, e), (None, None) if cfg.weights_ahead
+                            else ("embed", None))
         for name in ("w_gate", "w_up", "w_down"):
             setattr(self, name, param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp")))
 

@@ -25,7 +25,7 @@ estimates one step's time as
     them with compute, so only what exceeds the compute is exposed. With model.fp8 the weights
     travel in FP8 (one byte), their gradients in bf16. Of a mixture of experts, the attention
     weights are sharded over fsdp x expert and each device's num_experts / |expert| experts over
-    fsdp (the router, small, is whole everywhere). model.weights_ahead gathers the dense weights
+    fsdp (the router is small). model.weights_ahead gathers the dense weights
     once per microbatch, a layer ahead beside the layer before, and keeps them for the backward.
   - data: the gradients' all-reduce, once per step, exposed.
   - stage: each microbatch's activations between neighbouring stages, forward and backward.
