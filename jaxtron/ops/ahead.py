@@ -40,15 +40,15 @@ def scan(cfg: ModelConfig, body: Callable, x, stacked, names: tuple[str, ...]):
     dtypes = [cfg.dtype if getattr(leaves[i][0][-1], "key", None) in names
               else variables[i][...].dtype for i in ahead]
 
-    def fetch(values, layer_vars):
-        return [projections.gathered(layer_vars[i].replace(value=v), cfg, dtype)
-                for i, v, dtype in zip(ahead, values, dtypes)]
+    def fetch(values, like):  # `like`: the variables fetched, for their axes
+        return [projections.gathered(var.replace(value=v), cfg, dtype)
+                for var, v, dtype in zip(like, values, dtypes)]
 
     def step(carry, xs):
         x, fetched = carry
         layer_state, upcoming = xs
         layer_vars = jax.tree_util.tree_leaves(layer_state, is_leaf=_is_variable)
-        following = fetch(upcoming, layer_vars)
+        following = fetch(upcoming, [layer_vars[i] for i in ahead])
         for i, w in zip(ahead, fetched):
             stored = _axes(layer_vars[i])[-w.ndim:]
             layer_vars[i] = layer_vars[i].replace(value=_scattered_gradient(w, stored))
@@ -56,7 +56,7 @@ def scan(cfg: ModelConfig, body: Callable, x, stacked, names: tuple[str, ...]):
         return (x, following), stats
 
     stored = [variables[i][...] for i in ahead]
-    first = fetch([w[0] for w in stored], [v.replace(value=v[...][0]) for v in variables])
+    first = fetch([w[0] for w in stored], [variables[i] for i in ahead])
     upcoming = [jnp.roll(w, -1, axis=0) for w in stored]  # the last layer fetches layer 0's
     (x, _), stats = jax.lax.scan(step, (x, first), (stacked, upcoming))
     return x, stats
