@@ -415,3 +415,65 @@ def ids_of(path: Path, *tokens: str) -> list[int]:
 
     hf = HFTokenizer.from_file(str(path))
     return [hf.token_to_id(t) for t in tokens]
+
+
+# ---------------------------------------------------------------- cuDNN's attention kernels in jnp
+# Stand-ins with cuDNN's semantics for the context-parallel split's kernels on CPU
+# (jaxtron/ops/context_attention.py: cudnn_forward, cudnn_backward).
+def _attention_mask(q_len, kv_len, causal, t, s):
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    allowed = jnp.ones((1, t, s), bool)
+    if causal:
+        allowed &= jnp.tril(jnp.ones((t, s), bool))[None]
+    if q_len is not None:
+        allowed &= (jnp.arange(t)[None, :, None] < q_len[:, None, None]) \
+            & (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
+    return allowed[:, None]  # [B, 1, T, S]
+
+
+def _attention_scores(q, k, bias, allowed):
+    """[B, N, T, S] scaled scores of grouped-query heads, -inf where not allowed."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    k_rep = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k_rep) * q.shape[-1] ** -0.5
+    s = s if bias is None else s + bias
+    return jnp.where(allowed, s, -jnp.inf), k_rep
+
+
+def fake_forward(q, k, v, bias, q_len, kv_len, causal):
+    """cuDNN's forward semantics in jnp: top-left causal, padding by lengths, statistics the
+    natural log-sum-exp of the scaled scores [B, N, T]; rows with no key give 0."""
+    import jax  # noqa: PLC0415 (jax only where a helper needs it)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    s, _ = _attention_scores(q, k, bias, _attention_mask(q_len, kv_len, causal, q.shape[1], k.shape[1]))
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0)
+    v_rep = jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)
+    return jnp.einsum("bnts,bsnh->btnh", p, v_rep), lse
+
+
+def fake_backward(q, k, v, bias, q_len, kv_len, causal, out, lse, d_out):
+    """cuDNN's backward from a given output and statistics (flash attention's identities)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    s, k_rep = _attention_scores(q, k, bias, _attention_mask(q_len, kv_len, causal, q.shape[1], k.shape[1]))
+    p = jnp.where(jnp.isfinite(s), jnp.exp(s - lse[..., None]), 0)
+    v_rep = jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)
+    d_v = jnp.einsum("bnts,btnh->bsnh", p, d_out)
+    d_p = jnp.einsum("btnh,bsnh->bnts", d_out, v_rep)
+    d_s = p * (d_p - jnp.einsum("btnh,btnh->bnt", d_out, out)[..., None]) * q.shape[-1] ** -0.5
+    group = lambda g: g.reshape(*g.shape[:2], k.shape[2], -1, g.shape[-1]).sum(3)
+    return (jnp.einsum("bnts,bsnh->btnh", d_s, k_rep), group(jnp.einsum("bnts,btnh->bsnh", d_s, q)),
+            group(d_v))
+
+
+def run_attention(kernel, q, k, v, segments, cotangent):
+    """(kernel's output, its gradients with respect to q, k and v under `cotangent`)."""
+    import jax  # noqa: PLC0415 (jax only where a helper needs it)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments) * cotangent)
+    return (kernel(q, k, v, segments), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))

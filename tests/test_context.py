@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_refused, run_launch, tiny_config
+from helpers import (
+    assert_refused,
+    fake_backward,
+    fake_forward,
+    run_attention,
+    run_launch,
+    tiny_config,
+)
 
 from jaxtron import parallel
 from jaxtron.config import ConfigError, MeshConfig
@@ -39,52 +46,6 @@ def _inputs():
     return q, k, v, jnp.asarray(SEGMENTS), jax.random.normal(keys[3], (B, T, N, H))
 
 
-def _mask(q_len, kv_len, causal, t, s):
-    allowed = jnp.ones((1, t, s), bool)
-    if causal:
-        allowed &= jnp.tril(jnp.ones((t, s), bool))[None]
-    if q_len is not None:
-        allowed &= (jnp.arange(t)[None, :, None] < q_len[:, None, None]) \
-            & (jnp.arange(s)[None, None, :] < kv_len[:, None, None])
-    return allowed[:, None]  # [B, 1, T, S]
-
-
-def _scores(q, k, bias, allowed):
-    """[B, N, T, S] scaled scores of grouped-query heads, -inf where not allowed."""
-    k_rep = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
-    s = jnp.einsum("btnh,bsnh->bnts", q, k_rep) * q.shape[-1] ** -0.5
-    s = s if bias is None else s + bias
-    return jnp.where(allowed, s, -jnp.inf), k_rep
-
-
-def fake_forward(q, k, v, bias, q_len, kv_len, causal):
-    """cuDNN's forward semantics in jnp: top-left causal, padding by lengths, statistics the
-    natural log-sum-exp of the scaled scores [B, N, T]; rows with no key give 0."""
-    s, _ = _scores(q, k, bias, _mask(q_len, kv_len, causal, q.shape[1], k.shape[1]))
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0)
-    v_rep = jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)
-    return jnp.einsum("bnts,bsnh->btnh", p, v_rep), lse
-
-
-def fake_backward(q, k, v, bias, q_len, kv_len, causal, out, lse, d_out):
-    """cuDNN's backward from a given output and statistics (flash attention's identities)."""
-    s, k_rep = _scores(q, k, bias, _mask(q_len, kv_len, causal, q.shape[1], k.shape[1]))
-    p = jnp.where(jnp.isfinite(s), jnp.exp(s - lse[..., None]), 0)
-    v_rep = jnp.repeat(v, q.shape[2] // v.shape[2], axis=2)
-    d_v = jnp.einsum("bnts,btnh->bsnh", p, d_out)
-    d_p = jnp.einsum("btnh,bsnh->bnts", d_out, v_rep)
-    d_s = p * (d_p - jnp.einsum("btnh,btnh->bnt", d_out, out)[..., None]) * q.shape[-1] ** -0.5
-    group = lambda g: g.reshape(*g.shape[:2], k.shape[2], -1, g.shape[-1]).sum(3)
-    return (jnp.einsum("bnts,bsnh->btnh", d_s, k_rep), group(jnp.einsum("bnts,btnh->bsnh", d_s, q)),
-            group(d_v))
-
-
-def _run(kernel, q, k, v, segments, cotangent):
-    loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments) * cotangent)
-    return (kernel(q, k, v, segments), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-
-
 @pytest.fixture
 def cudnn_stand_ins(monkeypatch):
     monkeypatch.setattr(context_attention, "cudnn_forward", fake_forward)
@@ -96,7 +57,7 @@ def test_split_sequence_attends_like_the_whole_one(cudnn_stand_ins, impl):
     """Balanced, split over context=4 (fsdp=2 splitting the batch), against the reference on the
     natural order: output and the gradients of q, k and v (float32)."""
     q, k, v, segments, cotangent = _inputs()
-    want = jax.jit(lambda *a: _run(attention.xla_attention, *a))(q, k, v, segments, cotangent)
+    want = jax.jit(lambda *a: run_attention(attention.xla_attention, *a))(q, k, v, segments, cotangent)
     mesh = parallel.make_mesh(MeshConfig(context=4, fsdp=2), jax.devices())
 
     def split(q, k, v, segments):
@@ -106,7 +67,7 @@ def test_split_sequence_attends_like_the_whole_one(cudnn_stand_ins, impl):
         return context.to_natural(out, ways)
 
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda *a: _run(split, *a))(q, k, v, segments, cotangent)
+        got = jax.jit(lambda *a: run_attention(split, *a))(q, k, v, segments, cotangent)
     for name, a, r in zip(("output", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(a, r, atol=2e-5, rtol=2e-5, err_msg=name)
 
@@ -119,7 +80,7 @@ def test_cudnn_stand_ins_match_the_reference(cudnn_stand_ins):
     same = segments[:, :, None] == segments[:, None, :]
     bias = jnp.where(same, 0.0, -1e30)[:, None]
     out, lse = fake_forward(q, k, v, bias, None, None, True)
-    want = _run(attention.xla_attention, q, k, v, segments, cotangent)
+    want = run_attention(attention.xla_attention, q, k, v, segments, cotangent)
     np.testing.assert_allclose(out, want[0], atol=1e-5)
     grads = fake_backward(q, k, v, bias, None, None, True, out, lse, cotangent)
     for a, r in zip(grads, want[1:]):

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from jaxtron import config
-from jaxtron.config import ConfigError, ModelConfig, MoEConfig
+from jaxtron.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
 from jaxtron.hf import mapping
-from jaxtron.model import decoder, families
+from jaxtron.model import decoder, deepseek, families
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
@@ -20,7 +20,9 @@ SMALL = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv
 EXPERTS = MoEConfig(num_experts=4)
 MADE_BY = {"llama": {}, "mistral": {"sliding_window": 32}, "qwen2": {"qkv_bias": True},
            "qwen3": {"qk_norm": True}, "mixtral": {"moe": EXPERTS},
-           "qwen3_moe": {"moe": EXPERTS, "qk_norm": True}}
+           "qwen3_moe": {"moe": EXPERTS, "qk_norm": True},
+           "deepseek_v3": {"moe": EXPERTS, "num_kv_heads": 2, "mla": MLAConfig(
+               kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)}}
 
 
 def test_every_family_is_made_by_its_settings_and_builds_its_module():
@@ -31,7 +33,8 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
         assert families.family_of(unnamed) == families.family_of(named) == name
         families.check(named)
         model = families.build(named, nnx.Rngs(0))
-        assert type(model) is decoder.Transformer and model.cfg == named
+        module = deepseek if name == "deepseek_v3" else decoder
+        assert type(model) is module.Transformer and model.cfg == named
         experts = hasattr(model.layers.mlp, "router")
         assert experts == ("moe" in settings), name
 
@@ -41,6 +44,7 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
     ("llama", {"qk_norm": True}, "model.qk_norm=false"),
     ("mixtral", {}, "model.moe.num_experts > 0"),
     ("qwen3", {"moe": EXPERTS, "qk_norm": True}, "model.moe.num_experts=0"),
+    ("deepseek_v3", {"moe": EXPERTS}, "model.mla.kv_lora_rank > 0"),
 ])
 def test_a_family_without_its_settings_is_refused_in_one_line(family, settings, needs):
     cfg = dataclasses.replace(SMALL, family=family, **settings)
@@ -75,7 +79,11 @@ def test_the_gpu_presets_name_their_family():
 def test_an_import_records_its_family(model_type):
     hf = {"model_type": model_type, "vocab_size": 64, "num_hidden_layers": 1, "hidden_size": 16,
           "num_attention_heads": 2, "intermediate_size": 24, "num_local_experts": 4,
-          "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+          "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+          # deepseek_v3's: latent attention, routed and shared experts
+          "kv_lora_rank": 8, "q_lora_rank": None, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+          "v_head_dim": 4, "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1,
+          "topk_group": 1, "first_k_dense_replace": 0}
     overrides = mapping.config_from_hf(hf)
     assert overrides["family"] == model_type
     families.check(ModelConfig(**overrides))

@@ -13,8 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import alive_pids, child_pids, run_until, saved_steps
+
+from jaxtron.checkpoint import weights
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -89,6 +92,29 @@ def test_sigkill_then_rerun_is_bit_exact_with_fp8_delayed_scaling(tmp_path):
     resumed = _rows(run_dir)
     assert sorted(resumed) == list(range(1, 7))
     assert [resumed[step] for step in killed] == [killed[step] for step in killed]
+
+
+def test_sigkill_then_rerun_reproduces_the_balancing_bias(tmp_path):
+    """configs/tiny_deepseek.yaml, whose routers' balancing biases are train state moved by each
+    step's load: killed with step 5 logged and checkpoint 3 saved, the rerun redoes steps 4 and
+    5 and logs what an uninterrupted run logs (losses and per-layer loads) bit for bit, and its
+    final biases are that run's (biases restarted at 0, or not restored, change both)."""
+    args = ("--config", str(ROOT / "configs" / "tiny_deepseek.yaml"), "train.steps=6",
+            "checkpoint.every=3", "train.batch_size=8", "train.seq_len=64",
+            "model.moe.bias_update_speed=0.01", "train.eval_every=0")
+    straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
+    subprocess.run(_cmd(straight_dir, *args), cwd=ROOT, check=True, capture_output=True,
+                   timeout=600)
+    assert run_until(_cmd(run_dir, *args), run_dir, 5, signal.SIGKILL, saved=3) == -signal.SIGKILL
+    assert saved_steps(run_dir) == [3]
+    subprocess.run(_cmd(run_dir, *args), cwd=ROOT, check=True, capture_output=True, timeout=600)
+    resumed, straight = _rows(run_dir), _rows(straight_dir)
+    assert sorted(resumed) == list(range(1, 7)) and "moe_load/3" in resumed[6]
+    assert resumed == straight
+    bias = [weights.reader(d)[2](("layers", "mlp", "router_bias"), None)
+            for d in (run_dir, straight_dir)]
+    np.testing.assert_array_equal(*bias)
+    assert np.count_nonzero(bias[0]) > bias[0].size // 2  # the biases moved
 
 
 # Kills the process inside Orbax's commit of checkpoint 6: its arrays and commit_success file are

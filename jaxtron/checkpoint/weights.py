@@ -150,14 +150,19 @@ def read_meta(step_dir: Path) -> dict:
 # same dropless model).
 ARRAYS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
           "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype",
-          "moe.num_experts")  # the saved arrays' shapes and dtypes: a restore into others fails
-MOE_ARRAYS = ("moe.mlp_dim",)  # the experts' width (0: mlp_dim), where both have experts
+          "moe.num_experts", "mla.kv_lora_rank", "mla.q_lora_rank", "mla.qk_nope_head_dim",
+          "mla.qk_rope_head_dim", "mla.v_head_dim"
+          )  # the saved arrays' shapes and dtypes: a restore into others fails
+# the experts' width (0: mlp_dim) and DeepSeek-MoE's arrays, where both have experts
+MOE_ARRAYS = ("moe.mlp_dim", "moe.shared_experts", "moe.first_dense", "moe.scoring")
 # The same arrays, another function: a resume in run.dir that changed one would go on training
 # (and save as the run's) another model than its steps so far trained, with no error. A new run
 # that starts from the checkpoint (checkpoint.restore, e.g. fine-tuning with a longer RoPE) may.
 FUNCTION = ("rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-            "rope_original_max_len", "norm_eps", "sliding_window")
-MOE_FUNCTION = ("moe.experts_per_token", "moe.norm_topk_prob")  # where both have experts
+            "rope_original_max_len", "rope_scaling_type", "rope_beta_fast", "rope_beta_slow",
+            "rope_mscale", "rope_mscale_all_dim", "norm_eps", "sliding_window")
+MOE_FUNCTION = ("moe.experts_per_token", "moe.norm_topk_prob", "moe.routed_scale", "moe.groups",
+                "moe.topk_groups")  # where both have experts
 
 
 def model_changes(meta: dict, model: config_lib.ModelConfig, resume: bool = False) -> list[str]:

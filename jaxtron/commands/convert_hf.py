@@ -166,11 +166,13 @@ def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
             context: int, compute_dtype: str) -> dict:
     """The config preset that fine-tunes an imported model."""
     skip = {"scan_layers", "remat", "attention", "attention_check", "collective_matmul",
-            "weights_ahead", "init_std", "moe"}
+            "weights_ahead", "init_std", "moe", "mla"}
     skip |= set() if cfg.sliding_window else {"sliding_window"}
     model = {f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__ if f not in skip}
     if cfg.moe.num_experts:  # a dense model's preset has no experts' section
         model["moe"] = dataclasses.asdict(cfg.moe)
+    if cfg.mla.kv_lora_rank:  # nor latent attention's
+        model["mla"] = dataclasses.asdict(cfg.mla)
     preset = {
         "model": {**model, "dtype": compute_dtype},
         "train": {"seq_len": min(context, CONTEXT, cfg.sliding_window or CONTEXT)},

@@ -10,6 +10,7 @@ from jaxtron.config.schema import (  # noqa: F401 - the names callers take from 
     DataConfig,
     DatasetEntry,
     MeshConfig,
+    MLAConfig,
     ModelConfig,
     MoEConfig,
     OptimConfig,

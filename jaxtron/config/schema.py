@@ -46,6 +46,33 @@ class MoEConfig:
     # mosaic (tokamax's Mosaic GPU ragged_dot), triton (its Triton one: jax 0.10 only), xla
     # (jax.lax.ragged_dot: on GPUs XLA runs it as a dense matmul of every row with every expert)
     kernel: str = "auto"
+    # DeepSeek-MoE (family deepseek_v3): the router's scores, softmax over all experts or each
+    # expert's own sigmoid (normalised over the chosen k when norm_topk_prob)
+    scoring: str = "softmax"
+    routed_scale: float = 1.0  # the routed experts' weights times this (routed_scaling_factor)
+    # group-limited routing: the experts in `groups` equal groups, a token's k chosen only among
+    # the topk_groups groups whose two best scores sum highest (n_group, topk_group)
+    groups: int = 1
+    topk_groups: int = 1
+    shared_experts: int = 0  # always-on experts: one SwiGLU of shared_experts * mlp_dim width
+    # the first layers keep a dense MLP of model.mlp_dim (first_k_dense_replace)
+    first_dense: int = 0
+    # auxiliary-loss-free balancing: a per-expert bias added to the scores for the choice only,
+    # moved after each step by this times the sign of the expert's load error; 0: no bias
+    bias_update_speed: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """model.mla: multi-head latent attention (DeepSeek-V2/V3; jaxtron/model/deepseek.py).
+    kv_lora_rank > 0 replaces grouped-query attention: keys and values come from one compressed
+    vector per token, queries from another (q_lora_rank; 0: projected directly)."""
+
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 128  # each head's query/key dimensions without RoPE
+    qk_rope_head_dim: int = 64  # ... and with RoPE: a key part shared by every head
+    v_head_dim: int = 128
 
 
 # The experts' keys as they were before model.moe held them (model.num_experts, ...): a
@@ -72,13 +99,14 @@ def model_config(model: dict) -> ModelConfig:
     tree = nested(model)
     known = lambda schema, d: {k: v for k, v in d.items() if k in schema.__dataclass_fields__}
     return ModelConfig(**{**known(ModelConfig, tree),
-                          "moe": MoEConfig(**known(MoEConfig, tree.get("moe") or {}))})
+                          "moe": MoEConfig(**known(MoEConfig, tree.get("moe") or {})),
+                          "mla": MLAConfig(**known(MLAConfig, tree.get("mla") or {}))})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe (jaxtron/model/families.py); "": the one
-    # the settings below make
+    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3 (jaxtron/model/families.py);
+    # "": the one the settings below make
     family: str = ""
     vocab_size: int = 8192
     num_layers: int = 4
@@ -92,6 +120,13 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # with rope_scaling_factor > 0: llama3 (the fields above) or yarn (DeepSeek-V3: the fields
+    # below, and the softmax scale times mscale(rope_mscale_all_dim)^2)
+    rope_scaling_type: str = "llama3"
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -123,6 +158,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (head_size wide) before RoPE
     # the experts of a mixture-of-experts family (mixtral, qwen3_moe); a dense model has none
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # latent attention (deepseek_v3)
 
     @property
     def head_size(self) -> int:

@@ -1,17 +1,20 @@
 """Hugging Face tensors <-> jaxtron params, through one name-mapping table, by model.family.
 
 Covers `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (QKV bias), `Qwen3ForCausalLM`
-(q/k norms), `MixtralForCausalLM` and `Qwen3MoeForCausalLM` (experts), each HF `model_type` a
-jaxtron family (jaxtron/model/families.py) that an import records; an attention window is kept
-as model.sliding_window, which bounds the sequence length (attention is full causal): adding a
+(q/k norms), `MixtralForCausalLM`, `Qwen3MoeForCausalLM` (experts) and `DeepseekV3ForCausalLM`
+(latent attention, shared experts, dense first layers), each HF `model_type` a jaxtron family
+(jaxtron/model/families.py) that an import records; an attention window is kept as
+model.sliding_window, which bounds the sequence length (attention is full causal): adding a
 family that computes the same function is adding rows or a config reading.
 Conversions go one layer at a time (`layer_params`, `hf_layout`), so a converter never needs a
 whole stacked weight in memory. Directories and the public API are in `jaxtron.hf`.
 
 Our params are the pure nested dict of `nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs)))`, with
-per-layer weights stacked on a leading L axis. HF `nn.Linear` weights are [out, in]; ours are
+per-layer weights stacked on a leading L axis, in one stack (`layers`) or, for DeepSeek-V3, two
+(`dense_layers`, then `layers`: `layer_slot`). HF `nn.Linear` weights are [out, in]; ours are
 [in, out] with heads split out. Our RoPE rotates halves exactly as HF Llama does, so q/k need no
-permutation (tests/test_hf_parity.py checks logits against transformers itself).
+permutation, except DeepSeek's interleaved pairs (`rope_interleave`), whose columns an import
+reorders (tests/test_hf_parity.py, tests/test_hf_deepseek.py check logits against transformers).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.config.schema import MLAConfig
 from jaxtron.model import abstract_model, family_of
 
 ParamPath = tuple[str, ...]  # keys into our nested param dict
@@ -47,7 +51,8 @@ OUT: Transform = (  # [D, N*H] <-> [N, H, D]
 BIAS: Transform = (lambda x, h: x.reshape(-1, h), lambda y, h: y.reshape(-1))  # [N*H] <-> [N, H]
 
 LAYER = "model.layers.{i}."
-# One row per tensor: HF name ({i}: layer index, stacked on our L axis), our path, transform.
+# One row per tensor: HF name ({i}: layer index, stacked on our L axis), our path (a layer's
+# starting with its stack, `layers` here), transform.
 MAPPING: tuple[tuple[str, ParamPath, Transform], ...] = (
     ("model.embed_tokens.weight", ("embed",), COPY),
     (LAYER + "input_layernorm.weight", ("layers", "attn_norm", "scale"), COPY),
@@ -88,8 +93,15 @@ MLPS: dict[str, tuple[tuple[str, ParamPath, Transform], ...]] = {
 }
 # Non-parameter buffers some checkpoints carry; recomputed from the config, so dropped.
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# DeepSeek-V3's multi-token-prediction modules: layers past num_hidden_layers (model.layers.61 of
+# DeepSeek-V3), known by their eh_proj; transformers drops them on load, and so do we.
+MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Tensors written in float32 whatever the weights' dtype (transformers keeps them in float32,
+# _keep_in_fp32_modules_strict, and DeepSeek-V3's own files store the bias so).
+FLOAT32_TENSORS = re.compile(r"\.e_score_correction_bias$")
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+DEEPSEEK = "deepseek_v3"
 
 
 def mlp_family(cfg: ModelConfig) -> str:
@@ -97,12 +109,73 @@ def mlp_family(cfg: ModelConfig) -> str:
     return family_of(cfg) if cfg.moe.num_experts else "dense"
 
 
-def _hf_names(pattern: str, num_layers: int, num_experts: int = 0) -> list[str]:
-    """The concrete HF names of one MAPPING row."""
-    if "{i}" not in pattern:
-        return [pattern]
-    return [pattern.format(i=i, j=j) for i in range(num_layers)
-            for j in (range(num_experts) if "{j}" in pattern else [0])]
+def layer_slot(cfg: ModelConfig, layer: int) -> tuple[str, int]:
+    """HF layer `layer`'s stack in our params and its index there: DeepSeek-V3's first
+    model.moe.first_dense layers are `dense_layers`, the others (every layer elsewhere) `layers`."""
+    dense = cfg.moe.first_dense
+    return ("dense_layers", layer) if layer < dense else ("layers", layer - dense)
+
+
+def _sized(transform: Transform, h: int) -> Transform:
+    """`transform` with head size `h` (a latent-attention tensor's own, not cfg.head_size)."""
+    to_ours, to_hf = transform
+    return (lambda x, _: to_ours(x, h), lambda y, _: to_hf(y, h))
+
+
+def _rope_deinterleaved(transform: Transform, start: int, rope: int, interleave: bool
+                        ) -> Transform:
+    """`transform`, then its last axis's `rope` columns from `start` on reordered from HF's
+    interleaved pairs (x0, x1), (x2, x3) ... to halves (x0, x2, ... | x1, x3, ...), the layout
+    our apply_rope rotates (and back for HF): the same rotation, the same dot products."""
+    if not interleave:
+        return transform
+    order = np.concatenate([np.arange(start), start + np.arange(0, rope, 2),
+                            start + np.arange(1, rope, 2)])
+    back = np.argsort(order)
+    to_ours, to_hf = transform
+    return (lambda x, h: to_ours(x, h)[..., order], lambda y, h: to_hf(y[..., back], h))
+
+
+def _on(stack: str, table: Iterable[tuple[str, ParamPath, Transform]]
+        ) -> tuple[tuple[str, ParamPath, Transform], ...]:
+    """Layer rows (paths relative to a layer) put on `stack`."""
+    return tuple((pattern, (stack, *path), t) for pattern, path, t in table)
+
+
+def _deepseek_rows(cfg: ModelConfig, interleave: bool) -> tuple[tuple[str, ParamPath, Transform],
+                                                                ...]:
+    """DeepSeek-V3's rows: latent attention on every layer, the dense MLP on `dense_layers`,
+    router, balancing bias, routed experts (qwen3_moe's naming) and shared experts on `layers`.
+    `interleave`: the checkpoint's rope_interleave."""
+    m = cfg.mla
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q_rows = _rope_deinterleaved(_sized(QKV, qk), m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                 interleave)
+    attn = (
+        (LAYER + "input_layernorm.weight", ("attn_norm", "scale"), COPY),
+        (LAYER + "self_attn.q_proj.weight", ("attn", "wq"), q_rows),  # q_lora_rank null
+        (LAYER + "self_attn.q_a_proj.weight", ("attn", "wq_a"), LINEAR),
+        (LAYER + "self_attn.q_a_layernorm.weight", ("attn", "q_norm", "scale"), COPY),
+        (LAYER + "self_attn.q_b_proj.weight", ("attn", "wq_b"), q_rows),
+        (LAYER + "self_attn.kv_a_proj_with_mqa.weight", ("attn", "wkv_a"),
+         _rope_deinterleaved(LINEAR, m.kv_lora_rank, m.qk_rope_head_dim, interleave)),
+        (LAYER + "self_attn.kv_a_layernorm.weight", ("attn", "kv_norm", "scale"), COPY),
+        (LAYER + "self_attn.kv_b_proj.weight", ("attn", "wkv_b"),
+         _sized(QKV, m.qk_nope_head_dim + m.v_head_dim)),
+        (LAYER + "self_attn.o_proj.weight", ("attn", "wo"), _sized(OUT, m.v_head_dim)),
+        (LAYER + "post_attention_layernorm.weight", ("mlp_norm", "scale"), COPY),
+    )
+    experts = (
+        (LAYER + "mlp.gate.weight", ("mlp", "router"), LINEAR),
+        (LAYER + "mlp.gate.e_score_correction_bias", ("mlp", "router_bias"), COPY),
+        *((p, path[1:], t) for p, path, t in MLPS["qwen3_moe"][1:]),
+        (LAYER + "mlp.shared_experts.gate_proj.weight", ("mlp", "shared", "w_gate"), LINEAR),
+        (LAYER + "mlp.shared_experts.up_proj.weight", ("mlp", "shared", "w_up"), LINEAR),
+        (LAYER + "mlp.shared_experts.down_proj.weight", ("mlp", "shared", "w_down"), LINEAR),
+    )
+    dense = tuple((p, path[1:], t) for p, path, t in MLPS["dense"])
+    top = tuple(row for row in MAPPING if "{i}" not in row[0])
+    return top[:1] + _on("dense_layers", attn + dense) + _on("layers", attn + experts) + top[1:]
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,10 +186,14 @@ def expected_shapes(cfg: ModelConfig) -> dict[ParamPath, tuple[int, ...]]:
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def rows(cfg: ModelConfig) -> list[tuple[str, ParamPath, Transform]]:
-    """The MAPPING rows this config has (no biases without qkv_bias, no head when tied)."""
+def rows(cfg: ModelConfig, rope_interleave: bool = True
+         ) -> list[tuple[str, ParamPath, Transform]]:
+    """The MAPPING rows this config has (no biases without qkv_bias, no head when tied).
+    `rope_interleave`: DeepSeek-V3's (transformers' rope_interleave, its default true)."""
     shapes = expected_shapes(cfg)
-    return [row for row in MAPPING + MLPS[mlp_family(cfg)] if row[1] in shapes]
+    table = (_deepseek_rows(cfg, rope_interleave) if family_of(cfg) == DEEPSEEK
+             else MAPPING + MLPS[mlp_family(cfg)])
+    return [row for row in table if row[1] in shapes]
 
 
 def nest(flat: dict[ParamPath, Any]) -> dict:
@@ -135,8 +212,8 @@ def check_names(names: Iterable[str], cfg: ModelConfig) -> None:
     present = {n for n in names if not IGNORED.search(n)}
     if cfg.tie_embeddings:
         present.discard("lm_head.weight")  # tied checkpoints may still list it: see check_tied
-    wanted = [n for pattern, _, _ in rows(cfg)
-              for n in _hf_names(pattern, cfg.num_layers, cfg.moe.num_experts)]
+    present -= _mtp_names(present, cfg)
+    wanted = [name for name, _, _, _ in hf_layout(cfg)]
     missing = [n for n in wanted if n not in present]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors the config needs: "
@@ -146,6 +223,16 @@ def check_names(names: Iterable[str], cfg: ModelConfig) -> None:
         raise ValueError(f"checkpoint has {len(unknown)} tensors with no place in the model "
                          f"(check model.* against its config.json): {', '.join(unknown[:8])}"
                          f"{' ...' if len(unknown) > 8 else ''}")
+
+
+def _mtp_names(names: set[str], cfg: ModelConfig) -> set[str]:
+    """The tensors of DeepSeek-V3's multi-token-prediction layers among `names` (a layer past
+    the model's with an eh_proj), which the model does not run."""
+    if family_of(cfg) != DEEPSEEK:
+        return set()
+    layers = {int(hit[1]) for n in names if (hit := MTP_LAYER.match(n))}
+    mtp = {i for i in layers if i >= cfg.num_layers and f"model.layers.{i}.eh_proj.weight" in names}
+    return {n for n in names if (hit := MTP_LAYER.match(n)) and int(hit[1]) in mtp}
 
 
 def check_tied(names: Iterable[str], get: Callable[[str], np.ndarray], cfg: ModelConfig) -> None:
@@ -172,12 +259,16 @@ def top_params(get: Callable[[str], np.ndarray], cfg: ModelConfig) -> dict[Param
             for pattern, path, (to_ours, _) in rows(cfg) if "{i}" not in pattern}
 
 
-def layer_params(get: Callable[[str], np.ndarray], cfg: ModelConfig,
-                 layer: int) -> dict[ParamPath, np.ndarray]:
-    """One layer's tensors in our per-layer shapes (the stacked ones less the L axis) and dtype."""
+def layer_params(get: Callable[[str], np.ndarray], cfg: ModelConfig, layer: int, *,
+                 rope_interleave: bool = True) -> dict[ParamPath, np.ndarray]:
+    """HF layer `layer`'s tensors in our per-layer shapes (the stacked ones less the L axis) and
+    dtype, by our path (its stack first: layer_slot)."""
     shapes = expected_shapes(cfg)
+    stack = layer_slot(cfg, layer)[0]
     out = {}
-    for pattern, path, (to_ours, _) in rows(cfg):
+    for pattern, path, (to_ours, _) in rows(cfg, rope_interleave):
+        if path[0] != stack:
+            continue
         if "{j}" in pattern:  # [E, D, F]: one HF tensor per expert
             out[path] = np.stack([_ours(pattern.format(i=layer, j=j), path, to_ours, get, cfg,
                                         shapes[path][2:]) for j in range(cfg.moe.num_experts)])
@@ -186,44 +277,57 @@ def layer_params(get: Callable[[str], np.ndarray], cfg: ModelConfig,
     return out
 
 
-def hf_to_params(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
-    """HF state dict (name -> array) -> our pure nested param dict, numpy, in cfg.param_dtype."""
+def hf_to_params(hf_tensors: dict[str, np.ndarray], cfg: ModelConfig, *,
+                 rope_interleave: bool = True) -> dict:
+    """HF checkpoint tensors (name -> array) -> our pure nested param dict, numpy, in
+    cfg.param_dtype. `rope_interleave`: config.json's (`rope_interleave`), for DeepSeek-V3."""
     check_names(hf_tensors, cfg)
     check_tied(hf_tensors, hf_tensors.__getitem__, cfg)
     flat = top_params(hf_tensors.__getitem__, cfg)
-    layers = [layer_params(hf_tensors.__getitem__, cfg, i) for i in range(cfg.num_layers)]
-    flat |= {path: np.stack([layer[path] for layer in layers]) for path in layers[0]}
+    stacked: dict[ParamPath, list[np.ndarray]] = {}
+    for i in range(cfg.num_layers):  # each stack's layers in order
+        for path, value in layer_params(hf_tensors.__getitem__, cfg, i,
+                                        rope_interleave=rope_interleave).items():
+            stacked.setdefault(path, []).append(value)
+    flat |= {path: np.stack(values) for path, values in stacked.items()}
     return nest(flat)
 
 
-def hf_layout(cfg: ModelConfig) -> list[tuple[str, ParamPath, int | None, Callable]]:
-    """Every HF tensor of `cfg` in checkpoint order: (name, our path, layer index or None for
-    unstacked, our array -> HF's). Tied models have no lm_head.weight. An expert's tensor
-    takes its layer's [E, D, F] array and picks expert j itself."""
+def hf_layout(cfg: ModelConfig, rope_interleave: bool = True
+              ) -> list[tuple[str, ParamPath, int | None, Callable]]:
+    """Every HF tensor of `cfg` in checkpoint order: (name, our path, index in the path's stack
+    or None for unstacked, our array -> HF's). Tied models have no lm_head.weight. An expert's
+    tensor takes its layer's [E, D, F] array and picks expert j itself."""
+    table = rows(cfg, rope_interleave)
     out = []
-    for pattern, path, (_, to_hf) in rows(cfg):
+    for pattern, path, (_, to_hf) in table:
         if "{i}" not in pattern:
             out.append((pattern, path, None, to_hf))
     for i in range(cfg.num_layers):
-        for pattern, path, (_, to_hf) in rows(cfg):
+        stack, index = layer_slot(cfg, i)
+        for pattern, path, (_, to_hf) in table:
+            if "{i}" not in pattern or path[0] != stack:
+                continue
             if "{j}" in pattern:
-                out += [(pattern.format(i=i, j=j), path, i,
+                out += [(pattern.format(i=i, j=j), path, index,
                          lambda y, h, j=j, to_hf=to_hf: to_hf(y[j], h))
                         for j in range(cfg.moe.num_experts)]
-            elif "{i}" in pattern:
-                out.append((pattern.format(i=i), path, i, to_hf))
+            else:
+                out.append((pattern.format(i=i), path, index, to_hf))
     return out
 
 
-def params_to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Our pure nested param dict -> HF state dict (tied models omit lm_head.weight)."""
+def params_to_hf(params: dict, cfg: ModelConfig, *,
+                 rope_interleave: bool = True) -> dict[str, np.ndarray]:
+    """Our pure nested param dict -> HF checkpoint tensors (tied models omit lm_head.weight)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     flat = {tuple(k.key for k in path): np.asarray(leaf) for path, leaf in leaves}
-    unknown = sorted("/".join(p) for p in set(flat) - {row[1] for row in rows(cfg)})
+    table = rows(cfg, rope_interleave)
+    unknown = sorted("/".join(p) for p in set(flat) - {row[1] for row in table})
     if unknown:
         raise ValueError(f"params with no HF name: {', '.join(unknown)}")
     return {name: to_hf(flat[path] if layer is None else flat[path][layer], cfg.head_size)
-            for name, path, layer, to_hf in hf_layout(cfg)}
+            for name, path, layer, to_hf in hf_layout(cfg, rope_interleave)}
 
 
 def _rope_overrides(hf: dict) -> dict:
@@ -237,6 +341,9 @@ def _rope_overrides(hf: dict) -> dict:
     theta = _setting(hf, "rope_theta", float, 10000.0)
     out = {"rope_theta": _setting(rope, "rope_theta", float, theta, where)}
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if hf.get("model_type") == DEEPSEEK and kind not in ("default", "yarn"):
+        raise ValueError(f"RoPE scaling type '{kind}' is not supported for deepseek_v3 (default "
+                         "and yarn are)")
     if kind == "llama3":
         out |= {
             "rope_scaling_factor": _setting(rope, "factor", float, where=where),
@@ -246,16 +353,48 @@ def _rope_overrides(hf: dict) -> dict:
                                                where)
                                       or _setting(hf, "max_position_embeddings", int)),
         }
+    elif kind == "yarn" and hf.get("model_type") == DEEPSEEK:
+        out |= _yarn(rope, hf, where)
     elif kind != "default":
-        raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are)")
+        raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are; "
+                         "yarn for deepseek_v3 only)")
     return out
+
+
+def _yarn(rope: dict, hf: dict, where: str) -> dict:
+    """YaRN's fields as transformers' _compute_yarn_parameters reads them (beta_fast 32 and
+    beta_slow 1 when absent or 0; mscale and mscale_all_dim count only when set, so absent is
+    0 here), for DeepSeek-V3 (whose softmax scale takes mscale_all_dim too)."""
+    if rope.get("attention_factor") is not None:
+        raise ValueError(f"{where}attention_factor is not supported (the factor is computed "
+                         "from factor, mscale and mscale_all_dim)")
+    if rope.get("truncate", True) is not True:
+        raise ValueError(f"{where}truncate={json.dumps(rope['truncate'])} is not supported "
+                         "(YaRN's correction range is truncated here)")
+    return {
+        "rope_scaling_type": "yarn",
+        "rope_scaling_factor": _setting(rope, "factor", float, where=where),
+        "rope_original_max_len": (_setting(rope, "original_max_position_embeddings", int, 0,
+                                           where)
+                                  or _setting(hf, "max_position_embeddings", int)),
+        "rope_beta_fast": _setting(rope, "beta_fast", float, 0.0, where) or 32.0,
+        "rope_beta_slow": _setting(rope, "beta_slow", float, 0.0, where) or 1.0,
+        "rope_mscale": _setting(rope, "mscale", float, 0.0, where),
+        "rope_mscale_all_dim": _setting(rope, "mscale_all_dim", float, 0.0, where),
+    }
 
 
 def _check_supported(hf: dict) -> None:
     """Refuse configs whose architecture our Transformer does not compute."""
     kind = hf.get("model_type")
+    if kind == "deepseek_v2":
+        raise ValueError("model_type 'deepseek_v2' is not supported (deepseek_v3 is): its "
+                         "softmax router, without normalisation or balancing bias, has no "
+                         "deepseek_v3 config to record or export")
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"model_type '{kind}' is not supported ({', '.join(SUPPORTED_TYPES)} are)")
+    if kind == DEEPSEEK:
+        _check_deepseek(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or (kind != "qwen2" and hf.get("attention_bias")):
@@ -264,6 +403,34 @@ def _check_supported(hf: dict) -> None:
                                 _setting(hf, "decoder_sparse_step", int, 1) != 1):
         raise ValueError("dense layers between the MoE layers (mlp_only_layers, "
                          "decoder_sparse_step) are not supported: every layer is MoE here")
+
+
+# DeepSeek-V3 config.json keys (the DeepSeek remote code's) that must hold these values to
+# compute what jaxtron does; absent keys are transformers' (which reads none of them)
+DEEPSEEK_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
+                  "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+
+
+def _check_deepseek(hf: dict) -> None:
+    """Refuse DeepSeek-V3 configs our deepseek_v3 family does not compute (one line)."""
+    for key, want in DEEPSEEK_FIXED.items():
+        if key in hf and hf[key] != want:
+            raise ValueError(f"{key}={json.dumps(hf[key])} is not supported for deepseek_v3 "
+                             f"(only {json.dumps(want)} is)")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?") if isinstance(
+            hf["quantization_config"], dict) else "?"
+        raise ValueError(f"quantized weights (quantization_config, {method}) are not supported; "
+                         "convert the checkpoint to bfloat16 first")
+    _setting(hf, "rope_interleave", bool, True)  # read by rope_interleave
+    heads = _setting(hf, "num_attention_heads", int)
+    if _setting(hf, "num_key_value_heads", int, heads) != heads:
+        raise ValueError(f"num_key_value_heads={hf['num_key_value_heads']} is not supported for "
+                         f"deepseek_v3: latent attention has a key per head "
+                         f"(num_attention_heads={heads})")
+    if _setting(hf, "n_shared_experts", int, 1) < 1:
+        raise ValueError("n_shared_experts=0 is not supported for deepseek_v3 (transformers "
+                         "keeps empty shared-expert tensors, jaxtron none)")
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -310,6 +477,8 @@ def config_from_hf(hf_config: dict) -> dict:
     if hf.get("model_type") is None:
         raise ValueError(f"model_type is missing; add the family ({', '.join(SUPPORTED_TYPES)})")
     _check_supported(hf)
+    if hf["model_type"] == DEEPSEEK:
+        return _deepseek_config(hf)
     heads = _setting(hf, "num_attention_heads", int)
     hidden = _setting(hf, "hidden_size", int)
     _setting(hf, "max_position_embeddings", int, 0)  # read by the callers
@@ -348,3 +517,55 @@ def _experts(hf: dict) -> dict:
         # say router_aux_loss_coef: float = 0.001 (transformers 5.24)
         aux_coef=_setting(hf, "router_aux_loss_coef", float, 0.001),
     )}
+
+
+def _deepseek_config(hf: dict) -> dict:
+    """DeepSeek-V3's config.json -> our model.* settings, absent keys taking DeepseekV3Config's
+    defaults (transformers 5.24), as transformers does. The router's balancing bias is a
+    checkpoint tensor and is not moved in training (bias_update_speed 0), and transformers
+    computes no auxiliary loss for it (aux_coef 0)."""
+    heads = _setting(hf, "num_attention_heads", int)
+    nope = _setting(hf, "qk_nope_head_dim", int, 128)
+    rope = _setting(hf, "qk_rope_head_dim", int, 64)
+    experts = _setting(hf, "n_routed_experts", int, 0) or _setting(hf, "num_local_experts", int,
+                                                                   256)
+    # q_lora_rank: null is no compression; absent is the default 1536
+    q_rank = _setting(hf, "q_lora_rank", int, 0) if "q_lora_rank" in hf else 1536
+    return {
+        "family": DEEPSEEK,
+        "vocab_size": _setting(hf, "vocab_size", int),
+        "num_layers": _setting(hf, "num_hidden_layers", int),
+        "d_model": _setting(hf, "hidden_size", int),
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "head_dim": nope + rope,
+        "mlp_dim": _setting(hf, "intermediate_size", int),
+        "norm_eps": _setting(hf, "rms_norm_eps", float, 1e-6),
+        "tie_embeddings": _setting(hf, "tie_word_embeddings", bool, False),
+        **_rope_overrides(hf),
+        "mla": MLAConfig(kv_lora_rank=_setting(hf, "kv_lora_rank", int, 512), q_lora_rank=q_rank,
+                         qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                         v_head_dim=_setting(hf, "v_head_dim", int, 128)),
+        "moe": MoEConfig(
+            num_experts=experts,
+            experts_per_token=_setting(hf, "num_experts_per_tok", int, 8),
+            mlp_dim=_setting(hf, "moe_intermediate_size", int, 2048),
+            norm_topk_prob=_setting(hf, "norm_topk_prob", bool, True),
+            scoring="sigmoid",
+            routed_scale=_setting(hf, "routed_scaling_factor", float, 2.5),
+            groups=_setting(hf, "n_group", int, 8),
+            topk_groups=_setting(hf, "topk_group", int, 4),
+            shared_experts=_setting(hf, "n_shared_experts", int, 1),
+            first_dense=_setting(hf, "first_k_dense_replace", int, 3),
+            bias_update_speed=0.0,
+            aux_coef=0.0,
+        ),
+    }
+
+
+def rope_interleave(hf: dict) -> bool:
+    """Whether a DeepSeek-V3 config.json's RoPE dims come in interleaved pairs (transformers'
+    rope_interleave, default true as DeepSeek's own checkpoints have them); false elsewhere."""
+    if hf.get("model_type") != DEEPSEEK:
+        return False
+    return _setting(hf, "rope_interleave", bool, True)

@@ -29,6 +29,7 @@ from flax import nnx
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.hf import tensorfile
 from jaxtron.hf.mapping import (
+    FLOAT32_TENSORS,
     ParamPath,
     check_names,
     check_tied,
@@ -36,6 +37,7 @@ from jaxtron.hf.mapping import (
     expected_shapes,
     hf_layout,
     hf_to_params,
+    rope_interleave,
 )
 from jaxtron.model import abstract_model, family_of, in_compute_dtype
 
@@ -44,7 +46,8 @@ GENERATION = "generation_config.json"  # what transformers' generate() reads bef
 PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
 Getter = Callable[[str], np.ndarray]
 
@@ -170,7 +173,8 @@ def from_pretrained(hf_dir: str | Path, dtype: str = "float32",
     cfg = read_config(hf_dir, dtype)
     check_tensors(hf_dir, cfg, allow_pickle)
     try:
-        return cfg, hf_to_params(read_tensors(hf_dir, allow_pickle), cfg)
+        return cfg, hf_to_params(read_tensors(hf_dir, allow_pickle), cfg,
+                                 rope_interleave=rope_interleave(read_hf_config(hf_dir)))
     except ValueError as err:
         raise ConfigError(f"{Path(hf_dir).expanduser()}: {err}") from None
 
@@ -199,6 +203,8 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
     trained at); by default the Llama 3 scaling's original length, else 2048."""
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"model_type '{model_type}' is not one of {', '.join(ARCHITECTURES)}")
+    if model_type == "deepseek_v3":
+        return _deepseek_config(cfg, context)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
@@ -220,6 +226,44 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
         "torch_dtype": cfg.param_dtype,
         **_window(cfg, model_type),
         **_experts(cfg, model_type),
+    }
+
+
+def _deepseek_config(cfg: ModelConfig, context: int | None) -> dict:
+    """DeepSeek-V3's config.json (the inverse of mapping._deepseek_config): the rope dims
+    written interleaved (rope_interleave, as DeepSeek's checkpoints have them), no
+    multi-token-prediction layers. `context`: as hf_config; by default YaRN's extended length
+    (original length x factor), else 2048."""
+    m, moe = cfg.mla, cfg.moe
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    yarn = cfg.rope_scaling_factor > 0
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
+                "factor": cfg.rope_scaling_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len,
+                "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                **({"mscale": cfg.rope_mscale} if cfg.rope_mscale else {}),
+                **({"mscale_all_dim": cfg.rope_mscale_all_dim} if cfg.rope_mscale_all_dim
+                   else {})}
+    return {
+        "architectures": [ARCHITECTURES["deepseek_v3"]], "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim, "moe_intermediate_size": moe.mlp_dim or cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": rope, "rope_interleave": True,
+        "max_position_embeddings": context or (
+            int(cfg.rope_original_max_len * cfg.rope_scaling_factor) if yarn else 2048),
+        "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank or None,
+        "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.experts_per_token,
+        "n_shared_experts": moe.shared_experts, "routed_scaling_factor": moe.routed_scale,
+        "n_group": moe.groups, "topk_group": moe.topk_groups,
+        "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.norm_topk_prob,
+        "num_nextn_predict_layers": 0, "attention_bias": False, "output_router_logits": False,
+        "torch_dtype": cfg.param_dtype,
     }
 
 
@@ -268,6 +312,24 @@ def _check_family(cfg: ModelConfig, model_type: str) -> None:
     if model_type == "mixtral" and not cfg.moe.norm_topk_prob:
         raise ConfigError("Mixtral renormalizes its top-k router weights; model.moe.norm_topk_prob="
                           "false has no Mixtral equivalent")
+    if model_type == "deepseek_v3":
+        _check_deepseek(cfg)
+
+
+def _check_deepseek(cfg: ModelConfig) -> None:
+    """A deepseek_v3 model that DeepseekV3ForCausalLM computes (one line naming what differs)."""
+    if cfg.moe.scoring != "sigmoid":
+        raise ConfigError(f"DeepseekV3ForCausalLM scores experts with a sigmoid; model.moe."
+                          f"scoring={cfg.moe.scoring} has no deepseek_v3 equivalent")
+    if cfg.moe.shared_experts < 1:
+        raise ConfigError("DeepseekV3ForCausalLM always has shared experts; model.moe."
+                          "shared_experts=0 has no deepseek_v3 equivalent here")
+    if cfg.rope_scaling_factor > 0 and cfg.rope_scaling_type != "yarn":
+        raise ConfigError(f"deepseek_v3 exports default or yarn RoPE; model.rope_scaling_type="
+                          f"{cfg.rope_scaling_type} has no equivalent here")
+    if cfg.num_kv_heads != cfg.num_heads:
+        raise ConfigError(f"latent attention has a key per head: model.num_kv_heads="
+                          f"{cfg.num_kv_heads} must equal model.num_heads={cfg.num_heads}")
 
 
 def _window(cfg: ModelConfig, model_type: str) -> dict:
@@ -286,14 +348,16 @@ def _window(cfg: ModelConfig, model_type: str) -> dict:
 
 
 def _hf_specs(cfg: ModelConfig, dtype) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """Each HF tensor's shape and dtype, computed without any data."""
+    """Each HF tensor's shape and dtype (FLOAT32_TENSORS in float32), computed without any
+    data."""
     shapes, by_path = expected_shapes(cfg), {}
     for _, path, layer, to_hf in hf_layout(cfg):
         if path not in by_path:
             ours = shapes[path] if layer is None else shapes[path][1:]
             by_path[path] = tuple(jax.eval_shape(lambda y, f=to_hf: f(y, cfg.head_size),
                                                  jax.ShapeDtypeStruct(ours, np.float32)).shape)
-    return {name: (by_path[path], np.dtype(dtype)) for name, path, _, _ in hf_layout(cfg)}
+    return {name: (by_path[path], np.dtype(np.float32 if FLOAT32_TENSORS.search(name) else dtype))
+            for name, path, _, _ in hf_layout(cfg)}
 
 
 def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np.ndarray],
@@ -312,14 +376,16 @@ def write_pretrained(cfg: ModelConfig, get: Callable[[ParamPath, int | None], np
     out.mkdir(parents=True, exist_ok=True)
     layout = {name: (path, layer, to_hf) for name, path, layer, to_hf in hf_layout(cfg)}
     specs = _hf_specs(cfg, dtype)
-    sizes = [(n, dtype.itemsize * int(np.prod(specs[n][0], dtype=np.int64))) for n in layout]
+    sizes = [(n, specs[n][1].itemsize * int(np.prod(specs[n][0], dtype=np.int64)))
+             for n in layout]
     shards = tensorfile.plan_shards(sizes, SHARD_BYTES)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
 
     def produce(name: str) -> np.ndarray:
         path, layer, to_hf = layout[name]
-        return np.asarray(to_hf(np.asarray(get(path, layer)), cfg.head_size)).astype(dtype)
+        return np.asarray(to_hf(np.asarray(get(path, layer)), cfg.head_size)).astype(
+            specs[name][1])
 
     for file, names in zip(files, shards):
         tensorfile.write(out / file, names, specs, produce)

@@ -142,10 +142,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+    """SwiGLU: down(silu(x W_gate) * (x W_up)), model.mlp_dim wide or `width` (DeepSeek's
+    shared experts)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f = cfg.d_model, cfg.mlp_dim
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int = 0):
+        d, f = cfg.d_model, width or cfg.mlp_dim
         self.cfg = cfg
         self.w_gate = _param(rngs, cfg, (d, f), ("embed", "mlp"))
         self.w_up = _param(rngs, cfg, (d, f), ("embed", "mlp"))
@@ -162,13 +163,17 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP a mixture of
-    experts when model.moe.num_experts > 0 (jaxtron/model/moe.py)."""
+    experts when model.moe.num_experts > 0 (jaxtron/model/moe.py). A family with other
+    attention or MLP modules (same calls) names them in a subclass: `attention`, `mixer`."""
+
+    attention: type = None  # the attention module's class; None: grouped-query `Attention`
+    mixer: type = None  # the MLP's class; None: moe.MoE with experts, else `MLP`
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = (self.attention or Attention)(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = moe.MoE(cfg, rngs) if cfg.moe.num_experts else MLP(cfg, rngs)
+        self.mlp = (self.mixer or (moe.MoE if cfg.moe.num_experts else MLP))(cfg, rngs)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
                  ) -> tuple[jax.Array, dict]:
@@ -193,15 +198,29 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
+    """Embedding, the stacks of layers (`stacks`), final norm and LM head. A family whose layers
+    differ subclasses it with its own `stacks`, `cache_heads` and `projections`."""
+
+    # the projections' weights: model.weights_ahead fetches them in the compute dtype, the
+    # other weights split over `embed` (a router's) as stored (ops/ahead.py)
+    projections = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+    @staticmethod
+    def stacks(cfg: ModelConfig) -> tuple[tuple[str, int, type], ...]:
+        """The stacks of layers in order, each scanned: (attribute, layers, block class). The
+        last is `layers`, the one a pipeline's stages may split; the ones before run whole."""
+        return (("layers", cfg.num_layers, Block),)
+
+    @staticmethod
+    def cache_heads(cfg: ModelConfig) -> tuple[int, int, int]:
+        """What a layer's KV cache holds per slot: (heads, key size, value size)."""
+        return cfg.num_kv_heads, cfg.head_size, cfg.head_size
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(key):
-            return Block(cfg, nnx.Rngs(params=key))
-
-        self.layers = stacked_blocks(jax.random.split(rngs.params(), cfg.num_layers))
+        for name, count, block in self.stacks(cfg):
+            setattr(self, name, _stacked(block, cfg, count, rngs))
         self.final_norm = RMSNorm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -224,17 +243,21 @@ class Transformer(nnx.Module):
         attention in the XLA reference math whatever model.attention says."""
         ops = layer_ops.build(self.cfg, None)
         x_BTD = self._embed(tokens_BT, ops)
-        graphdef, stacked = nnx.split(self.layers)
         inv_freq = rope_frequencies(self.cfg)
+        updated = {}
+        for name, _, _ in self.stacks(self.cfg):
+            graphdef, stacked = nnx.split(getattr(self, name))
 
-        def body(x_BTD, layer):
-            state, k_BSKH, v_BSKH = layer
-            x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, state).decode(
-                x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops)
-            return x_BTD, (k_BSKH, v_BSKH)
+            def body(x_BTD, layer, graphdef=graphdef):
+                state, k_BSKH, v_BSKH = layer
+                x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, state).decode(
+                    x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops)
+                return x_BTD, (k_BSKH, v_BSKH)
 
-        x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (stacked, cache["k"], cache["v"]))
-        return self._logits(self.final_norm(x_BTD)), {"k": k, "v": v}
+            x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (stacked, cache[name]["k"],
+                                                       cache[name]["v"]))
+            updated[name] = {"k": k, "v": v}
+        return self._logits(self.final_norm(x_BTD)), updated
 
     def hidden(self, batch: dict, ops: LayerOps) -> tuple[jax.Array, dict, dict]:
         """A batch of [B, T] arrays in natural order (tokens, positions, segment_ids; others,
@@ -245,8 +268,14 @@ class Transformer(nnx.Module):
             raise ValueError("the operations set was built for another model config")
         batch = ops.balance(batch)
         x_BTD = self._embed(batch["tokens"], ops)
+        for name, _, _ in self.stacks(self.cfg)[:-1]:  # whole, before `layers`: no statistics
+            graphdef, stacked = nnx.split(getattr(self, name))
+            x_BTD, _ = _run_stack(self.cfg, ops.for_layers(), graphdef, stacked, x_BTD,
+                                  batch["positions"], batch["segment_ids"],
+                                  names=self.projections)
         graphdef, stacked = nnx.split(self.layers)
-        run_group = functools.partial(_run_stack, self.cfg, ops.for_layers(), graphdef)
+        run_group = functools.partial(_run_stack, self.cfg, ops.for_layers(), graphdef,
+                                      names=self.projections)
         x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
                                       batch["segment_ids"])
         return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
@@ -270,12 +299,24 @@ class Transformer(nnx.Module):
         return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
 
 
+def _stacked(block: type, cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`count` layers of `block` with their weights stacked on a leading `layers` axis."""
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stacked_blocks(key):
+        return block(cfg, nnx.Rngs(params=key))
+
+    return stacked_blocks(jax.random.split(rngs.params(), count))
+
+
 def _run_stack(cfg: ModelConfig, ops: LayerOps, graphdef, stacked, x_BTD, positions_BT,
-               segment_ids_BT, select: Callable[[Any], Any] | None = None):
+               segment_ids_BT, select: Callable[[Any], Any] | None = None,
+               names: tuple[str, ...] = Transformer.projections):
     """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy; returns
     (x, each layer's MoE statistics stacked [L', ...]). `select`, if given, maps each layer's
     stored weights to the ones it runs with, inside the layer body (the pipeline picks a
-    repeat's weights there, so the pick is never a saved residual)."""
+    repeat's weights there, so the pick is never a saved residual). `names`: the projections'
+    weights (Transformer.projections), which model.weights_ahead fetches in the compute dtype."""
     inv_freq = rope_frequencies(cfg)
 
     def body(x, layer_state):
@@ -286,17 +327,12 @@ def _run_stack(cfg: ModelConfig, ops: LayerOps, graphdef, stacked, x_BTD, positi
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
                               prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
-        return ops.scan_layers(body, x_BTD, stacked, PROJECTIONS if select is None else None)
+        return ops.scan_layers(body, x_BTD, stacked, names if select is None else None)
     stats = []
     for i in range(jax.tree.leaves(stacked)[0].shape[0]):
         x_BTD, layer_stats = body(x_BTD, jax.tree.map(lambda a: a[i], stacked))
         stats.append(layer_stats)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
-
-
-# the projections' weights: model.weights_ahead fetches them in the compute dtype, the other
-# weights split over `embed` (a router's) as stored (ops/ahead.py)
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:
@@ -306,10 +342,14 @@ def in_compute_dtype(cfg: ModelConfig) -> ModelConfig:
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> dict:
-    """An empty KV cache for `Transformer.decode`: k and v [L, B, S, K, H] of `length` slots, in
-    the compute dtype (keys stored rotated)."""
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_size)
-    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+    """An empty KV cache for `Transformer.decode`: per stack of layers (Transformer.stacks),
+    k [L', B, S, K, Hk] and v [L', B, S, K, Hv] of `length` slots (cache_heads), in the compute
+    dtype (keys stored rotated)."""
+    model = families.model_class(cfg)
+    heads, key, value = model.cache_heads(cfg)
+    zeros = lambda count, size: jnp.zeros((count, batch, length, heads, size), cfg.dtype)
+    return {name: {"k": zeros(count, key), "v": zeros(count, value)}
+            for name, count, _ in model.stacks(cfg)}
 
 
 def count_params(state: nnx.State) -> int:

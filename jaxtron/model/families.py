@@ -25,6 +25,7 @@ class Family:
     qkv_bias: bool = False  # biases on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3)
     experts: bool = False  # a mixture of experts in place of the MLP
+    latent: bool = False  # multi-head latent attention (model.mla) and DeepSeek-MoE's options
 
 
 FAMILIES = {
@@ -34,7 +35,12 @@ FAMILIES = {
     "qwen3": Family("decoder", qk_norm=True),
     "mixtral": Family("decoder", experts=True),
     "qwen3_moe": Family("decoder", qk_norm=True, experts=True),
+    "deepseek_v3": Family("deepseek", experts=True, latent=True),
 }
+# DeepSeek-MoE's options (model.moe) at the values that leave the other families' experts as
+# they are
+DEEPSEEK_MOE = {"scoring": "softmax", "routed_scale": 1.0, "groups": 1, "topk_groups": 1,
+                "shared_experts": 0, "first_dense": 0, "bias_update_speed": 0.0}
 
 
 def family_of(cfg: ModelConfig) -> str:
@@ -43,6 +49,8 @@ def family_of(cfg: ModelConfig) -> str:
     Mistral: an attention window; else Llama)."""
     if cfg.family:
         return cfg.family
+    if cfg.mla.kv_lora_rank:
+        return "deepseek_v3"
     if cfg.moe.num_experts:
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
     return ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
@@ -52,6 +60,7 @@ def family_of(cfg: ModelConfig) -> str:
 def check(cfg: ModelConfig) -> None:
     """model.family is a family, and the settings it fixes are cfg's (one line naming the
     setting otherwise)."""
+    _check_deepseek(cfg)
     if not cfg.family:
         return
     if cfg.family not in FAMILIES:
@@ -62,19 +71,68 @@ def check(cfg: ModelConfig) -> None:
         if want != have]
     if family.experts != bool(cfg.moe.num_experts):
         wrong.append("model.moe.num_experts > 0" if family.experts else "model.moe.num_experts=0")
+    if family.latent != bool(cfg.mla.kv_lora_rank):
+        wrong.append("model.mla.kv_lora_rank > 0" if family.latent else "model.mla.kv_lora_rank=0")
     if wrong:
         raise ConfigError(f"model.family={cfg.family} needs {' and '.join(wrong)}; set them, or "
                           f"the family these settings make (model.family={_made(cfg)})")
+
+
+def _check_deepseek(cfg: ModelConfig) -> None:
+    """DeepSeek-MoE's options only with latent attention (the deepseek_v3 family), and within
+    their ranges."""
+    moe, m = cfg.moe, cfg.mla
+    if not m.kv_lora_rank:
+        changed = [f"model.moe.{k}={getattr(moe, k)}" for k, v in DEEPSEEK_MOE.items()
+                   if getattr(moe, k) != v]
+        if changed:
+            raise ConfigError(f"{changed[0]} is a DeepSeek-MoE option, for model.family="
+                              "deepseek_v3 (model.mla.kv_lora_rank > 0); leave it at its default")
+        return
+    if not moe.num_experts:
+        raise ConfigError("model.mla.kv_lora_rank > 0 makes a deepseek_v3 model, which has "
+                          "experts: set model.moe.num_experts")
+    if m.qk_rope_head_dim % 2 or m.qk_rope_head_dim <= 0:
+        raise ConfigError(f"model.mla.qk_rope_head_dim={m.qk_rope_head_dim} must be a positive "
+                          "even number (RoPE rotates pairs)")
+    if moe.scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe.scoring={moe.scoring} is not one of softmax, sigmoid")
+    if moe.groups < 1 or moe.num_experts % moe.groups:
+        raise ConfigError(f"model.moe.groups={moe.groups} must divide model.moe.num_experts="
+                          f"{moe.num_experts}")
+    if not 1 <= moe.topk_groups <= moe.groups:
+        raise ConfigError(f"model.moe.topk_groups={moe.topk_groups} must be 1 to model.moe."
+                          f"groups={moe.groups}")
+    if moe.groups > 1 and moe.num_experts // moe.groups < 2:
+        raise ConfigError("group-limited routing ranks a group by its two best experts: "
+                          f"model.moe.groups={moe.groups} leaves fewer than 2 per group")
+    if moe.topk_groups * (moe.num_experts // moe.groups) < moe.experts_per_token:
+        raise ConfigError(f"model.moe.topk_groups={moe.topk_groups} groups of "
+                          f"{moe.num_experts // moe.groups} experts hold fewer than "
+                          f"experts_per_token={moe.experts_per_token}")
+    if not 0 <= moe.first_dense < cfg.num_layers:
+        raise ConfigError(f"model.moe.first_dense={moe.first_dense} must be 0 to num_layers-1 "
+                          f"({cfg.num_layers - 1}): the last layers are the MoE stack")
+    if moe.bias_update_speed and moe.scoring != "sigmoid":
+        raise ConfigError("model.moe.bias_update_speed > 0 moves the sigmoid router's bias: "
+                          "set model.moe.scoring=sigmoid")
+    if cfg.fp8 != "none":
+        raise ConfigError(f"model.fp8={cfg.fp8} does not cover latent attention yet; use "
+                          "model.fp8=none with model.mla")
 
 
 def _made(cfg: ModelConfig) -> str:
     return family_of(dataclasses.replace(cfg, family=""))
 
 
+def model_class(cfg: ModelConfig) -> type:
+    """The Transformer class of cfg's family."""
+    return importlib.import_module(f"jaxtron.model.{FAMILIES[family_of(cfg)].module}").Transformer
+
+
 def build(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     """The model of cfg's family, its weights drawn from `rngs`."""
-    module = importlib.import_module(f"jaxtron.model.{FAMILIES[family_of(cfg)].module}")
-    return module.Transformer(cfg, rngs)
+    return model_class(cfg)(cfg, rngs)
 
 
 def abstract_model(cfg: ModelConfig) -> nnx.Module:

@@ -36,18 +36,61 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
 
 
+def rope_dim(cfg: ModelConfig) -> int:
+    """Width of the rotated part of a head: MLA's qk_rope_head_dim, else the whole head."""
+    return cfg.mla.qk_rope_head_dim if cfg.mla.kv_lora_rank > 0 else cfg.head_size
+
+
+def _yarn(cfg: ModelConfig) -> bool:
+    return cfg.rope_scaling_factor > 0 and cfg.rope_scaling_type == "yarn"
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [H/2], with Llama-3 scaling when `rope_scaling_factor` > 0."""
-    h = cfg.head_size
+    """Inverse frequencies [rope_dim/2], with Llama-3 or YaRN scaling when `rope_scaling_factor`
+    > 0 (YaRN as transformers' `_compute_yarn_parameters`, truncate=True)."""
+    h = rope_dim(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     if cfg.rope_scaling_factor <= 0:
         return inv_freq
     factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    if _yarn(cfg):
+        # The dimension whose wavelength turns `rot` times in old_len; below beta_fast's
+        # (short wavelengths) kept, above beta_slow's divided by factor, a ramp between.
+        def dim_at(rot: float) -> float:
+            return h * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+        low = max(math.floor(dim_at(cfg.rope_beta_fast)), 0)
+        high = min(math.ceil(dim_at(cfg.rope_beta_slow)), h - 1)
+        high = high + 0.001 if low == high else high
+        ramp = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp)
     low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     smooth = jnp.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (transformers' `attention_factor`); 1.0 otherwise.
+    mscale / mscale_all_dim when both are set, else mscale(factor) with mscale 1."""
+    if not _yarn(cfg):
+        return 1.0
+    factor, m, m_all = cfg.rope_scaling_factor, cfg.rope_mscale, cfg.rope_mscale_all_dim
+    if m and m_all:
+        return _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
+    return _yarn_mscale(factor)
+
+
+def softmax_scale_factor(cfg: ModelConfig) -> float:
+    """What DeepSeek-V3 multiplies its softmax scale by under YaRN: mscale(factor,
+    mscale_all_dim)^2 when mscale_all_dim is set, else 1.0."""
+    if not _yarn(cfg) or not cfg.rope_mscale_all_dim:
+        return 1.0
+    return _yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2
 
 
 def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: jax.Array) -> jax.Array:

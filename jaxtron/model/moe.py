@@ -48,6 +48,8 @@ class MoE(nnx.Module):
         # +1.6 TFLOP per GPU per step, docs/performance.md).
         self.router = param(rngs, cfg, (d, e), (None, None) if cfg.weights_ahead
                             else ("embed", None))
+        if cfg.moe.scoring == "sigmoid":  # DeepSeek-V3's balancing bias, replicated (`rebalanced`)
+            self.router_bias = param(rngs, cfg, (e,), (None,), value=0.0)
         for name in ("w_gate", "w_up", "w_down"):
             setattr(self, name, param(rngs, cfg, (e, d, f), ("experts", "expert_embed", "mlp")))
 
@@ -62,10 +64,7 @@ class MoE(nnx.Module):
                    else segment_ids_BT != 0)
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32),
                                 self.router[...].astype(jnp.float32))
-        probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-        weight_BTk, expert_BTk = jax.lax.top_k(probs_BTE, cfg.moe.experts_per_token)
-        if cfg.moe.norm_topk_prob:
-            weight_BTk = weight_BTk / jnp.sum(weight_BTk, axis=-1, keepdims=True)
+        probs_BTE, weight_BTk, expert_BTk = self._route(logits_BTE)
         routed_BTk = jnp.broadcast_to(real_BT[..., None], expert_BTk.shape)
         stats = _router_sums(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.moe.num_experts)
         if cfg.moe.capacity_factor > 0:
@@ -78,6 +77,57 @@ class MoE(nnx.Module):
         weights = [_expert_weights(self.cfg, w) for w in (self.w_gate, self.w_up, self.w_down)]
         y_BTD = ops.experts(x_BTD, expert_BTk, weight_BTk.astype(cfg.dtype), *weights)
         return y_BTD, stats
+
+
+    def _route(self, logits_BTE) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(the scores as probabilities over the experts [B, T, E], each token's expert weights
+        [B, T, k] and experts [B, T, k]). softmax: the top k probabilities. sigmoid (DeepSeek-V3):
+        the top k of the scores plus the balancing bias (for the choice only), within the
+        topk_groups best groups; weighted by their scores. Normalised over the k with
+        norm_topk_prob, then times routed_scale."""
+        moe = self.cfg.moe
+        if moe.scoring == "softmax":
+            probs_BTE = scores_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+            choice_BTE = scores_BTE
+        else:
+            scores_BTE = jax.nn.sigmoid(logits_BTE)
+            probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
+            choice_BTE = scores_BTE + jax.lax.stop_gradient(self.router_bias[...])
+        if moe.groups > 1:
+            choice_BTE = within_groups(choice_BTE, moe.groups, moe.topk_groups)
+        _, expert_BTk = jax.lax.top_k(choice_BTE, moe.experts_per_token)
+        weight_BTk = jnp.take_along_axis(scores_BTE, expert_BTk, axis=-1)
+        if moe.norm_topk_prob:
+            tiny = 1e-20 if moe.scoring == "sigmoid" else 0.0  # transformers' DeepSeek-V3 adds it
+            weight_BTk = weight_BTk / (jnp.sum(weight_BTk, axis=-1, keepdims=True) + tiny)
+        return probs_BTE, weight_BTk * moe.routed_scale, expert_BTk
+
+
+def within_groups(choice_BTE: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+    """Group-limited routing: the experts in `groups` equal groups ranked by the sum of their
+    two best scores; outside the topk_groups best, -inf, so no token's experts span more
+    groups (DeepSeek-V3 puts a group on a node, bounding the dispatch's fan-out)."""
+    *lead, experts = choice_BTE.shape
+    grouped = choice_BTE.reshape(*lead, groups, experts // groups)
+    rank_BTG = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    _, best = jax.lax.top_k(rank_BTG, topk_groups)
+    kept_BTG = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.int32), axis=-2) > 0
+    kept_BTE = jnp.repeat(kept_BTG, experts // groups, axis=-1)
+    return jnp.where(kept_BTE, choice_BTE, -jnp.inf)
+
+
+def rebalanced(params: dict, picked_LE: jax.Array, speed: float) -> dict:
+    """`params` with each MoE layer's balancing bias (router_bias [L, E]) moved by `speed` times
+    the sign of its expert's load error: up where an expert took fewer (token, choice) pairs
+    than the layer's mean this step, down where more (DeepSeek-V3's auxiliary-loss-free
+    balancing). `picked_LE`: the step's pairs per expert and layer (step_sums), the same on
+    every rank, so the bias stays equal everywhere."""
+    def move(path, leaf):
+        if getattr(path[-1], "key", None) != "router_bias":
+            return leaf
+        error = jnp.mean(picked_LE, axis=-1, keepdims=True) - picked_LE
+        return leaf + speed * jnp.sign(error).astype(leaf.dtype)
+    return jax.tree_util.tree_map_with_path(move, params)
 
 
 def _expert_weights(cfg: ModelConfig, p: nnx.Param) -> jax.Array:
@@ -140,12 +190,12 @@ def within_capacity(expert_BTk: jax.Array, routed_BTk: jax.Array, cfg: ModelConf
 def describe_params(cfg: ModelConfig, total: int) -> str:
     """'46,702,792,704' for a dense model; for a mixture of experts the total and the active
     count: what one token runs, every weight less the num_experts - experts_per_token experts it
-    skips in every layer."""
+    skips in every MoE layer (all but model.moe.first_dense)."""
     if not cfg.moe.num_experts:
         return f"{total:,}"
     skipped = cfg.moe.num_experts - cfg.moe.experts_per_token
     expert = 3 * cfg.d_model * (cfg.moe.mlp_dim or cfg.mlp_dim)
-    active = total - cfg.num_layers * skipped * expert
+    active = total - (cfg.num_layers - cfg.moe.first_dense) * skipped * expert
     return f"{total:,} ({active:,} active per token: {cfg.moe.experts_per_token} of " \
            f"{cfg.moe.num_experts} experts)"
 
@@ -183,19 +233,21 @@ def zero_stats(params: dict) -> dict:
             "routed": zero(layers), "dropped": zero(layers)}
 
 
-def metrics(sums: dict, tokens: jax.Array, capacity: bool) -> dict:
+def metrics(sums: dict, tokens: jax.Array, capacity: bool, first: int = 0) -> dict:
     """The step's router statistics from its summed `step_sums` and real tokens, as logged
     (docs/metrics.md): moe_aux_loss and moe_z_loss (means over tokens), moe_load (the most
-    loaded expert's pairs over the mean, the largest over layers), and with a capacity
-    moe_dropped (the share of routed pairs dropped, the largest over layers); {} for a dense
-    model."""
+    loaded expert's pairs over the mean, the largest over layers) and each MoE layer's as
+    moe_load/<layer> (`first`: the model layer of the first, after model.moe.first_dense dense
+    ones), and with a capacity moe_dropped (the share of routed pairs dropped, the largest over
+    layers); {} for a dense model."""
     if not sums:
         return {}
     tokens = jnp.maximum(tokens.astype(jnp.float32), 1.0)
     picked = sums["picked"]
-    load = jnp.max(jnp.max(picked, axis=-1) / jnp.maximum(jnp.mean(picked, axis=-1), 1e-9))
+    load_L = jnp.max(picked, axis=-1) / jnp.maximum(jnp.mean(picked, axis=-1), 1e-9)
     out = {"moe_aux_loss": sums["aux"] / tokens, "moe_z_loss": sums["z"] / tokens,
-           "moe_load": load}
+           "moe_load": jnp.max(load_L),
+           **{f"moe_load/{first + i}": load_L[i] for i in range(load_L.shape[0])}}
     if capacity:
         out["moe_dropped"] = jnp.max(sums["dropped"] / jnp.maximum(sums["routed"], 1.0))
     return out

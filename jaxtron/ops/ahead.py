@@ -36,7 +36,7 @@ def scan(cfg: ModelConfig, body: Callable, x, stacked, names: tuple[str, ...]):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked, is_leaf=_is_variable)
     variables = [var for _, var in leaves]
     ahead = [i for i, var in enumerate(variables)
-             if isinstance(var, nnx.Param) and "embed" in _axes(var)]
+             if isinstance(var, nnx.Param) and set(projections.GATHERED) & set(_axes(var))]
     dtypes = [cfg.dtype if getattr(leaves[i][0][-1], "key", None) in names
               else variables[i][...].dtype for i in ahead]
 

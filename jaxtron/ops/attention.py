@@ -1,12 +1,15 @@
 """Attention kernels behind one function, all honouring packed-sequence segment ids.
 
 Shapes: B batch, T query length, S key length, N query heads, K kv heads, G = N // K query heads
-per kv head, H head size. Segment id 0 marks padding; a token attends only to earlier tokens of
-its own segment. Every backend is tested against `xla_attention` on a packed batch.
+per kv head, H head size. V's head size may differ from q's and k's (DeepSeek-V3's latent
+attention: 192 for q and k, 128 for v): the output has v's, the scores are scaled by q's.
+Segment id 0 marks padding; a token attends only to earlier tokens of its own segment. Every
+backend is tested against `xla_attention` on a packed batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -45,9 +48,10 @@ def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                      mask: jax.Array) -> jax.Array:
-    """Grouped-query attention where mask[B or 1, 1, 1, T, S] is true; softmax in float32."""
+    """Grouped-query attention where mask[B or 1, 1, 1, T, S] is true; softmax in float32. The
+    output has v's head size (which may differ from q's), the scores the scale of q's."""
     b, t, n, h = q_BTNH.shape
-    k = k_BSKH.shape[2]
+    k, hv = k_BSKH.shape[2], v_BSKH.shape[3]
     q_BKGTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
     scores_BKGTS = jnp.einsum(
         "bkgth,bskh->bkgts", q_BKGTH, k_BSKH, preferred_element_type=jnp.float32
@@ -55,7 +59,7 @@ def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     scores_BKGTS = jnp.where(mask, scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bskh->bkgth", probs_BKGTS, v_BSKH)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hv)
 
 
 def cudnn_attention(
@@ -67,6 +71,7 @@ def cudnn_attention(
     The scores never exist in memory: cuDNN tiles them in on-chip SRAM, forward and backward. The
     mask is [B, 1, T, S] (one per sequence, shared by every head); jax's entry with packed-layout
     offsets checks for a local Hopper GPU, so it cannot be compiled ahead of time elsewhere.
+    V with another head size than q's (latent attention) takes cuDNN's own entry (`_cudnn_local`).
 
     Inside the pipeline's stages (a partly manual program, whose shardings jax's cuDNN
     partitioning rule cannot read) the kernel runs in a `shard_map` over the remaining axes, on
@@ -84,9 +89,18 @@ def cudnn_attention(
 
 
 def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
+    """One cuDNN call: causal, the segment-equality mask as a bias. jax.nn's entry wants v's head
+    size to be q's, so another v size goes to cuDNN's own entry (the same kernel, in its latent
+    attention form: jax allows it on Hopper or later with cuDNN 9.10 or later, checking the local
+    GPU) with jax.nn's scale and mask."""
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
-                                        is_causal=True, implementation="cudnn")
+    if v_BSKH.shape[-1] == q_BTNH.shape[-1]:
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
+                                            is_causal=True, implementation="cudnn")
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    return fa.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
+                                    scale=q_BTNH.shape[-1] ** -0.5,
+                                    mask_type=fa.MaskType.CAUSAL)
 
 
 def _from_arrays(prim, *avals, **params) -> bool:
@@ -116,6 +130,25 @@ def _sealed(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
                            prevent_cse=False)
     outer = jax.checkpoint(inner, policy=_from_arrays, prevent_cse=False)
     return outer(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
+@contextlib.contextmanager
+def cross_compiling(device):
+    """A context in which jax's cuDNN attention is lowered for `device`, a GPU this host lacks
+    (the compile-only H100s of --compile-for): jax reads the local GPU's compute capability for
+    what cuDNN takes (head sizes over 128 and latent attention's smaller value size from Hopper
+    on, model.mla), and here there is none, so it answers for `device` instead."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # noqa: PLC0415
+
+    have = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split("."))
+    parse = lambda capability: tuple(int(x) for x in capability.split("."))
+    saved = fused.check_compute_capability, fused.is_cuda_compute_capability_equal
+    fused.check_compute_capability = lambda capability: have >= parse(capability)
+    fused.is_cuda_compute_capability_equal = lambda capability: have == parse(capability)
+    try:
+        yield
+    finally:
+        fused.check_compute_capability, fused.is_cuda_compute_capability_equal = saved
 
 
 ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {

@@ -3,6 +3,7 @@
 
 `xla` masks by segment ids and natural positions over all keys (the reference); `cudnn` runs each
 of a rank's two pieces as a diagonal block and a prefix window, merged by their log-sum-exps.
+V may have another head size than q and k (latent attention): the output has v's.
 docs/operations.md, "Attention over context ranks", says why a gather and not a ring.
 """
 
@@ -25,8 +26,9 @@ AXIS = context.AXIS
 
 def attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl: str = "xla") -> jax.Array:
     """Causal attention of a balanced batch whose sequence is split over `context`: q, k, v
-    [B, T, heads, H] and segment ids [B, T] in balanced order. Runs per device in a `shard_map`
-    over every axis not already manual (the pipeline's stages are)."""
+    [B, T, heads, H] (v's H may differ from q's and k's; the output has v's) and segment ids
+    [B, T] in balanced order. Runs per device in a `shard_map` over every axis not already
+    manual (the pipeline's stages are)."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
@@ -78,9 +80,10 @@ def _mask_type(fa, padded: bool, causal: bool):
 
 
 def cudnn_forward(q, k, v, bias, q_len, kv_len, causal: bool):
-    """cuDNN's fused attention forward: (out [B, T, N, H], log-sum-exp [B, N, T] float32 of the
-    scaled scores). `bias` [B, 1, T, S] or None; `q_len`/`kv_len` [B] (padding mask: rows and keys
-    past them are out) or None; `causal`: top-left causal mask."""
+    """cuDNN's fused attention forward: (out [B, T, N, v's H], log-sum-exp [B, N, T] float32 of
+    the scores scaled by q's H). `bias` [B, 1, T, S] or None; `q_len`/`kv_len` [B] (padding mask:
+    rows and keys past them are out) or None; `causal`: top-left causal mask. jax.nn's entry
+    would refuse a v head size other than q's; this one takes it (cuDNN's latent attention)."""
     fa = _cudnn()
     out, lse = fa.dot_product_attention(q, k, v, bias=bias, q_seqlen=q_len, kv_seqlen=kv_len,
                                         scale=q.shape[-1] ** -0.5,

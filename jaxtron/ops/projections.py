@@ -18,6 +18,10 @@ from jaxtron.config import ModelConfig
 from jaxtron.ops import fp8
 from jaxtron.parallel import collective_matmul, constrain
 
+# the weights' axes split over fsdp (parallel.RULES) that their use gathers: the model width,
+# and latent attention's compressed width (jaxtron/model/deepseek.py)
+GATHERED = ("embed", "latent")
+
 
 def gathered(param: nnx.Param, cfg: ModelConfig, dtype=None) -> jax.Array:
     """A layer's weight in the compute dtype with its `embed` dimension whole: gathered over
@@ -44,7 +48,7 @@ def _gathered_axes(param: nnx.Param, cfg: ModelConfig) -> tuple[str | None, ...]
     axes = _stored_axes(param)
     if cfg.remat == "none" or axes is None:
         return None
-    return tuple(None if axis == "embed" else axis for axis in axes)
+    return tuple(None if axis in GATHERED else axis for axis in axes)
 
 
 def _weights(cfg: ModelConfig, params, sites: fp8.Sites | None = None

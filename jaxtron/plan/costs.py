@@ -62,17 +62,22 @@ def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a token's matmuls: attention, MLP and the LM head (tied or
     not); of a mixture of experts, the experts_per_token experts a token runs and the router
     (the active parameters, less the embedding and norms)."""
-    d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.mlp_dim
-    per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
-    if cfg.moe.num_experts:
-        width = (cfg.moe.mlp_dim or f) * cfg.moe.experts_per_token
-        per_layer += 3 * d * (width - f) + d * cfg.moe.num_experts
-    return cfg.num_layers * per_layer + d * cfg.vocab_size
+    return sum(count * sum(w.values()) for count, w in _layer_kinds(cfg)) \
+        + cfg.d_model * cfg.vocab_size
+
+
+def attention_width(cfg: ModelConfig) -> float:
+    """The head size attention's two products run at: the scores over the query/key size, the
+    weighted sum over the value size (latent attention's 192 and 128: their mean)."""
+    m = cfg.mla
+    if m.kv_lora_rank:
+        return (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+    return cfg.head_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (see the module docstring)."""
-    attention = 6 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len
+    attention = 6 * cfg.num_layers * cfg.num_heads * attention_width(cfg) * seq_len
     return 6.0 * matmul_params(cfg) + attention
 
 
@@ -150,7 +155,7 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1)
         names = (*names, "router")
     if m.moe.num_experts and mesh_expert > 1 and "gate" not in names:  # each ring step's own
         names = (*names, "gate", "up")
-    recomputed = m.num_layers * sum(_weights(m)[name] for name in names)
+    recomputed = sum(count * sum(w[name] for name in names) for count, w in _layer_kinds(m))
     chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
     head = m.d_model * m.vocab_size if chunked else 0
     return round((6 * matmul_params(m) + 2 * recomputed + 2 * head) * tokens_per_device)
@@ -166,14 +171,34 @@ def expected_attention(cfg: Config, tokens_per_device: float) -> float:
     m = cfg.model
     products = 2 + 5 + (2 if m.remat != "none" else 0)
     t = cfg.train.seq_len
-    return 2 * products * m.num_layers * m.num_heads * m.head_size * t * tokens_per_device
+    return 2 * products * m.num_layers * m.num_heads * attention_width(m) * t * tokens_per_device
 
 
-def _weights(m: ModelConfig) -> dict[str, int]:
+def _weights(m: ModelConfig, experts: bool | None = None) -> dict[str, int]:
     """The weights of one layer's projections, by name; of a mixture of experts, those a token
-    runs (its experts_per_token experts' and the router)."""
+    runs (its experts_per_token experts', the shared experts' and the router). Latent attention
+    (model.mla): q its query projections, k the compression of keys and values, v their up
+    projection. `experts`: a MoE layer (None: when the model has experts)."""
     d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
-    if m.moe.num_experts:
-        f = (m.moe.mlp_dim or m.mlp_dim) * m.moe.experts_per_token
-    return {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
-            "gate": d * f, "up": d * f, "down": f * d, "router": d * m.moe.num_experts}
+    experts = bool(m.moe.num_experts) if experts is None else experts
+    if experts:
+        f = (m.moe.mlp_dim or m.mlp_dim) * (m.moe.experts_per_token + m.moe.shared_experts)
+    w = {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
+         "gate": d * f, "up": d * f, "down": f * d,
+         "router": d * m.moe.num_experts if experts else 0}
+    a = m.mla
+    if a.kv_lora_rank:
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        w |= {"q": (d * a.q_lora_rank + a.q_lora_rank * n * qk) if a.q_lora_rank else d * n * qk,
+              "k": d * (a.kv_lora_rank + a.qk_rope_head_dim),
+              "v": a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim),
+              "o": n * a.v_head_dim * d}
+    return w
+
+
+def _layer_kinds(m: ModelConfig) -> list[tuple[int, dict[str, int]]]:
+    """(layers, one layer's `_weights`) for each kind of layer: model.moe.first_dense dense ones
+    before the MoE layers, or every layer alike."""
+    dense = m.moe.first_dense if m.moe.num_experts else 0
+    kinds = [(dense, _weights(m, experts=False))] if dense else []
+    return kinds + [(m.num_layers - dense, _weights(m))]

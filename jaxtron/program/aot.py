@@ -137,9 +137,11 @@ def compile_step_for(cfg: Config | Setup, target: str, num_devices: int,
     setup = cfg if isinstance(cfg, Setup) else set_up_for(cfg, target, num_devices)
     mesh = parallel.make_mesh(setup.cfg.mesh, target_devices(target, num_devices, gpus_per_host))
     start = time.perf_counter()
-    # the constraints on activations need the mesh, as in train(); tokamax lowers its kernels
-    # for the target's GPUs, not this host's devices
-    with jax.set_mesh(mesh), experts.cross_compiling(mesh.devices.flat[0]):
+    # the constraints on activations need the mesh, as in train(); tokamax and jax's cuDNN
+    # attention lower their kernels for the target's GPUs, not this host's devices
+    target_device = mesh.devices.flat[0]
+    with (jax.set_mesh(mesh), experts.cross_compiling(target_device),
+          attention.cross_compiling(target_device)):
         lowered = setup.lower(mesh)
         try:
             compiled = autofit.compile_with(lowered.compile, setup.options("gpu"))

@@ -7,8 +7,9 @@ import optax
 
 from jaxtron.config import Config, OptimConfig
 
-# Leaf names that are never weight-decayed: RMSNorm scales and QKV biases.
-NO_DECAY = frozenset({"scale", "bq", "bk", "bv"})
+# Leaf names that are never weight-decayed: RMSNorm scales, QKV biases, and the MoE balancing
+# bias (moe.rebalanced moves it; it has no gradient).
+NO_DECAY = frozenset({"scale", "bq", "bk", "bv", "router_bias"})
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -123,14 +123,15 @@ def _histories_in(state: dict, histories: dict) -> dict | None:
 def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches: int,
                pipe: pipeline.Pipeline | None = None, chunk: int = 0,
                histories: dict | None = None, capacity: bool = False,
-               ops: layer_ops.LayerOps | None = None):
+               ops: layer_ops.LayerOps | None = None, balance: float = 0.0):
     """One optimizer update. Pure: the caller jits it once and donates `state`.
 
     A non-finite loss or gradient leaves params and optimizer state (and FP8 histories) as they
     were and counts the skip in `nonfinite` (consecutive skips); the host decides whether to go
     on. `histories`: the plan's abstract FP8 amax histories (Plan.histories). `capacity`: the
     experts have one (model.moe.capacity_factor), so the dropped share is a metric. `ops`: the
-    operations set the model calls (Plan.ops).
+    operations set the model calls (Plan.ops). `balance`: model.moe.bias_update_speed, the step
+    by which the experts' balancing biases move after the update (moe.rebalanced).
     """
     seen_by = _histories_in(state, histories)
     loss, grads, extras = loss_and_grads(state["params"], graphdef, batch, microbatches, pipe,
@@ -140,8 +141,11 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    params = optax.apply_updates(state["params"], updates)
+    if balance:
+        params = moe.rebalanced(params, extras["moe"]["picked"], balance)
     new_state = {
-        "params": keep(optax.apply_updates(state["params"], updates), state["params"]),
+        "params": keep(params, state["params"]),
         "opt_state": keep(opt_state, state["opt_state"]),
         "step": state["step"] + 1,
         "nonfinite": jnp.where(finite, 0, state["nonfinite"] + 1),
@@ -154,7 +158,8 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
                "nonfinite": new_state["nonfinite"]}
     if observed is not None:
         metrics.update(fp8.statistics(seen_by, observed, delayed="fp8" in state))
-    metrics.update(moe.metrics(extras["moe"], extras["tokens"], capacity))
+    metrics.update(moe.metrics(extras["moe"], extras["tokens"], capacity,
+                               ops.cfg.moe.first_dense if ops else 0))
     return new_state, metrics
 
 
@@ -165,6 +170,7 @@ def compile_step(cfg: Config, plan: Plan, tx, mesh: Mesh):
         schedule=lr_schedule(cfg.optim, cfg.train.steps), microbatches=plan.accumulation,
         pipe=plan.pipe, chunk=cfg.train.loss_chunk, histories=plan.histories,
         capacity=cfg.model.moe.num_experts > 0 and cfg.model.moe.capacity_factor > 0, ops=plan.ops,
+        balance=cfg.model.moe.bias_update_speed,
     )
     state_shardings = parallel.named(plan.specs, mesh)
     batch_sharding = NamedSharding(mesh, parallel.batch_spec())

@@ -1,0 +1,162 @@
+"""DeepSeek-V3 family (DeepSeek-V3/R1, Moonlight, Kimi K2): multi-head latent attention and
+DeepSeek-MoE, on the decoder's blocks, stacks and operations set (decoder.py, jaxtron/ops/).
+
+Latent attention (model.mla): each token's keys and values come from one compressed vector of
+kv_lora_rank dims (RMS-normed), its queries from another of q_lora_rank (0: projected directly).
+Each head's query and key have qk_nope_head_dim dims without RoPE and qk_rope_head_dim with it,
+the key's rotated part shared by every head; values have v_head_dim. The down projections read
+the whole sequence and are not split over `tensor` (as Megatron-Core runs them); the up
+projections and the output are split over heads like grouped-query attention's.
+
+DeepSeek-MoE (model.moe): routed experts chosen by sigmoid scores within the best groups, a
+balancing bias for the choice (moe.MoE), and always-on shared experts beside them. The first
+model.moe.first_dense layers keep a dense MLP of model.mlp_dim: they are a stack of their own,
+run before `layers`.
+
+Shape key: B batch, T sequence, D d_model, N heads, R kv_lora_rank, Q q_lora_rank, Hn, Hr, Hv the
+nope, rope and value head sizes, S cache slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtron.config import ModelConfig
+from jaxtron.model import decoder, moe
+from jaxtron.model.layers import (
+    RMSNorm,
+    apply_rope,
+    param,
+    rope_attention_factor,
+    softmax_scale_factor,
+)
+from jaxtron.ops import attention as attention_lib
+from jaxtron.ops import layer_ops
+from jaxtron.ops.layer_ops import LayerOps
+from jaxtron.parallel import constrain
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek norms of the compressed vectors: not rms_norm_eps
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention; the same calls as decoder.Attention."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        m, d, n = cfg.mla, cfg.d_model, cfg.num_heads
+        self.cfg = cfg
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            self.wq_a = param(rngs, cfg, (d, m.q_lora_rank), ("embed", None))
+            self.q_norm = _latent_norm(cfg, rngs, m.q_lora_rank)
+            self.wq_b = param(rngs, cfg, (m.q_lora_rank, n, qk), ("latent", "heads", "head_dim"))
+        else:
+            self.wq = param(rngs, cfg, (d, n, qk), ("embed", "heads", "head_dim"))
+        self.wkv_a = param(rngs, cfg, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", None))
+        self.kv_norm = _latent_norm(cfg, rngs, m.kv_lora_rank)
+        self.wkv_b = param(rngs, cfg, (m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim),
+                           ("latent", "heads", "head_dim"))
+        self.wo = param(rngs, cfg, (n, m.v_head_dim, d), ("heads", "head_dim", "embed"))
+
+    def _rotated(self, x_BTD, positions_BT, inv_freq, ops: LayerOps
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q and k [B, T, N, Hn + Hr], v [B, T, N, Hv], RoPE on the rope dimensions at
+        `positions`, heads split over tensor; q carries YaRN's softmax factor."""
+        m, cfg = self.cfg.mla, self.cfg
+        h_BTD = constrain(x_BTD, (*decoder.BATCH_WHOLE_SEQ, "act_embed"))
+        if m.q_lora_rank:
+            q_BTQ = self.q_norm(jnp.tensordot(h_BTD, ops.weight(self.wq_a), 1))
+            q_BTNH = jnp.tensordot(q_BTQ, ops.weight(self.wq_b), 1)
+        else:
+            q_BTNH = jnp.tensordot(h_BTD, ops.weight(self.wq), 1)
+        kv_BTX = jnp.tensordot(h_BTD, ops.weight(self.wkv_a), 1)
+        latent_BTR, k_rope_BTr = jnp.split(kv_BTX, [m.kv_lora_rank], axis=-1)
+        kv_BTNH = jnp.tensordot(self.kv_norm(latent_BTR), ops.weight(self.wkv_b), 1)
+        k_nope_BTNH, v_BTNH = jnp.split(kv_BTNH, [m.qk_nope_head_dim], axis=-1)
+        q_nope_BTNH, q_rope_BTNH = jnp.split(q_BTNH, [m.qk_nope_head_dim], axis=-1)
+        factor = rope_attention_factor(cfg)
+        q_rope_BTNH = apply_rope(q_rope_BTNH, positions_BT, inv_freq) * factor
+        k_rope_BT1H = apply_rope(k_rope_BTr[:, :, None], positions_BT, inv_freq) * factor
+        q_BTNH = jnp.concatenate([q_nope_BTNH, q_rope_BTNH], axis=-1)
+        q_BTNH = q_BTNH * jnp.asarray(softmax_scale_factor(cfg), q_BTNH.dtype)
+        k_BTNH = jnp.concatenate(
+            [k_nope_BTNH, jnp.broadcast_to(k_rope_BT1H, (*k_nope_BTNH.shape[:3],
+                                                         m.qk_rope_head_dim))], axis=-1)
+        q_BTNH = constrain(q_BTNH, (*decoder.BATCH_WHOLE_SEQ, "act_heads", None))
+        k_BTNH = constrain(k_BTNH, (*decoder.BATCH_WHOLE_SEQ, "act_kv_heads", None))
+        v_BTNH = constrain(v_BTNH, (*decoder.BATCH_WHOLE_SEQ, "act_kv_heads", None))
+        return (checkpoint_name(q_BTNH, "query_proj"), checkpoint_name(k_BTNH, "key_proj"),
+                checkpoint_name(v_BTNH, "value_proj"))
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
+                 ) -> jax.Array:
+        q_BTNH, k_BTNH, v_BTNH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
+        return self._output(ops.attend(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT), ops)
+
+    def decode(self, x_BTD, start, inv_freq, k_BSNH, v_BSNH, ops: LayerOps):
+        """(output, k and v caches) for T tokens at positions and cache slots start..start+T-1
+        (decoder.Attention.decode): the cache holds each head's whole key and value."""
+        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+        q_BTNH, k_BTNH, v_BTNH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
+        at = (0, start, 0, 0)
+        k_BSNH = jax.lax.dynamic_update_slice(k_BSNH, k_BTNH.astype(k_BSNH.dtype), at)
+        v_BSNH = jax.lax.dynamic_update_slice(v_BSNH, v_BTNH.astype(v_BSNH.dtype), at)
+        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSNH, v_BSNH, start)
+        return self._output(out_BTNH, ops), k_BSNH, v_BSNH
+
+    def _output(self, out_BTNH, ops: LayerOps) -> jax.Array:
+        out_BTNH = checkpoint_name(
+            constrain(out_BTNH, (*decoder.BATCH_WHOLE_SEQ, "act_heads", None)), "attn_out")
+        return ops.project_out(out_BTNH, self.wo, None)
+
+
+def _latent_norm(cfg: ModelConfig, rngs: nnx.Rngs, width: int) -> RMSNorm:
+    norm = RMSNorm(cfg, rngs, width)
+    norm.eps = LATENT_NORM_EPS
+    return norm
+
+
+class SharedExpertMoE(moe.MoE):
+    """The routed experts (moe.MoE) plus model.moe.shared_experts always-on ones, computed as
+    one SwiGLU of shared_experts x the experts' width."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        if cfg.moe.shared_experts:
+            width = cfg.moe.shared_experts * (cfg.moe.mlp_dim or cfg.mlp_dim)
+            self.shared = decoder.MLP(cfg, rngs, width)
+
+    def __call__(self, x_BTD, segment_ids_BT=None, ops: LayerOps | None = None):
+        y_BTD, stats = super().__call__(x_BTD, segment_ids_BT, ops)
+        if self.cfg.moe.shared_experts:
+            y_BTD = y_BTD + self.shared(x_BTD, ops or layer_ops.here(self.cfg))
+        return y_BTD, stats
+
+
+class DenseBlock(decoder.Block):
+    attention = LatentAttention
+    mixer = decoder.MLP
+
+
+class MoEBlock(decoder.Block):
+    attention = LatentAttention
+    mixer = SharedExpertMoE
+
+
+class Transformer(decoder.Transformer):
+    """DeepSeek-V3: model.moe.first_dense dense layers (`dense_layers`), then MoE `layers`."""
+
+    projections = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w_gate", "w_up", "w_down")
+
+    @staticmethod
+    def stacks(cfg: ModelConfig) -> tuple[tuple[str, int, type], ...]:
+        dense = cfg.moe.first_dense
+        return ((("dense_layers", dense, DenseBlock),) if dense else ()) + (
+            ("layers", cfg.num_layers - dense, MoEBlock),)
+
+    @staticmethod
+    def cache_heads(cfg: ModelConfig) -> tuple[int, int, int]:
+        m = cfg.mla
+        return cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim

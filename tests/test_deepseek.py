@@ -1,0 +1,151 @@
+"""DeepSeek-V3's training (jaxtron/model/deepseek.py, moe.py): group-limited sigmoid routing, the
+auxiliary-loss-free balancing bias as train state (moved by the step's load, equal on every
+mesh, unchanged by a skipped step), configs/tiny_deepseek.yaml on 8 devices against one and over
+microbatches. The Hugging Face parity is tests/test_hf_deepseek.py; the bias across a SIGKILL is
+tests/test_preemption.py.
+
+Measured (float32, jax 0.10.2 CPU): see the asserted tolerances in each test.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import QUIET, ROOT
+
+from jaxtron import config, data, parallel
+from jaxtron.checkpoint import weights
+from jaxtron.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
+from jaxtron.model import check, deepseek, moe
+from jaxtron.step import global_batch
+from jaxtron.step.optim import make_optimizer
+from jaxtron.step.state import init_state, make_plan
+from jaxtron.step.train_step import compile_step
+from jaxtron.train.loop import train
+
+DEEPSEEK = ROOT / "configs" / "tiny_deepseek.yaml"
+# 5 steps of 8 x 64 tokens, no warmup; a bias speed large enough to change routing in 5 steps
+SHORT = ("train.steps=5", "train.log_every=1", "train.batch_size=8", "train.seq_len=64",
+         "optim.warmup_steps=0", "train.eval_every=0", "checkpoint.every=0",
+         "model.moe.bias_update_speed=0.01")
+BIAS = ("layers", "mlp", "router_bias")
+
+
+@pytest.fixture
+def devices() -> list:
+    return jax.devices()
+
+
+def _layer(**moe_overrides) -> tuple[ModelConfig, deepseek.SharedExpertMoE]:
+    cfg = ModelConfig(
+        family="deepseek_v3", d_model=24, num_heads=2, num_kv_heads=2, mlp_dim=40,
+        dtype="float32", mla=MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                                       v_head_dim=4),
+        moe=MoEConfig(num_experts=12, experts_per_token=3, mlp_dim=8, scoring="sigmoid",
+                      groups=4, topk_groups=2, shared_experts=2, routed_scale=1.5,
+                      **moe_overrides))
+    return cfg, deepseek.SharedExpertMoE(cfg, nnx.Rngs(3))
+
+
+def test_experts_come_from_the_best_groups_and_the_bias_moves_only_the_choice():
+    """Each token's 3 experts lie in at most topk_groups=2 of the 4 groups, those whose two best
+    biased scores sum highest; the weights are the chosen experts' unbiased sigmoid scores,
+    normalised and times routed_scale; a bias on one expert makes every token pick it and leaves
+    the other experts' weights their scores."""
+    cfg, layer = _layer()
+    x = jax.random.normal(jax.random.key(0), (2, 16, cfg.d_model))
+    logits = x @ layer.router[...]
+    scores = np.asarray(jax.nn.sigmoid(logits))
+    probs, weight, expert = (np.asarray(a) for a in layer._route(logits))
+    groups = expert // 3
+    assert max(len(set(row)) for row in groups.reshape(-1, 3)) <= 2
+    rank = np.sort(scores.reshape(2, 16, 4, 3), axis=-1)[..., -2:].sum(-1)
+    best = np.argsort(-rank, axis=-1)[..., :2]
+    assert all(set(g) <= set(b) for g, b in zip(groups.reshape(-1, 3), best.reshape(-1, 2)))
+    chosen = np.take_along_axis(scores, expert, axis=-1)
+    np.testing.assert_allclose(weight, 1.5 * chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(probs, scores / scores.sum(-1, keepdims=True), rtol=1e-6)
+
+    layer.router_bias[...] = jnp.zeros(12).at[5].set(10.0)
+    _, weight_b, expert_b = (np.asarray(a) for a in layer._route(logits))
+    assert np.all(np.any(expert_b == 5, axis=-1))  # every token now picks expert 5
+    chosen_b = np.take_along_axis(scores, expert_b, axis=-1)  # ... weighted by its score
+    np.testing.assert_allclose(weight_b, 1.5 * chosen_b / chosen_b.sum(-1, keepdims=True),
+                               rtol=1e-6)
+
+
+def test_the_bias_moves_by_the_sign_of_each_experts_load_error():
+    picked = jnp.array([[6.0, 2.0, 2.0, 2.0], [3.0, 3.0, 3.0, 3.0]])  # means 3 and 3
+    params = {"layers": {"mlp": {"router_bias": jnp.full((2, 4), 0.5),
+                                 "router": jnp.ones((2, 3, 4))}}}
+    out = moe.rebalanced(params, picked, 0.25)
+    np.testing.assert_array_equal(out["layers"]["mlp"]["router_bias"],
+                                  [[0.25, 0.75, 0.75, 0.75], [0.5, 0.5, 0.5, 0.5]])
+    np.testing.assert_array_equal(out["layers"]["mlp"]["router"], params["layers"]["mlp"]["router"])
+
+
+def _run(tmp_path, devices, *overrides) -> tuple[dict, np.ndarray]:
+    """(the logged curves, the final balancing bias [L, E] as checkpointed)."""
+    cfg = config.load([DEEPSEEK], [*QUIET, *SHORT, f"run.dir={tmp_path}", *overrides])
+    history = train(cfg, devices=devices)
+    keys = ("loss", "grad_norm", "moe_aux_loss", "moe_load")
+    _, _, get = weights.reader(tmp_path)
+    return {key: np.array([row[key] for row in history]) for key in keys}, get(BIAS, None)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("one"), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("overrides", [
+    ("mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"),
+    ("train.microbatches=4",),
+], ids=["expert,tensor,fsdp", "microbatches"])
+def test_the_family_trains_like_one_device(devices, tmp_path, one_device, overrides):
+    """configs/tiny_deepseek.yaml, float32, 5 AdamW steps with bias balancing on: loss, grad
+    norm, balance loss and load on 8 devices (experts, tensor and fsdp split), and on one device
+    in 4 microbatches, equal one device's in one; the balancing biases equal exactly (each step
+    moves them by +-speed on integer loads) and have moved."""
+    curves, bias = _run(tmp_path, devices if "mesh.expert=2" in overrides else devices[:1],
+                        *overrides)
+    want, want_bias = one_device
+    for key, values in want.items():
+        np.testing.assert_allclose(curves[key], values, rtol=1e-4, err_msg=key)
+    np.testing.assert_array_equal(bias, want_bias)
+    assert np.count_nonzero(want_bias) > want_bias.size // 2
+
+
+def test_a_skipped_step_leaves_the_bias_where_it_was(devices):
+    """A non-finite loss skips the update: params, the balancing bias among them, unchanged;
+    the same step on finite weights moves the bias."""
+    cfg = config.load([DEEPSEEK], [*QUIET, *SHORT])
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, 1)
+    mesh = parallel.make_mesh(cfg.mesh, devices[:1])
+    with jax.set_mesh(mesh):
+        step = compile_step(cfg, plan, tx, mesh)
+        batch = global_batch(next(data.make_batches(cfg.data, cfg.train,
+                                                    cfg.model.vocab_size)), mesh)
+        state = init_state(cfg, plan, tx, mesh)
+        bias = np.asarray(state["params"]["layers"]["mlp"]["router_bias"])
+        broken = jax.tree.map(jnp.copy, state)  # the step donates its state
+        broken["params"]["final_norm"]["scale"] = broken["params"]["final_norm"]["scale"] * jnp.nan
+        skipped, metrics = step(broken, batch)
+        assert int(metrics["nonfinite"]) == 1
+        np.testing.assert_array_equal(skipped["params"]["layers"]["mlp"]["router_bias"], bias)
+        moved, metrics = step(state, batch)
+        assert int(metrics["nonfinite"]) == 0
+        assert np.count_nonzero(np.asarray(moved["params"]["layers"]["mlp"]["router_bias"])
+                                - bias) > bias.size // 2
+
+
+def test_other_families_refuse_deepseek_options():
+    with pytest.raises(ConfigError, match="model.moe.scoring=sigmoid"):
+        check(ModelConfig(moe=MoEConfig(num_experts=4, scoring="sigmoid")))
+    cfg, _ = _layer()
+    with pytest.raises(ConfigError, match="topk_groups"):
+        check(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, topk_groups=5)))
