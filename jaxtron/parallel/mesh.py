@@ -33,9 +33,10 @@ RULES: tuple[tuple[str, Any], ...] = (
     # over D, over the context ranks (they hold other positions of the same sequences) and the
     # expert ranks too (they hold different experts, but the same attention)
     ("embed", ("fsdp", "context", "expert")),
-    # latent attention's up projections W_q_b[Q_(fsdp,context,expert), N_tensor, H]: their
-    # compressed input dimension split as `embed` is, gathered before use
-    ("latent", ("fsdp", "context", "expert")),
+    # latent attention's up projections W_q_b[Q_(fsdp,context), N_tensor, H]: their compressed
+    # input dimension (V3's 1536 and 512) ZeRO-3 over fsdp and context, gathered before use; not
+    # over expert, whose product with fsdp outgrows it (1,024 for DeepSeek-V3's cluster)
+    ("latent", ("fsdp", "context")),
     # MoE experts W_gate[E_expert, D_fsdp, F_tensor]: each expert rank holds its own experts
     ("experts", "expert"),
     ("expert_embed", "fsdp"),

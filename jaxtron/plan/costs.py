@@ -174,7 +174,7 @@ def expected_attention(cfg: Config, tokens_per_device: float) -> float:
     return 2 * products * m.num_layers * m.num_heads * attention_width(m) * t * tokens_per_device
 
 
-def _weights(m: ModelConfig, experts: bool | None = None) -> dict[str, int]:
+def layer_weights(m: ModelConfig, experts: bool | None = None) -> dict[str, int]:
     """The weights of one layer's projections, by name; of a mixture of experts, those a token
     runs (its experts_per_token experts', the shared experts' and the router). Latent attention
     (model.mla): q its query projections, k the compression of keys and values, v their up
@@ -197,8 +197,8 @@ def _weights(m: ModelConfig, experts: bool | None = None) -> dict[str, int]:
 
 
 def _layer_kinds(m: ModelConfig) -> list[tuple[int, dict[str, int]]]:
-    """(layers, one layer's `_weights`) for each kind of layer: model.moe.first_dense dense ones
-    before the MoE layers, or every layer alike."""
+    """(layers, one layer's `layer_weights`) for each kind of layer: model.moe.first_dense dense
+    ones before the MoE layers, or every layer alike."""
     dense = m.moe.first_dense if m.moe.num_experts else 0
-    kinds = [(dense, _weights(m, experts=False))] if dense else []
-    return kinds + [(m.num_layers - dense, _weights(m))]
+    kinds = [(dense, layer_weights(m, experts=False))] if dense else []
+    return kinds + [(m.num_layers - dense, layer_weights(m))]

@@ -83,8 +83,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     params = plan.bytes_per_device("params")
     b = _rows(cfg, sizes, ("data", "fsdp", "expert"))
     seq, d, v = _local_seq(cfg, sizes), m.d_model, m.vocab_size
-    layer_weights = (2 * d * m.num_heads * m.head_size + 2 * d * m.num_kv_heads * m.head_size
-                     + 3 * d * _mlp_width(cfg, sizes)) // tp
+    layer_weights = (_attention_weights(m) + 3 * d * _mlp_width(cfg, sizes)) // tp
     slab = b * seq * d * act // tp  # one layer's input [b, T/t, D]
     tables = (1 if m.tie_embeddings else 2)
     many = math.prod(sizes.values()) > 1
@@ -143,6 +142,23 @@ def _local_seq(cfg: Config, sizes: dict[str, int]) -> int:
     """The positions of each sequence one device computes on: all of them, or under context
     parallelism its context rank's share."""
     return cfg.train.seq_len // sizes.get("context", 1)
+
+
+def _attention_weights(m) -> int:
+    """One layer's attention weights: q, k, v and o, or latent attention's projections."""
+    if m.mla.kv_lora_rank:
+        from jaxtron.plan import costs  # noqa: PLC0415 (costs reads this module's process_bytes)
+
+        return sum(costs.layer_weights(m, experts=False)[name] for name in "qkvo")
+    return 2 * m.d_model * m.num_heads * m.head_size + 2 * m.d_model * m.num_kv_heads * m.head_size
+
+
+def _head_sizes(m) -> tuple[int, int]:
+    """(a query's size, a key's and value's together) per token over all heads."""
+    if m.mla.kv_lora_rank:
+        qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+        return m.num_heads * qk, m.num_heads * (qk + m.mla.v_head_dim)
+    return m.num_heads * m.head_size, 2 * m.num_kv_heads * m.head_size
 
 
 def _mlp_width(cfg: Config, sizes: dict[str, int]) -> int:
@@ -245,8 +261,9 @@ def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many:
     run (`many` devices) than on one device: the numbers are read off compiled programs."""
     m = cfg.model
     act = jnp.dtype(m.dtype).itemsize
-    q = b * seq * m.num_heads * m.head_size * act // tp
-    kv = 2 * b * seq * m.num_kv_heads * m.head_size * act // tp
+    q_width, kv_width = _head_sizes(m)
+    q = b * seq * q_width * act // tp
+    kv = b * seq * kv_width * act // tp
     mlp = b * seq * m.mlp_dim * act // tp
     if m.remat == "full":
         return slab
@@ -276,9 +293,7 @@ def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:
     m = cfg.model
     if not ahead.applies(m, sizes) or sizes["stage"] > 1:
         return 0
-    per_layer = (2 * m.d_model * m.num_heads * m.head_size
-                 + 2 * m.d_model * m.num_kv_heads * m.head_size
-                 + (0 if m.moe.num_experts else 3 * m.d_model * m.mlp_dim))
+    per_layer = _attention_weights(m) + (0 if m.moe.num_experts else 3 * m.d_model * m.mlp_dim)
     return m.num_layers * per_layer // sizes["tensor"] * jnp.dtype(m.dtype).itemsize
 
 

@@ -223,14 +223,17 @@ def configure(cfg: Config, mesh: dict[str, int], schedule: str, repeats: int, mi
 
 
 def _layer_weights(m, ep: int) -> tuple[float, float]:
-    """(a layer's dense matmul weights: attention, and the MLP or the router; the weights of the
-    experts one device holds of it, num_experts / ep of them), as counts of parameters."""
-    d, h = m.d_model, m.head_size
-    attention = 2 * d * m.num_heads * h + 2 * d * m.num_kv_heads * h
+    """(a layer's dense matmul weights: attention (latent attention's projections), and the
+    MLP, or the router and shared experts; the weights of the experts one device holds of it,
+    num_experts / ep of them), as counts of parameters. Of DeepSeek's, an MoE layer's."""
+    w = costs.layer_weights(m)
+    attention = w["q"] + w["k"] + w["v"] + w["o"]
+    d = m.d_model
     if not m.moe.num_experts:
         return attention + 3 * d * m.mlp_dim, 0.0
     width = m.moe.mlp_dim or m.mlp_dim
-    return attention + d * m.moe.num_experts, m.moe.num_experts / ep * 3 * d * width
+    shared = 3 * d * width * m.moe.shared_experts
+    return attention + d * m.moe.num_experts + shared, m.moe.num_experts / ep * 3 * d * width
 
 
 def _seconds(nbytes: float, crosses: bool) -> float:
