@@ -784,3 +784,31 @@ def test_llama3_8b_in_delayed_fp8_casts_wait_on_no_amax(tmp_path):
     assert counts["matmul_per_device"] <= 1.01 * counts["expected_matmul_per_device"]
     assert report["fits"] is True
     assert sum(r["bytes"] for r in _by_op(report)["all-gather"]) < 16 * GiB
+
+
+@pytest.mark.parametrize("mesh", [("mesh.expert=2", "mesh.fsdp=4"),
+                                  ("mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2")],
+                         ids=["expert,fsdp", "expert,tensor,fsdp"])
+def test_latent_attention_compiles_into_cudnn_on_h100s(mesh):
+    """configs/tiny_deepseek.yaml with DeepSeek-V3's head sizes (query/key 128 + 64, value 128)
+    in bf16 on 8 H100s: cuDNN's fused attention forward and backward, one per layer each way
+    (jax's entry, which checks the local GPU, answers for the target's:
+    attention.cross_compiling), also with tensor 2, where the MoE layers' split of the segment
+    ids over the sequence reached cuDNN's mask and its partitioner refused it (the ids are now
+    pinned whole there). Without tensor the matmuls are the policy's exactly, latent
+    attention's projections and the shared experts counted (costs.layer_weights); with it,
+    1.05x (open: not yet accounted)."""
+    cfg = _cfg("model.dtype=bfloat16", "model.attention=cudnn", "model.remat=full",
+               "model.mla.qk_nope_head_dim=128", "model.mla.qk_rope_head_dim=64",
+               "model.mla.v_head_dim=128", *mesh,
+               config=ROOT / "configs" / "tiny_deepseek.yaml")
+    report, compiled = _report(cfg)
+    layers = cfg.model.num_layers
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) == 2 * layers  # + remat
+    assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward", 0) == layers
+    calls = [line for line in compiled.as_text().splitlines()
+             if 'custom_call_target="__cudnn$fmhaScaleBiasSoftmax"' in line]
+    assert calls and all(",192]" in line and ",128]" in line for line in calls), calls[:1]
+    flops = report["flops"]
+    ratio = flops["matmul_per_device"] / flops["expected_matmul_per_device"]
+    assert ratio == pytest.approx(1.0 if "mesh.tensor=2" not in mesh else 1.05, abs=0.01)

@@ -918,3 +918,130 @@ def test_export_help_gives_the_default_model_type_a_run_gets(capsys):
     assert ("default: the imported model's, else the family that computes the model: qwen3_moe "
             "(experts, q/k norms), mixtral (experts), qwen2 (QKV biases), qwen3 (q/k norms), "
             "mistral (an attention window), else llama") in text, text
+
+
+# A tiny random DeepSeek-V3 (dims no other test uses): the first layer dense (`dense_layers`),
+# two MoE layers (`layers`), q compressed, 6 experts in 2 groups of which 1 is kept, 2 shared
+# experts, and a nonzero balancing bias, which changes the experts chosen.
+DEEPSEEK_TINY = dict(vocab_size=88, hidden_size=40, intermediate_size=56, moe_intermediate_size=12,
+                     num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+                     kv_lora_rank=18, q_lora_rank=14, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                     v_head_dim=6, n_routed_experts=6, num_experts_per_tok=2, n_group=2,
+                     topk_group=1, n_shared_experts=2, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+                     max_position_embeddings=48, rope_interleave=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     attn_implementation="eager", bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=False)
+
+
+def _deepseek(path: Path, **overrides) -> torch.nn.Module:
+    """DEEPSEEK_TINY (with `overrides`), every weight and the balancing bias random, saved by
+    transformers to `path` (sharded, with an index) with a word-level tokenizer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**DEEPSEEK_TINY, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+                    else 0.3 * torch.randn_like(p))
+        for layer in model.model.layers[DEEPSEEK_TINY["first_k_dense_replace"]:]:
+            bias = layer.mlp.gate.e_score_correction_bias  # a buffer
+            bias.copy_(0.5 * torch.randn_like(bias))
+    model.save_pretrained(path, max_shard_size="20KB")
+    _llama2_words(path, DEEPSEEK_TINY["vocab_size"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def deepseek_import(tmp_path_factory):
+    """(the transformers model, its directory, its import by convert-hf)."""
+    root = tmp_path_factory.mktemp("deepseek")
+    model = _deepseek(root / "hf")
+    assert _convert("import", root / "hf", root / "imp") == 0
+    return model, root / "hf", root / "imp"
+
+
+def _deepseek_tokens(seq: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.random.default_rng(3).integers(3, DEEPSEEK_TINY["vocab_size"], (2, seq), np.int32)
+    return tokens, np.tile(np.arange(seq, dtype=np.int32), (2, 1))
+
+
+def test_a_deepseek_import_holds_each_layer_in_its_stack(deepseek_import):
+    """DeepSeek-V3's dense first layer goes to `dense_layers`, the MoE layers to `layers` (the
+    import wrote them by model layer, which the MoE stack's index is not): read back, the import
+    gives transformers' logits, with the router's balancing bias of each MoE layer."""
+    model, path, imp = deepseek_import
+    cfg, params = weights.read_params(imp)
+    assert cfg.model.family == "deepseek_v3" and cfg.model.moe.first_dense == 1
+    assert params["dense_layers"]["mlp"]["w_gate"].shape[0] == 1
+    assert params["layers"]["mlp"]["router"].shape[0] == 2
+    source = hf.read_tensors(path)
+    for i in (1, 2):
+        np.testing.assert_array_equal(params["layers"]["mlp"]["router_bias"][i - 1],
+                                      source[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+    tokens, positions = _deepseek_tokens()
+    want = hf_logits(model, tokens, positions)
+    diff = np.abs(hf.logits(cfg.model, params, tokens) - want).max()
+    print(f"max |logit diff| {diff:.1e}, logits up to {np.abs(want).max():.1f}")
+    assert diff < HF_TOL and np.abs(want).max() > 1
+
+
+def test_a_deepseek_import_exports_the_checkpoint_transformers_saved(deepseek_import, tmp_path):
+    """Export of the import: every tensor of the source, by name, dtype and value (the balancing
+    bias included), written with rope_interleave as the source has it."""
+    _, path, imp = deepseek_import
+    assert _convert("export", imp, tmp_path / "out") == 0
+    _assert_same_tensors(path, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["rope_interleave"], config["first_k_dense_replace"]) == (
+        "deepseek_v3", True, 1)
+
+
+def test_generate_on_a_deepseek_import_is_transformers_greedy(deepseek_import, capsys):
+    model, _, imp = deepseek_import
+    prompt, new = [5, 17, 33, 60], 10
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    want = theirs[0, len(prompt):].tolist()
+    tool = importlib.import_module("jaxtron.commands.generate")
+    capsys.readouterr()
+    assert tool.main([str(imp), "--tokens", ",".join(map(str, prompt)),
+                      "--max-new-tokens", str(new)]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(map(str, want))
+
+
+def test_a_deepseek_import_fine_tunes_and_exports(deepseek_import, tmp_path):
+    """Two steps at lr 0 from the import (weights only): the run starts from exactly the
+    imported weights, each layer in its stack, and its checkpoint (stacked arrays, not the
+    import's layer by layer) exports to the source's tensors."""
+    _, path, imp = deepseek_import
+    run = tmp_path / "run"
+    assert launch.main(["--config", str(imp / "config.yaml"), "train.seq_len=16",
+                        "train.batch_size=8", "train.eval_every=0", "run.tensorboard=false",
+                        "run.progress=lines", "mesh.data=4", "mesh.fsdp=2", "optim.lr=0",
+                        "train.steps=2", f"run.dir={run}"]) == 0
+    assert weights.read_meta(weights.locate(run)[1])["step"] == 2
+    _, start = weights.read_params(run)
+    _, imported = weights.read_params(imp)
+    for got, want in zip(jax.tree.leaves(start), jax.tree.leaves(imported)):
+        np.testing.assert_array_equal(got, want)
+    assert _convert("export", run, tmp_path / "out") == 0
+    _assert_same_tensors(path, tmp_path / "out")
+
+
+def test_a_deepseek_import_without_interleaved_rope_exports_interleaved(tmp_path):
+    """config.json's rope_interleave=false reaches the import (its weights are taken as they
+    are); export writes the rotated dims interleaved, saying rope_interleave: true, and
+    transformers then computes the source's logits."""
+    model = _deepseek(tmp_path / "hf", rope_interleave=False)
+    assert _convert("import", tmp_path / "hf", tmp_path / "imp") == 0
+    cfg, params = weights.read_params(tmp_path / "imp")
+    tokens, positions = _deepseek_tokens()
+    want = hf_logits(model, tokens, positions)
+    assert np.abs(hf.logits(cfg.model, params, tokens) - want).max() < HF_TOL
+    assert _convert("export", tmp_path / "imp", tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_interleave"] is True
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert np.abs(hf_logits(back.eval(), tokens, positions) - want).max() < HF_TOL

@@ -6,8 +6,9 @@ A training checkpoint stores each weight stacked over layers, in the pipeline's 
 in float32 is 75 GB), so weights are read here straight from the checkpoint's arrays with
 TensorStore, one layer's slice at a time. An imported checkpoint (`jaxtron convert-hf import`)
 is written with Orbax's partial saves one layer at a time, so it stores each layer separately
-(meta "layout": "layers"); restoring it stacks the layers on the devices, one weight at a time
-(`restore_layers`).
+(meta "layout": "layers": params/layer/<model layer>/<path inside the layer>); restoring it stacks
+the layers on the devices, one weight at a time (`restore_layers`), each into its stack of the
+params (`layer_slots`: DeepSeek-V3's first layers are `dense_layers`, the others `layers`).
 
 jax, Orbax and TensorStore are imported inside the functions that read arrays, so that finding a
 checkpoint answers at once, without their start-up.
@@ -33,7 +34,18 @@ from jaxtron.checkpoint import damage
 from jaxtron.config import ConfigError
 
 LAYERED = "layers"  # meta["layout"] of a checkpoint that stores each layer separately
-Getter = Callable[[tuple[str, ...], "int | None"], np.ndarray]  # (param path, layer) -> array
+# (param path, its stack first; index in that stack, None for an unstacked weight) -> array
+Getter = Callable[[tuple[str, ...], "int | None"], np.ndarray]
+
+
+def layer_slots(model: config_lib.ModelConfig) -> list[tuple[str, int]]:
+    """Each model layer's stack in the params and its index there, in model order, as the
+    families' Transformer.stacks build them (and jaxtron.hf.mapping.layer_slot names HF layers):
+    DeepSeek-V3's first model.moe.first_dense layers are `dense_layers`, the others `layers`;
+    every layer of the other families is in `layers`."""
+    dense = model.moe.first_dense
+    return [("dense_layers", i) if i < dense else ("layers", i - dense)
+            for i in range(model.num_layers)]
 
 
 def is_complete(step_dir: Path) -> bool:
@@ -256,19 +268,26 @@ def _open_leaf(step_dir: Path) -> Callable[[tuple[str, ...]], Any]:
 
 
 def reader(path: str | Path) -> tuple[config_lib.Config, dict, Getter]:
-    """(run config, meta, get) for the checkpoint `path` names; get(param path, model layer)
-    reads one weight, or one layer of a stacked one (None for the unstacked weights)."""
+    """(run config, meta, get) for the checkpoint `path` names; get(param path, layer) reads one
+    weight (layer None), or one layer of a stacked one: the param path starts with its stack
+    (`layers`, or DeepSeek-V3's `dense_layers`) and `layer` is the index in that stack in model
+    order (layer_slots; the model layer itself where `layers` is the only stack), as
+    jaxtron.hf.hf_layout and write_pretrained give them."""
     _, step_dir = locate(path)
     meta = read_meta(step_dir)
     cfg, open_leaf = config_of(meta), _open_leaf(step_dir)
     order = list(meta.get("layer_order", range(cfg.model.num_layers)))
+    model_layer = {slot: i for i, slot in enumerate(layer_slots(cfg.model))}
 
     def get(param_path: tuple[str, ...], layer: int | None) -> np.ndarray:
         if layer is None:
             return _read(open_leaf(("params", *param_path)), step_dir)
         if meta.get("layout") == LAYERED:
-            return _read(open_leaf(("params", "layer", str(layer), *param_path[1:])), step_dir)
-        return _read(open_leaf(("params", *param_path))[order.index(layer)], step_dir)
+            i = model_layer[param_path[0], layer]
+            return _read(open_leaf(("params", "layer", str(i), *param_path[1:])), step_dir)
+        # a pipeline stores `layers` in its stage order; other stacks stay in model order
+        stored = order.index(layer) if param_path[0] == "layers" else layer
+        return _read(open_leaf(("params", *param_path))[stored], step_dir)
 
     return cfg, meta, get
 
@@ -293,10 +312,11 @@ def read_params(path: str | Path) -> tuple[config_lib.Config, dict]:
 
     cfg, _, get = reader(path)
     abstract = nnx.to_pure_dict(nnx.state(abstract_model(cfg.model), nnx.Param))
+    stacks = {stack for stack, _ in layer_slots(cfg.model)}
 
     def read(keys, leaf) -> np.ndarray:
         path = tuple(k.key for k in keys)
-        if path[0] != "layers":
+        if path[0] not in stacks:
             return get(path, None)
         return np.stack([get(path, i) for i in range(leaf.shape[0])])
 
@@ -305,7 +325,8 @@ def read_params(path: str | Path) -> tuple[config_lib.Config, dict]:
 
 def write_layers(step_dir: Path, top: dict, layers: Iterable[dict], meta: dict) -> None:
     """Write a checkpoint holding `top` (params outside the layers, nested) and each of
-    `layers` (one nested dict per layer, in model order) with one Orbax partial save per layer,
+    `layers` (one nested dict per layer, in model order, its paths inside the layer: without
+    its stack's name, which layer_slots gives on restore) with one Orbax partial save per layer,
     so that only one layer is in memory; the meta item last, which completes it."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint import v1
@@ -324,7 +345,9 @@ def write_layers(step_dir: Path, top: dict, layers: Iterable[dict], meta: dict) 
 def restore_layers(step_dir: Path, abstract_params: dict, shardings: dict) -> dict:
     """The params of a checkpoint written by write_layers, stacked in model order straight into
     `shardings`: one weight at a time (its layers read sharded like one slice of the stack,
-    then stacked on the devices), so at most one weight is held twice."""
+    then stacked on the devices), so at most one weight is held twice. Each stack takes its
+    model layers (layer_slots of the checkpoint's model: DeepSeek-V3's `dense_layers` the first
+    ones, `layers` the rest)."""
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -334,6 +357,8 @@ def restore_layers(step_dir: Path, abstract_params: dict, shardings: dict) -> di
     handler = ocp.PyTreeCheckpointHandler()
     flat_abs = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     flat_sh = jax.tree.leaves(shardings)
+    slots = layer_slots(config_of(read_meta(step_dir)).model)
+    model_layer = {slot: str(i) for i, slot in enumerate(slots)}
 
     def restore(target: dict) -> dict:
         args = ocp.args.PyTreeRestore(
@@ -344,16 +369,16 @@ def restore_layers(step_dir: Path, abstract_params: dict, shardings: dict) -> di
     out = []
     for (keys, leaf), sharding in zip(flat_abs, flat_sh):
         path = tuple(k.key for k in keys)
-        if path[0] != "layers":
+        if (path[0], 0) not in model_layer:  # not a stack of layers
             sds = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
             out.append(_at(restore({"params": _nest_one(path, sds)})["params"], path))
             continue
         one = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
         sds = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=one)
-        target = {"params": {"layer": {str(i): _nest_one(path[1:], sds)
-                                       for i in range(leaf.shape[0])}}}
+        names = [model_layer[path[0], i] for i in range(leaf.shape[0])]  # its model layers
+        target = {"params": {"layer": {name: _nest_one(path[1:], sds) for name in names}}}
         layers = restore(target)["params"]["layer"]
-        parts = [_at(layers[str(i)], path[1:]) for i in range(leaf.shape[0])]
+        parts = [_at(layers[name], path[1:]) for name in names]
         out.append(jax.jit(jnp.stack, out_shardings=sharding)(parts))
         for part in parts:
             part.delete()

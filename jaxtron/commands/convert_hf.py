@@ -244,9 +244,10 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
                     "hf_eos_token_id": eos,
                     "layer_order": list(range(cfg.num_layers))}
             top = hf_mapping.nest(hf_mapping.top_params(get, cfg))
+            layers = _layers(get, cfg, hf_mapping.rope_interleave(config_json))
             with _signals_held():  # a stop waits for the layer in hand (one partial save)
                 weights.write_layers(into.absolute() / "checkpoints" / "0",  # Orbax: absolute
-                                     top, _layers(get, cfg), meta)
+                                     top, layers, meta)
             return run_cfg, note
         except ConfigError:
             raise
@@ -262,12 +263,16 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
     print(f"fine-tune: {_fine_tune(out)}")
 
 
-def _layers(get: hf.Getter, cfg: ModelConfig) -> Iterator[dict]:
-    """Each layer's params in our nested form, in model order; a signal stops before the next."""
-    for i in range(cfg.num_layers):
+def _layers(get: hf.Getter, cfg: ModelConfig, rope_interleave: bool) -> Iterator[dict]:
+    """Each layer's params in our nested form, in model order, their paths inside the layer
+    (weights.write_layers; its stack, `layers` or DeepSeek-V3's `dense_layers`, is the model
+    layer's weights.layer_slots); a signal stops before the next. `rope_interleave`: config.json's
+    (DeepSeek-V3): the import holds the rotated dims as halves, as our RoPE takes them."""
+    for i, (stack, _) in enumerate(weights.layer_slots(cfg)):
         _stop_point()
-        yield hf_mapping.nest({path[1:]: value for path, value  # path[0] is "layers"
-                               in hf_mapping.layer_params(get, cfg, i).items()})
+        params = hf_mapping.layer_params(get, cfg, i, rope_interleave=rope_interleave)
+        assert all(path[0] == stack for path in params), (i, stack)
+        yield hf_mapping.nest({path[1:]: value for path, value in params.items()})
 
 
 def _fine_tune(out: Path) -> str:

@@ -93,6 +93,9 @@ def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
     size to be q's, so another v size goes to cuDNN's own entry (the same kernel, in its latent
     attention form: jax allows it on Hopper or later with cuDNN 9.10 or later, checking the local
     GPU) with jax.nn's scale and mask."""
+    # the sequence whole, as cuDNN's partitioning wants the mask (a MoE layer's use of the ids
+    # split over the sequence propagated onto it otherwise)
+    segment_ids_BT = parallel.constrain(segment_ids_BT, ("act_batch", "act_ctx"))
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     if v_BSKH.shape[-1] == q_BTNH.shape[-1]:
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
