@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from jaxtron.config import Config, ModelConfig
 from jaxtron.ops import vocab
-from jaxtron.plan.memory import process_bytes
+from jaxtron.plan.memory import layer_weights, process_bytes
 
 # Dense (not 2:4-sparse) BF16 tensor-core peaks in TFLOP/s; first matching substring wins.
 PEAK_TFLOPS = (
@@ -172,28 +172,6 @@ def expected_attention(cfg: Config, tokens_per_device: float) -> float:
     products = 2 + 5 + (2 if m.remat != "none" else 0)
     t = cfg.train.seq_len
     return 2 * products * m.num_layers * m.num_heads * attention_width(m) * t * tokens_per_device
-
-
-def layer_weights(m: ModelConfig, experts: bool | None = None) -> dict[str, int]:
-    """The weights of one layer's projections, by name; of a mixture of experts, those a token
-    runs (its experts_per_token experts', the shared experts' and the router). Latent attention
-    (model.mla): q its query projections, k the compression of keys and values, v their up
-    projection. `experts`: a MoE layer (None: when the model has experts)."""
-    d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
-    experts = bool(m.moe.num_experts) if experts is None else experts
-    if experts:
-        f = (m.moe.mlp_dim or m.mlp_dim) * (m.moe.experts_per_token + m.moe.shared_experts)
-    w = {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
-         "gate": d * f, "up": d * f, "down": f * d,
-         "router": d * m.moe.num_experts if experts else 0}
-    a = m.mla
-    if a.kv_lora_rank:
-        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        w |= {"q": (d * a.q_lora_rank + a.q_lora_rank * n * qk) if a.q_lora_rank else d * n * qk,
-              "k": d * (a.kv_lora_rank + a.qk_rope_head_dim),
-              "v": a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim),
-              "o": n * a.v_head_dim * d}
-    return w
 
 
 def _layer_kinds(m: ModelConfig) -> list[tuple[int, dict[str, int]]]:

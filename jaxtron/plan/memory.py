@@ -83,7 +83,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     params = plan.bytes_per_device("params")
     b = _rows(cfg, sizes, ("data", "fsdp", "expert"))
     seq, d, v = _local_seq(cfg, sizes), m.d_model, m.vocab_size
-    layer_weights = (_attention_weights(m) + 3 * d * _mlp_width(cfg, sizes)) // tp
+    weights_per_layer = (_attention_weights(m) + 3 * d * _mlp_width(cfg, sizes)) // tp
     slab = b * seq * d * act // tp  # one layer's input [b, T/t, D]
     tables = (1 if m.tie_embeddings else 2)
     many = math.prod(sizes.values()) > 1
@@ -92,7 +92,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     # over tensor, partial sums before their reduce-scatter) and four of the MLP's [b, T, F/t]
     # (8B TP8 FSDP8, 32 x 8192 rows: seven 2 GiB [b, T, D] and four 0.9 GiB [b, T, F/t] at
     # the peak).
-    layer = (_attention_bytes(cfg, kernel, b, sizes) + 2 * layer_weights * act
+    layer = (_attention_bytes(cfg, kernel, b, sizes) + 2 * weights_per_layer * act
              + (4 * b * seq * (2 * d + m.mlp_dim // tp) * act if tp > 1 else 0)
              + _experts_bytes(cfg, b, tp))
     head = _head_bytes(cfg, sizes)
@@ -144,12 +144,32 @@ def _local_seq(cfg: Config, sizes: dict[str, int]) -> int:
     return cfg.train.seq_len // sizes.get("context", 1)
 
 
+def layer_weights(m, experts: bool | None = None) -> dict[str, int]:
+    """The weights of one layer's projections, by name; of a mixture of experts, those a token
+    runs (its experts_per_token experts', the shared experts' and the router). Latent attention
+    (model.mla): q its query projections, k the compression of keys and values, v their up
+    projection. `experts`: a MoE layer (None: when the model has experts)."""
+    d, n, k, h, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_size, m.mlp_dim
+    experts = bool(m.moe.num_experts) if experts is None else experts
+    if experts:
+        f = (m.moe.mlp_dim or m.mlp_dim) * (m.moe.experts_per_token + m.moe.shared_experts)
+    w = {"q": d * n * h, "k": d * k * h, "v": d * k * h, "o": n * h * d,
+         "gate": d * f, "up": d * f, "down": f * d,
+         "router": d * m.moe.num_experts if experts else 0}
+    a = m.mla
+    if a.kv_lora_rank:
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        w |= {"q": (d * a.q_lora_rank + a.q_lora_rank * n * qk) if a.q_lora_rank else d * n * qk,
+              "k": d * (a.kv_lora_rank + a.qk_rope_head_dim),
+              "v": a.kv_lora_rank * n * (a.qk_nope_head_dim + a.v_head_dim),
+              "o": n * a.v_head_dim * d}
+    return w
+
+
 def _attention_weights(m) -> int:
     """One layer's attention weights: q, k, v and o, or latent attention's projections."""
     if m.mla.kv_lora_rank:
-        from jaxtron.plan import costs  # noqa: PLC0415 (costs reads this module's process_bytes)
-
-        return sum(costs.layer_weights(m, experts=False)[name] for name in "qkvo")
+        return sum(layer_weights(m, experts=False)[name] for name in "qkvo")
     return 2 * m.d_model * m.num_heads * m.head_size + 2 * m.d_model * m.num_kv_heads * m.head_size
 
 

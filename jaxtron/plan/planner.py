@@ -226,7 +226,7 @@ def _layer_weights(m, ep: int) -> tuple[float, float]:
     """(a layer's dense matmul weights: attention (latent attention's projections), and the
     MLP, or the router and shared experts; the weights of the experts one device holds of it,
     num_experts / ep of them), as counts of parameters. Of DeepSeek's, an MoE layer's."""
-    w = costs.layer_weights(m)
+    w = memory.layer_weights(m)
     attention = w["q"] + w["k"] + w["v"] + w["o"]
     d = m.d_model
     if not m.moe.num_experts:
