@@ -33,7 +33,6 @@ from jaxtron.model.layers import (
     rope_attention_factor,
     softmax_scale_factor,
 )
-from jaxtron.ops import attention as attention_lib
 from jaxtron.ops import layer_ops
 from jaxtron.ops.layer_ops import LayerOps
 from jaxtron.parallel import constrain
@@ -41,8 +40,9 @@ from jaxtron.parallel import constrain
 LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek norms of the compressed vectors: not rms_norm_eps
 
 
-class LatentAttention(nnx.Module):
-    """Multi-head latent attention; the same calls as decoder.Attention."""
+class LatentAttention(decoder.Attention):
+    """Multi-head latent attention: decoder.Attention's calls (attend, decode over a cache that
+    holds each head's whole key and value, the output projection) on its own projections."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         m, d, n = cfg.mla, cfg.d_model, cfg.num_heads
@@ -89,27 +89,6 @@ class LatentAttention(nnx.Module):
         v_BTNH = constrain(v_BTNH, (*decoder.BATCH_WHOLE_SEQ, "act_kv_heads", None))
         return (checkpoint_name(q_BTNH, "query_proj"), checkpoint_name(k_BTNH, "key_proj"),
                 checkpoint_name(v_BTNH, "value_proj"))
-
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
-                 ) -> jax.Array:
-        q_BTNH, k_BTNH, v_BTNH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
-        return self._output(ops.attend(q_BTNH, k_BTNH, v_BTNH, segment_ids_BT), ops)
-
-    def decode(self, x_BTD, start, inv_freq, k_BSNH, v_BSNH, ops: LayerOps):
-        """(output, k and v caches) for T tokens at positions and cache slots start..start+T-1
-        (decoder.Attention.decode): the cache holds each head's whole key and value."""
-        positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
-        q_BTNH, k_BTNH, v_BTNH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
-        at = (0, start, 0, 0)
-        k_BSNH = jax.lax.dynamic_update_slice(k_BSNH, k_BTNH.astype(k_BSNH.dtype), at)
-        v_BSNH = jax.lax.dynamic_update_slice(v_BSNH, v_BTNH.astype(v_BSNH.dtype), at)
-        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSNH, v_BSNH, start)
-        return self._output(out_BTNH, ops), k_BSNH, v_BSNH
-
-    def _output(self, out_BTNH, ops: LayerOps) -> jax.Array:
-        out_BTNH = checkpoint_name(
-            constrain(out_BTNH, (*decoder.BATCH_WHOLE_SEQ, "act_heads", None)), "attn_out")
-        return ops.project_out(out_BTNH, self.wo, None)
 
 
 def _latent_norm(cfg: ModelConfig, rngs: nnx.Rngs, width: int) -> RMSNorm:
