@@ -83,7 +83,8 @@ def test_yaml_errors_name_the_line_and_column(tmp_path):
 
 def test_a_directory_as_config_lists_its_presets():
     with pytest.raises(config.ConfigError, match=r"is a directory; give one preset file from it "
-                                                 r"\(gpt2_124m.yaml, .*tiny.yaml, tiny_moe.yaml\)"):
+                                                 r"\(deepseek_v3.yaml, gpt2_124m.yaml, .*tiny.yaml, "
+                                                 r"tiny_deepseek.yaml, tiny_moe.yaml\)"):
         config.load([CONFIGS])
 
 
@@ -151,7 +152,8 @@ def test_a_missing_config_names_the_presets(tmp_path, monkeypatch):
                                                  r"\(did you mean --config tiny\?\)$"):
         config.load(["configs/tiny"])
     with pytest.raises(config.ConfigError, match=r"^config file not found: nope; a preset's name "
-                                                 r"is one of gpt2_124m, .*, llama3_8b, .*tiny_moe$"):
+                                                 r"is one of deepseek_v3, gpt2_124m, .*, llama3_8b, "
+                                                 r".*tiny_moe$"):
         config.load(["nope"])
 
 
