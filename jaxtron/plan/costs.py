@@ -144,12 +144,16 @@ RECOMPUTED = {
 }
 
 
-def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1) -> int:
+def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1,
+                    mesh_tensor: int = 1) -> int:
     """Matmul FLOPs per device per step that cfg.model.remat implies: 6N per token, the policy's
-    recomputed projections (2 FLOPs per weight per token) and the chunked LM head's. Measured
-    exact over data, fsdp and tensor; with a pipeline only approximate, a lower bound: the stages
-    also run in the bubble iterations (tiny, 2 stages, 4 microbatches: compiled 1.15x this)."""
+    recomputed projections (2 FLOPs per weight per token) and the chunked LM head's; with
+    latent attention over tensor > 1, its down projections again on every other tensor rank
+    (`_on_every_tensor_rank`). Measured exact over data, fsdp and tensor; with a pipeline only
+    approximate, a lower bound: the stages also run in the bubble iterations (tiny, 2 stages, 4
+    microbatches: compiled 1.15x this)."""
     m = cfg.model
+    repeated = (mesh_tensor - 1) * _on_every_tensor_rank(m, RECOMPUTED[m.remat])
     names = RECOMPUTED[m.remat]
     if m.moe.num_experts and "gate" in names:
         names = (*names, "router")
@@ -158,7 +162,21 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1)
     recomputed = sum(count * sum(w[name] for name in names) for count, w in _layer_kinds(m))
     chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
     head = m.d_model * m.vocab_size if chunked else 0
-    return round((6 * matmul_params(m) + 2 * recomputed + 2 * head) * tokens_per_device)
+    return round((6 * matmul_params(m) + 2 * recomputed + 2 * head + repeated)
+                 * tokens_per_device)
+
+
+def _on_every_tensor_rank(m: ModelConfig, recomputed: tuple[str, ...]) -> int:
+    """FLOPs per token of what each tensor rank computes whole: latent attention's down
+    projections (W_q_a and W_kv_a, read by every head; not split over tensor), 6 per weight,
+    8 where the policy recomputes them (q, k). 0 for other attention."""
+    a = m.mla
+    if not a.kv_lora_rank:
+        return 0
+    per_flop = lambda name: 6 + (2 if name in recomputed else 0)
+    weights = per_flop("q") * m.d_model * a.q_lora_rank \
+        + per_flop("k") * m.d_model * (a.kv_lora_rank + a.qk_rope_head_dim)
+    return m.num_layers * weights
 
 
 def expected_attention(cfg: Config, tokens_per_device: float) -> float:

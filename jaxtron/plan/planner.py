@@ -246,7 +246,7 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     gpus = math.prod(mesh.values())
     crossing = set(parallel.crossing_axes(mesh, per_node))
     tokens = t.batch_size * t.seq_len
-    work = (costs.expected_matmul(cfg, tokens / gpus)
+    work = (costs.expected_matmul(cfg, tokens / gpus, mesh_tensor=mesh["tensor"])
             + costs.expected_attention(cfg, tokens / gpus))
     if m.fp8 != "none":  # the projections' share (all but the LM head and attention) in FP8
         head = 6 * m.d_model * m.vocab_size * tokens / gpus

@@ -209,7 +209,8 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
                   "fp8_matmul_per_device": counted["fp8"],
                   "fp8_e5m2_matmul_per_device": counted["fp8_e5m2"],
                   "expected_matmul_per_device": costs.expected_matmul(
-                      cfg, tokens, plan.mesh_sizes.get("expert", 1)),
+                      cfg, tokens, plan.mesh_sizes.get("expert", 1),
+                      plan.mesh_sizes.get("tensor", 1)),
                   "six_n_tokens_per_device": round(6 * costs.matmul_params(cfg.model) * tokens)},
         "collectives": rows,
         "exposed_bytes_per_axis": exposed_bytes(rows),
