@@ -157,9 +157,12 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1,
     names = RECOMPUTED[m.remat]
     if m.moe.num_experts and "gate" in names:
         names = (*names, "router")
-    if m.moe.num_experts and mesh_expert > 1 and "gate" not in names:  # each ring step's own
-        names = (*names, "gate", "up")
     recomputed = sum(count * sum(w[name] for name in names) for count, w in _layer_kinds(m))
+    if m.moe.num_experts and mesh_expert > 1 and "gate" not in names:
+        # each ring step's own gate and up, of the routed experts (not the shared ones), in
+        # the MoE layers (not model.moe.first_dense's)
+        routed = m.d_model * (m.moe.mlp_dim or m.mlp_dim) * m.moe.experts_per_token
+        recomputed += (m.num_layers - m.moe.first_dense) * 2 * routed
     chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
     head = m.d_model * m.vocab_size if chunked else 0
     return round((6 * matmul_params(m) + 2 * recomputed + 2 * head + repeated)
