@@ -789,8 +789,9 @@ def test_llama3_8b_in_delayed_fp8_casts_wait_on_no_amax(tmp_path):
 
 
 @pytest.mark.parametrize("mesh", [("mesh.expert=2", "mesh.fsdp=4"),
-                                  ("mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2")],
-                         ids=["expert,fsdp", "expert,tensor,fsdp"])
+                                  ("mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"),
+                                  ("mesh.expert=2", "mesh.fsdp=4", "model.mtp_depth=1")],
+                         ids=["expert,fsdp", "expert,tensor,fsdp", "mtp"])
 def test_latent_attention_compiles_into_cudnn_on_h100s(mesh):
     """configs/tiny_deepseek.yaml with DeepSeek-V3's head sizes (query/key 128 + 64, value 128)
     in bf16 on 8 H100s: cuDNN's fused attention forward and backward, one per layer each way
@@ -799,13 +800,14 @@ def test_latent_attention_compiles_into_cudnn_on_h100s(mesh):
     ids over the sequence reached cuDNN's mask and its partitioner refused it (the ids are now
     pinned whole there). The matmuls are the policy's exactly: latent attention's projections
     and the shared experts counted (memory.layer_weights), and with tensor 2 the down
-    projections each tensor rank runs whole (1.05x the policy's count before)."""
+    projections each tensor rank runs whole (1.05x the policy's count before), and a
+    multi-token-prediction module's layer, projection and head (costs.matmul_params)."""
     cfg = _cfg("model.dtype=bfloat16", "model.attention=cudnn", "model.remat=full",
                "model.mla.qk_nope_head_dim=128", "model.mla.qk_rope_head_dim=64",
                "model.mla.v_head_dim=128", *mesh,
                config=ROOT / "configs" / "tiny_deepseek.yaml")
     report, compiled = _report(cfg)
-    layers = cfg.model.num_layers
+    layers = cfg.model.num_layers + cfg.model.mtp_depth
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmax", 0) == 2 * layers  # + remat
     assert report["kernels"].get("__cudnn$fmhaScaleBiasSoftmaxBackward", 0) == layers
     calls = [line for line in compiled.as_text().splitlines()

@@ -19,18 +19,20 @@ from helpers import QUIET, ROOT
 from jaxtron import config, data, parallel
 from jaxtron.checkpoint import weights
 from jaxtron.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
+from jaxtron.hf import mapping as hf
 from jaxtron.model import check, deepseek, moe
-from jaxtron.step import global_batch
+from jaxtron.step import global_batch, loss_sums
 from jaxtron.step.optim import make_optimizer
 from jaxtron.step.state import init_state, make_plan
 from jaxtron.step.train_step import compile_step
 from jaxtron.train.loop import train
 
 DEEPSEEK = ROOT / "configs" / "tiny_deepseek.yaml"
-# 5 steps of 8 x 64 tokens, no warmup; a bias speed large enough to change routing in 5 steps
+# 5 steps of 8 x 64 tokens, no warmup; a bias speed large enough to change routing in 5 steps;
+# one multi-token-prediction module (its MoE layer balanced too)
 SHORT = ("train.steps=5", "train.log_every=1", "train.batch_size=8", "train.seq_len=64",
          "optim.warmup_steps=0", "train.eval_every=0", "checkpoint.every=0",
-         "model.moe.bias_update_speed=0.01")
+         "model.moe.bias_update_speed=0.01", "model.mtp_depth=1")
 BIAS = ("layers", "mlp", "router_bias")
 
 
@@ -91,9 +93,11 @@ def _run(tmp_path, devices, *overrides) -> tuple[dict, np.ndarray]:
     """(the logged curves, the final balancing bias [L, E] as checkpointed)."""
     cfg = config.load([DEEPSEEK], [*QUIET, *SHORT, f"run.dir={tmp_path}", *overrides])
     history = train(cfg, devices=devices)
-    keys = ("loss", "grad_norm", "moe_aux_loss", "moe_load")
+    keys = ("loss", "grad_norm", "moe_aux_loss", "moe_load", "mtp_loss", "moe_load/3",
+            "moe_load/4")  # 4: the MTP module's MoE layer
     _, _, get = weights.reader(tmp_path)
-    return {key: np.array([row[key] for row in history]) for key in keys}, get(BIAS, None)
+    biases = np.concatenate([get(BIAS, None), get(("mtp", "block", "mlp", "router_bias"), None)])
+    return {key: np.array([row[key] for row in history]) for key in keys}, biases
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +110,11 @@ def one_device(tmp_path_factory):
     ("train.microbatches=4",),
 ], ids=["expert,tensor,fsdp", "microbatches"])
 def test_the_family_trains_like_one_device(devices, tmp_path, one_device, overrides):
-    """configs/tiny_deepseek.yaml, float32, 5 AdamW steps with bias balancing on: loss, grad
-    norm, balance loss and load on 8 devices (experts, tensor and fsdp split), and on one device
-    in 4 microbatches, equal one device's in one; the balancing biases equal exactly (each step
-    moves them by +-speed on integer loads) and have moved."""
+    """configs/tiny_deepseek.yaml, float32, 5 AdamW steps with bias balancing and one MTP
+    module on: loss, grad norm, balance loss, loads and MTP loss on 8 devices (experts, tensor
+    and fsdp split), and on one device in 4 microbatches, equal one device's in one; the
+    balancing biases (the MTP module's too) equal exactly (each step moves them by +-speed on
+    integer loads) and have moved."""
     curves, bias = _run(tmp_path, devices if "mesh.expert=2" in overrides else devices[:1],
                         *overrides)
     want, want_bias = one_device
@@ -149,3 +154,59 @@ def test_other_families_refuse_deepseek_options():
     cfg, _ = _layer()
     with pytest.raises(ConfigError, match="topk_groups"):
         check(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, topk_groups=5)))
+
+
+def test_mtp_reads_the_next_tokens_of_the_same_document():
+    """Depth k's inputs are tokens t+1+k and its targets t+2+k, real only inside the row and
+    the document of position t (packed rows, padding)."""
+    tokens = np.arange(1, 9)[None]  # targets: the next token along the row
+    batch = {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(tokens + 1),
+             "segment_ids": jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]]),
+             "positions": jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]])}
+    out = deepseek.mtp_batch(batch, 2)
+    np.testing.assert_array_equal(out["mtp_inputs/0"], [[2, 3, 4, 5, 6, 7, 8, 9]])
+    np.testing.assert_array_equal(out["mtp_targets/0"], [[3, 4, 5, 6, 7, 8, 9, 0]])
+    np.testing.assert_array_equal(out["mtp_valid/0"], [[1, 1, 0, 1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(out["mtp_inputs/1"], [[3, 4, 5, 6, 7, 8, 9, 0]])
+    np.testing.assert_array_equal(out["mtp_targets/1"], [[4, 5, 6, 7, 8, 9, 0, 0]])
+    np.testing.assert_array_equal(out["mtp_valid/1"], [[1, 0, 0, 1, 1, 0, 0, 0]])
+
+
+def _mtp_model(depth: int, coef: float = 0.3):
+    cfg = config.load([DEEPSEEK], ["model.num_layers=3", "model.d_model=64", "model.mlp_dim=96",
+                                   "model.moe.mlp_dim=32", "model.mla.kv_lora_rank=16",
+                                   "model.mla.q_lora_rank=16", f"model.mtp_depth={depth}",
+                                   f"model.mtp_coef={coef}"]).model
+    graphdef, params = nnx.split(deepseek.Transformer(cfg, nnx.Rngs(0)), nnx.Param)
+    return cfg, graphdef, nnx.to_pure_dict(params)
+
+
+def _packed_batch():
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 8192)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": jnp.array([[1] * 20 + [2] * 10 + [0] * 2, [1] * 32]),
+            "positions": jnp.array([list(range(20)) + list(range(10)) + [0, 0], range(32)])}
+
+
+def test_mtp_joins_the_objective_by_its_coefficient_and_leaves_inference_alone():
+    """Two MTP modules: the objective is the cross-entropy, the router losses and mtp_coef / 2
+    x the modules' summed cross-entropy (logged apart: mtp_entropy over mtp_tokens, about
+    ln V at random weights); the logits (inference) and the Hugging Face export are those of
+    the same weights without the modules."""
+    batch = _packed_batch()
+    sums = {}
+    for coef in (0.0, 0.3):
+        cfg, graphdef, params = _mtp_model(2, coef)
+        total, (count, entropy, stats) = loss_sums(params, graphdef, batch, with_stats=True)
+        sums[coef] = float(total)
+    assert float(stats["mtp_tokens"]) == 2 * (19 + 9 + 31) - (1 + 1 + 1)  # 2 depths, 3 docs
+    assert abs(float(stats["mtp_entropy"]) / float(stats["mtp_tokens"]) - np.log(8192)) < 0.5
+    np.testing.assert_allclose(sums[0.3] - sums[0.0], 0.15 * float(stats["mtp_entropy"]),
+                               rtol=1e-4)
+    bare_cfg, bare_graphdef, _ = _mtp_model(0)
+    bare = {k: v for k, v in params.items() if k != "mtp"}
+    args = (batch["tokens"], batch["positions"], batch["segment_ids"])
+    np.testing.assert_array_equal(nnx.merge(graphdef, params)(*args),
+                                  nnx.merge(bare_graphdef, bare)(*args))
+    exported, bare_exported = hf.params_to_hf(params, cfg), hf.params_to_hf(bare, bare_cfg)
+    assert sorted(exported) == sorted(bare_exported)

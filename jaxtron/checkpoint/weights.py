@@ -163,7 +163,7 @@ def read_meta(step_dir: Path) -> dict:
 ARRAYS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_size",
           "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype",
           "moe.num_experts", "mla.kv_lora_rank", "mla.q_lora_rank", "mla.qk_nope_head_dim",
-          "mla.qk_rope_head_dim", "mla.v_head_dim"
+          "mla.qk_rope_head_dim", "mla.v_head_dim", "mtp_depth"
           )  # the saved arrays' shapes and dtypes: a restore into others fails
 # the experts' width (0: mlp_dim) and DeepSeek-MoE's arrays, where both have experts
 MOE_ARRAYS = ("moe.mlp_dim", "moe.shared_experts", "moe.first_dense", "moe.scoring")

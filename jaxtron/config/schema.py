@@ -159,6 +159,11 @@ class ModelConfig:
     # the experts of a mixture-of-experts family (mixtral, qwen3_moe); a dense model has none
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)  # latent attention (deepseek_v3)
+    # deepseek_v3's multi-token prediction: this many extra modules, the k-th predicting token
+    # t+1+k from the one before's hidden state and token t+k's embedding (shared embedding and
+    # head), their mean loss times mtp_coef joining the objective; training only (0: none)
+    mtp_depth: int = 0
+    mtp_coef: float = 0.3
 
     @property
     def head_size(self) -> int:

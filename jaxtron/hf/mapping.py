@@ -319,9 +319,12 @@ def hf_layout(cfg: ModelConfig, rope_interleave: bool = True
 
 def params_to_hf(params: dict, cfg: ModelConfig, *,
                  rope_interleave: bool = True) -> dict[str, np.ndarray]:
-    """Our pure nested param dict -> HF checkpoint tensors (tied models omit lm_head.weight)."""
+    """Our pure nested param dict -> HF checkpoint tensors (tied models omit lm_head.weight;
+    DeepSeek's multi-token-prediction modules, model.mtp_depth, are training's only: left
+    out, as transformers leaves them out)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat = {tuple(k.key for k in path): np.asarray(leaf) for path, leaf in leaves}
+    flat = {tuple(k.key for k in path): np.asarray(leaf) for path, leaf in leaves
+            if path[0].key != "mtp"}
     table = rows(cfg, rope_interleave)
     unknown = sorted("/".join(p) for p in set(flat) - {row[1] for row in table})
     if unknown:

@@ -220,7 +220,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         for name, count, block in self.stacks(cfg):
-            setattr(self, name, _stacked(block, cfg, count, rngs))
+            setattr(self, name, stacked(block, cfg, count, rngs))
         self.final_norm = RMSNorm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -278,7 +278,14 @@ class Transformer(nnx.Module):
                                       names=self.projections)
         x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
                                       batch["segment_ids"])
+        stats = self._after_layers(x_BTD, batch, stats, ops)
         return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
+
+    def _after_layers(self, x_BTD, batch: dict, stats: dict, ops: LayerOps) -> dict:
+        """What a family adds to the statistics from the last layer's output (before the final
+        norm): nothing here; DeepSeek's multi-token prediction (deepseek.py)."""
+        del x_BTD, batch, ops
+        return stats
 
     def _embed(self, tokens_BT, ops: LayerOps) -> jax.Array:
         """Token ids -> embeddings [B, T, D] in the compute dtype."""
@@ -299,7 +306,7 @@ class Transformer(nnx.Module):
         return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
 
 
-def _stacked(block: type, cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> nnx.Module:
+def stacked(block: type, cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> nnx.Module:
     """`count` layers of `block` with their weights stacked on a leading `layers` axis."""
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

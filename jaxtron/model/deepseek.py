@@ -31,6 +31,7 @@ from jaxtron.model.layers import (
     apply_rope,
     param,
     rope_attention_factor,
+    rope_frequencies,
     softmax_scale_factor,
 )
 from jaxtron.ops import layer_ops
@@ -124,8 +125,57 @@ class MoEBlock(decoder.Block):
     mixer = SharedExpertMoE
 
 
+class MTPModule(nnx.Module):
+    """One multi-token-prediction depth (DeepSeek-V3): the hidden state of the depth before
+    (the main model's last layer for the first) and the next input token's embedding, each
+    RMS-normed, projected together back to the model width, through one MoE layer, then its
+    own final norm before the shared LM head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.hnorm, self.enorm = RMSNorm(cfg, rngs), RMSNorm(cfg, rngs)
+        self.w_h = param(rngs, cfg, (d, d), ("embed", None))
+        self.w_e = param(rngs, cfg, (d, d), ("embed", None))
+        self.block = MoEBlock(cfg, rngs)
+        self.norm = RMSNorm(cfg, rngs)
+
+
 class Transformer(decoder.Transformer):
-    """DeepSeek-V3: model.moe.first_dense dense layers (`dense_layers`), then MoE `layers`."""
+    """DeepSeek-V3: model.moe.first_dense dense layers (`dense_layers`), then MoE `layers`, and
+    with model.mtp_depth its multi-token-prediction modules (`mtp`, stacked over depth), which
+    only training runs."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        if cfg.mtp_depth:
+            self.mtp = decoder.stacked(MTPModule, cfg, cfg.mtp_depth, rngs)
+
+    def _after_layers(self, x_BTD, batch: dict, stats: dict, ops: LayerOps) -> dict:
+        """With model.mtp_depth and a training batch (`mtp_batch`'s keys): the MTP modules'
+        final-normed hidden states [D, B, T, D] under stats["mtp"], their MoE layers' router
+        sums after the main layers' (so that balancing and its bias cover them too)."""
+        if not self.cfg.mtp_depth or "mtp_inputs/0" not in batch:
+            return stats
+        cfg = self.cfg
+        graphdef, stacked = nnx.split(self.mtp)
+        inv_freq = rope_frequencies(cfg)
+        h_BTD, outputs, extra = x_BTD, [], []
+        for k in range(cfg.mtp_depth):
+            module = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], stacked))
+            e_BTD = self._embed(batch[f"mtp_inputs/{k}"], ops)
+            h_BTD = (jnp.tensordot(module.hnorm(h_BTD), ops.weight(module.w_h), 1)
+                     + jnp.tensordot(module.enorm(e_BTD), ops.weight(module.w_e), 1))
+            h_BTD = constrain(h_BTD, (*decoder.BATCH_SEQ, "act_embed"))
+            block = lambda x, block_state: nnx.merge(*block_state)(
+                x, batch["positions"], batch["segment_ids"], inv_freq, ops)
+            if cfg.remat != "none":
+                block = jax.checkpoint(block, policy=decoder.REMAT_POLICIES[cfg.remat])
+            h_BTD, layer_stats = block(h_BTD, nnx.split(module.block))
+            outputs.append(module.norm(constrain(h_BTD, (*decoder.IO_SEQ, "act_embed"))))
+            extra.append(layer_stats)
+        joined = jax.tree.map(lambda main, *more: jnp.concatenate(
+            [main, jnp.stack(more)]), stats, *extra)
+        return {**joined, "mtp": jnp.stack(outputs)}
 
     projections = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo", "w_gate", "w_up", "w_down")
 
@@ -139,3 +189,21 @@ class Transformer(decoder.Transformer):
     def cache_heads(cfg: ModelConfig) -> tuple[int, int, int]:
         m = cfg.mla
         return cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+
+
+def mtp_batch(batch: dict, depth: int) -> dict:
+    """A natural-order training batch with what multi-token prediction reads, [B, T] each, for
+    depth k = 0 .. depth-1 (the (k+1)-th module): `mtp_inputs/k`, token t+1+k (the targets
+    shifted k along the row), `mtp_targets/k`, token t+2+k, and `mtp_valid/k`, where that
+    target is real: inside the row and the same document as position t. Made before the
+    context split's reordering, which carries them with the rest."""
+    targets, segments = batch["targets"], batch["segment_ids"]
+    t = targets.shape[1]
+    shift = lambda x, k: jnp.pad(x[:, k:], ((0, 0), (0, k)))
+    out = dict(batch)
+    for k in range(depth):
+        out[f"mtp_inputs/{k}"] = shift(targets, k)
+        out[f"mtp_targets/{k}"] = shift(targets, k + 1)
+        out[f"mtp_valid/{k}"] = ((shift(segments, k + 1) == segments) & (segments != 0)
+                                 & (jnp.arange(t) < t - k - 1)).astype(segments.dtype)
+    return out

@@ -82,11 +82,16 @@ def _check_deepseek(cfg: ModelConfig) -> None:
     """DeepSeek-MoE's options only with latent attention (the deepseek_v3 family), and within
     their ranges."""
     moe, m = cfg.moe, cfg.mla
+    if cfg.mtp_depth < 0 or cfg.mtp_coef < 0:
+        raise ConfigError(f"model.mtp_depth={cfg.mtp_depth} and model.mtp_coef={cfg.mtp_coef} "
+                          "must be 0 or more")
     if not m.kv_lora_rank:
         changed = [f"model.moe.{k}={getattr(moe, k)}" for k, v in DEEPSEEK_MOE.items()
                    if getattr(moe, k) != v]
+        if cfg.mtp_depth:
+            changed.append(f"model.mtp_depth={cfg.mtp_depth}")
         if changed:
-            raise ConfigError(f"{changed[0]} is a DeepSeek-MoE option, for model.family="
+            raise ConfigError(f"{changed[0]} is a DeepSeek-V3 option, for model.family="
                               "deepseek_v3 (model.mla.kv_lora_rank > 0); leave it at its default")
         return
     if not moe.num_experts:

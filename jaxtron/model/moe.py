@@ -116,18 +116,35 @@ def within_groups(choice_BTE: jax.Array, groups: int, topk_groups: int) -> jax.A
     return jnp.where(kept_BTE, choice_BTE, -jnp.inf)
 
 
+# Where the balancing biases live, in the order of the step's router sums: the MoE layers',
+# then the multi-token-prediction modules' (jaxtron/model/deepseek.py)
+BIASES = (("layers", "mlp", "router_bias"), ("mtp", "block", "mlp", "router_bias"))
+
+
 def rebalanced(params: dict, picked_LE: jax.Array, speed: float) -> dict:
     """`params` with each MoE layer's balancing bias (router_bias [L, E]) moved by `speed` times
     the sign of its expert's load error: up where an expert took fewer (token, choice) pairs
     than the layer's mean this step, down where more (DeepSeek-V3's auxiliary-loss-free
     balancing). `picked_LE`: the step's pairs per expert and layer (step_sums), the same on
-    every rank, so the bias stays equal everywhere."""
-    def move(path, leaf):
-        if getattr(path[-1], "key", None) != "router_bias":
-            return leaf
-        error = jnp.mean(picked_LE, axis=-1, keepdims=True) - picked_LE
-        return leaf + speed * jnp.sign(error).astype(leaf.dtype)
-    return jax.tree_util.tree_map_with_path(move, params)
+    every rank, so the bias stays equal everywhere; its rows are BIASES' layers in order."""
+    sign_LE = jnp.sign(jnp.mean(picked_LE, axis=-1, keepdims=True) - picked_LE)
+    out, at = params, 0
+    for path in BIASES:
+        node = params
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        moved = node + speed * sign_LE[at:at + node.shape[0]].astype(node.dtype)
+        out, at = _replaced(out, path, moved), at + node.shape[0]
+    return out
+
+
+def _replaced(tree: dict, path: tuple, value) -> dict:
+    """`tree` with the leaf at `path` replaced (new dicts along the path, the rest shared)."""
+    if len(path) == 1:
+        return {**tree, path[0]: value}
+    return {**tree, path[0]: _replaced(tree[path[0]], path[1:], value)}
 
 
 def _expert_weights(cfg: ModelConfig, p: nnx.Param) -> jax.Array:
@@ -224,13 +241,16 @@ def zero_stats(params: dict) -> dict:
     """Zeros of `step_sums` for a model with MoE layers (a `router` weight [L, D, E] in
     `params`), {} for a dense one: where accumulation over microbatches starts."""
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
-    routers = [leaf for path, leaf in paths if "router" in jax.tree_util.keystr(path)]
+    routers = [leaf for path, leaf in paths if getattr(path[-1], "key", None) == "router"]
     if not routers:
         return {}
-    layers, _, experts = routers[0].shape
+    layers, experts = sum(r.shape[0] for r in routers), routers[0].shape[-1]
     zero = lambda *shape: jnp.zeros(shape, jnp.float32)
-    return {"aux": zero(), "z": zero(), "picked": zero(layers, experts),
+    sums = {"aux": zero(), "z": zero(), "picked": zero(layers, experts),
             "routed": zero(layers), "dropped": zero(layers)}
+    if "mtp" in params:  # model.mtp_depth: its cross-entropy and tokens (train_step.loss_sums)
+        sums |= {"mtp_entropy": zero(), "mtp_tokens": zero()}
+    return sums
 
 
 def metrics(sums: dict, tokens: jax.Array, capacity: bool, first: int = 0) -> dict:
@@ -250,4 +270,6 @@ def metrics(sums: dict, tokens: jax.Array, capacity: bool, first: int = 0) -> di
            **{f"moe_load/{first + i}": load_L[i] for i in range(load_L.shape[0])}}
     if capacity:
         out["moe_dropped"] = jnp.max(sums["dropped"] / jnp.maximum(sums["routed"], 1.0))
+    if "mtp_entropy" in sums:  # model.mtp_depth: the modules' mean cross-entropy, logged apart
+        out["mtp_loss"] = sums["mtp_entropy"] / jnp.maximum(sums["mtp_tokens"], 1.0)
     return out

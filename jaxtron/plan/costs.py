@@ -61,9 +61,10 @@ BAR_DROPS = ("ms", "lr", "grad_norm", "tok")  # what the progress bar drops firs
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a token's matmuls: attention, MLP and the LM head (tied or
     not); of a mixture of experts, the experts_per_token experts a token runs and the router
-    (the active parameters, less the embedding and norms)."""
+    (the active parameters, less the embedding and norms); with model.mtp_depth, each
+    multi-token-prediction module's layer, projection and pass through the head."""
     return sum(count * sum(w.values()) for count, w in _layer_kinds(cfg)) \
-        + cfg.d_model * cfg.vocab_size
+        + (1 + cfg.mtp_depth) * cfg.d_model * cfg.vocab_size
 
 
 def attention_width(cfg: ModelConfig) -> float:
@@ -125,8 +126,10 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
         "host_memory_gib": round(process_bytes() / 2**30, 4),
         # model.fp8: the amax and scale statistics of the step (jaxtron/ops/fp8.py statistics)
         **{key: float(value) for key, value in fetched.items() if key.startswith("fp8_")},
-        # model.moe.num_experts: the router's statistics (jaxtron/model/moe.py metrics)
-        **{key: float(value) for key, value in fetched.items() if key.startswith("moe_")},
+        # model.moe.num_experts: the router's statistics (jaxtron/model/moe.py metrics), and
+        # with model.mtp_depth the multi-token-prediction loss
+        **{key: float(value) for key, value in fetched.items()
+           if key.startswith(("moe_", "mtp_"))},
     }
 
 
@@ -162,9 +165,9 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1,
         # each ring step's own gate and up, of the routed experts (not the shared ones), in
         # the MoE layers (not model.moe.first_dense's)
         routed = m.d_model * (m.moe.mlp_dim or m.mlp_dim) * m.moe.experts_per_token
-        recomputed += (m.num_layers - m.moe.first_dense) * 2 * routed
+        recomputed += (m.num_layers - m.moe.first_dense + m.mtp_depth) * 2 * routed
     chunked = vocab.chunks(cfg.train.seq_len, cfg.train.loss_chunk) > 1
-    head = m.d_model * m.vocab_size if chunked else 0
+    head = (1 + m.mtp_depth) * m.d_model * m.vocab_size if chunked else 0
     return round((6 * matmul_params(m) + 2 * recomputed + 2 * head + repeated)
                  * tokens_per_device)
 
@@ -179,7 +182,7 @@ def _on_every_tensor_rank(m: ModelConfig, recomputed: tuple[str, ...]) -> int:
     per_flop = lambda name: 6 + (2 if name in recomputed else 0)
     weights = per_flop("q") * m.d_model * a.q_lora_rank \
         + per_flop("k") * m.d_model * (a.kv_lora_rank + a.qk_rope_head_dim)
-    return m.num_layers * weights
+    return (m.num_layers + m.mtp_depth) * weights
 
 
 def expected_attention(cfg: Config, tokens_per_device: float) -> float:
@@ -197,7 +200,11 @@ def expected_attention(cfg: Config, tokens_per_device: float) -> float:
 
 def _layer_kinds(m: ModelConfig) -> list[tuple[int, dict[str, int]]]:
     """(layers, one layer's `layer_weights`) for each kind of layer: model.moe.first_dense dense
-    ones before the MoE layers, or every layer alike."""
+    ones before the MoE layers, or every layer alike; then the model.mtp_depth
+    multi-token-prediction modules' MoE layers with their input projection ("eh", 2 D x D)."""
     dense = m.moe.first_dense if m.moe.num_experts else 0
     kinds = [(dense, layer_weights(m, experts=False))] if dense else []
-    return kinds + [(m.num_layers - dense, layer_weights(m))]
+    kinds.append((m.num_layers - dense, layer_weights(m)))
+    if m.mtp_depth:
+        kinds.append((m.mtp_depth, {**layer_weights(m), "eh": 2 * m.d_model * m.d_model}))
+    return kinds

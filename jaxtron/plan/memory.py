@@ -318,11 +318,12 @@ def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:
 
 
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
-    """Layer applications one device keeps activations of: its layers, or with a pipeline every
-    iteration's L/(S*R) layers (all M*R + S - 1 iterations are alive at the backward's start)."""
+    """Layer applications one device keeps activations of: its layers (and model.mtp_depth's
+    modules, one layer each), or with a pipeline every iteration's L/(S*R) layers (all M*R +
+    S - 1 iterations are alive at the backward's start)."""
     pipe = pipeline.from_config(cfg, sizes["stage"])
     if pipe is None:
-        return cfg.model.num_layers
+        return cfg.model.num_layers + cfg.model.mtp_depth
     return pipe.iterations * (cfg.model.num_layers // (pipe.stages * pipe.repeats))
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
 from jaxtron.data.rows import local_rows
-from jaxtron.model import moe
+from jaxtron.model import deepseek, moe
 from jaxtron.ops import fp8, layer_ops
 from jaxtron.parallel import pipeline
 from jaxtron.step.optim import lr_schedule, schedule_count
@@ -37,6 +37,8 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     A mixture of experts adds model.moe.aux_coef x the load-balancing loss and z_coef x the
     z-loss, each summed over tokens (moe.objective): the mean objective is the cross-entropy plus
     the weighted router losses, and a sum over rows, so microbatches add up to the whole batch.
+    With model.mtp_depth, model.mtp_coef / depth x the multi-token-prediction modules' summed
+    cross-entropy joins it too (stats mtp_entropy and mtp_tokens; deepseek.py).
     `with_stats`: (objective sum, (count, cross-entropy sum, the router sums moe.step_sums of
     this batch, {} for a dense model)).
 
@@ -49,13 +51,22 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     `pipe`'s stages when given."""
     model = nnx.merge(graphdef, params, *([] if histories is None else [histories]))
     ops = ops or layer_ops.here(model.cfg, pipe)
-    x_BTD, batch, layer_stats = model.hidden(batch, ops)
+    depth = model.cfg.mtp_depth
+    x_BTD, batch, layer_stats = model.hidden(deepseek.mtp_batch(batch, depth) if depth else batch,
+                                             ops)
+    mtp_DBTD = layer_stats.pop("mtp", None)
     mask_BT = batch["segment_ids"] != 0
     total = ops.head_loss(model, x_BTD, batch["targets"], mask_BT, chunk)
     count, entropy, stats = jnp.sum(mask_BT), total, {}
     if layer_stats:
         stats = moe.step_sums(layer_stats, jnp.sum(mask_BT, axis=1))
         total = total + moe.objective(stats, model.cfg)
+    if mtp_DBTD is not None:  # model.mtp_depth: each depth's cross-entropy through the head
+        valid = [batch[f"mtp_valid/{k}"] != 0 for k in range(depth)]
+        stats["mtp_entropy"] = sum(ops.head_loss(model, mtp_DBTD[k], batch[f"mtp_targets/{k}"],
+                                                 valid[k], chunk) for k in range(depth))
+        stats["mtp_tokens"] = sum(jnp.sum(v) for v in valid).astype(jnp.float32)
+        total = total + model.cfg.mtp_coef / depth * stats["mtp_entropy"]
     return (total, (count, entropy, stats)) if with_stats else (total, count)
 
 

@@ -240,6 +240,8 @@ def _moe_part(row: dict) -> str:
     if "moe_aux_loss" not in row:
         return ""
     part = f" | aux {row['moe_aux_loss']:.3f} | load {row['moe_load']:.2f}"
+    if "mtp_loss" in row:
+        part += f" | mtp {row['mtp_loss']:.4f}"
     return part + (f" | dropped {100 * row['moe_dropped']:.1f}%" if "moe_dropped" in row else "")
 
 
