@@ -174,10 +174,11 @@ def test_cudnn_attention_keeps_packed_documents_apart():
 
 
 @gpu
-def test_attention_self_check_passes_on_the_gpu():
+@pytest.mark.parametrize("sizes", [(64, 64), (192, 128)])  # latent attention's
+def test_attention_self_check_passes_on_the_gpu(sizes):
     """jaxtron's start-up check (train() runs it before training with model.attention=cudnn)."""
     with jax.default_device(jax.devices("cuda")[0]):
-        attention.self_check("cudnn")  # raises a ConfigError naming the error if off
+        attention.self_check("cudnn", sizes=sizes)  # raises a ConfigError naming the error
 
 
 # --- train steps ------------------------------------------------------------------------------

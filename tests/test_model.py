@@ -134,9 +134,11 @@ def test_tied_embeddings_and_qkv_bias_shapes():
     assert _logits(_model(cfg), _tokens(0, (1, 8))).shape == (1, 8, 128)
 
 
-def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monkeypatch):
+@pytest.mark.parametrize("sizes", [(64, 64), (48, 32)])
+def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monkeypatch, sizes):
     """A kernel that is causal but ignores packed-document boundaries (a real failure of fused
-    kernels) fails the start-up check with one line naming it; the reference passes."""
+    kernels) fails the start-up check with one line naming it; the reference passes. At the
+    model's head sizes, latent attention's unequal query/key and value sizes included."""
     from jaxtron.config import ConfigError
     from jaxtron.ops import attention
 
@@ -144,9 +146,25 @@ def test_attention_self_check_catches_a_kernel_that_leaks_across_documents(monke
         return attention.xla_attention(q, k, v, jnp.ones_like(segment_ids))
 
     monkeypatch.setitem(attention.ATTENTION_IMPLS, "leaky", leaky)
-    with pytest.raises(ConfigError, match=r"model.attention=leaky disagrees .* output off by"):
-        attention.self_check("leaky")
-    attention.self_check("xla")  # the reference agrees with itself: no error
+    with pytest.raises(ConfigError, match=rf"model.attention=leaky disagrees .* sizes "
+                                          rf"{sizes[0]}/{sizes[1]}\): output off by"):
+        attention.self_check("leaky", sizes=sizes)
+    errors = attention.self_check("xla", sizes=sizes)  # the reference agrees with itself
+    assert max(errors.values()) == 0.0, errors
+
+
+def test_head_sizes_are_the_families_attention_shapes():
+    """The start-up check runs the shapes training will: latent attention's query/key of
+    qk_nope + qk_rope and value of v_head_dim, else head_size for both."""
+    from helpers import ROOT
+
+    from jaxtron import config as config_lib
+    from jaxtron.model import head_sizes
+
+    assert head_sizes(config_lib.load([ROOT / "configs" / "tiny.yaml"]).model) == (64, 64)
+    m = config_lib.load([ROOT / "configs" / "tiny_deepseek.yaml"]).model
+    assert head_sizes(m) == (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim)
+    assert head_sizes(m)[0] != head_sizes(m)[1]
 
 
 def test_attention_auto_is_cudnn_on_gpus_only():

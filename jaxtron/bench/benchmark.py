@@ -169,6 +169,7 @@ def gpu_checks(cfg: Config, devices: list) -> dict[str, str]:
     (the allocator's limit against the device's total memory)."""
     import os
 
+    from jaxtron.model import head_sizes
     from jaxtron.ops import attention
     from jaxtron.program import aot, xla_flags
 
@@ -180,7 +181,7 @@ def gpu_checks(cfg: Config, devices: list) -> dict[str, str]:
         found["attention"] = "not checked: model.attention=xla"
     else:
         try:
-            errors = attention.self_check(cfg.model.attention)
+            errors = attention.self_check(cfg.model.attention, sizes=head_sizes(cfg.model))
             found["attention"] = (f"passed: {cfg.model.attention} vs xla on a packed batch, "
                                   "relative error " + ", ".join(f"{k} {v:.1e}"
                                                                 for k, v in errors.items()))

@@ -13,4 +13,4 @@ from jaxtron.model.decoder import (  # noqa: F401  the model's public names
     init_cache,
     rope_frequencies,
 )
-from jaxtron.model.families import abstract_model, build, family_of  # noqa: F401
+from jaxtron.model.families import abstract_model, build, family_of, head_sizes  # noqa: F401

@@ -135,6 +135,11 @@ def model_class(cfg: ModelConfig) -> type:
     return importlib.import_module(f"jaxtron.model.{FAMILIES[family_of(cfg)].module}").Transformer
 
 
+def head_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    """The query/key and value head sizes attention runs at (latent attention's differ)."""
+    return model_class(cfg).cache_heads(cfg)[1:]
+
+
 def build(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     """The model of cfg's family, its weights drawn from `rngs`."""
     return model_class(cfg)(cfg, rngs)

@@ -192,18 +192,20 @@ def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla") -> jax.
 
 def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,
                kernel: Callable[..., jax.Array] | None = None,
-               form: str = "") -> dict[str, float]:
+               form: str = "", sizes: tuple[int, int] = (64, 64)) -> dict[str, float]:
     """Run `impl` against `xla_attention` on a small packed batch (three documents per row,
     padding at the end), forward and gradient, on the local default device; the relative errors
     of output, dq, dk and dv. Raise a ConfigError naming the kernel and the error when they
     differ (a kernel that lets packed documents see each other, or reads K/V of the wrong group,
     fails here before training starts). `kernel`: another form of `impl` to check in its place
-    (`form` names it in the error: context parallelism's)."""
-    b, t, n, k, h = 2, 64, 4, 2, 64
-    keys = jax.random.split(jax.random.key(0), 4)
+    (`form` names it in the error: context parallelism's). `sizes`: the model's query/key and
+    value head sizes (`Transformer.cache_heads`), so the check runs the shapes training will
+    (latent attention's 192 and 128)."""
+    b, t, n, k = 2, 64, 4, 2
+    (h, hv), keys = sizes, jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, n, h), dtype)
-    kv = [jax.random.normal(key, (b, t, k, h), dtype) for key in keys[1:3]]
-    cotangent = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+    kv = [jax.random.normal(key, (b, t, k, size), dtype) for key, size in zip(keys[1:3], (h, hv))]
+    cotangent = jax.random.normal(keys[3], (b, t, n, hv), jnp.float32)
     segments = jnp.array([[1] * 20 + [2] * 30 + [3] * 10 + [0] * 4,
                           [1] * 5 + [2] * 50 + [3] * 9], jnp.int32)
 
@@ -221,6 +223,7 @@ def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,
         if not error <= tolerance:
             raise ConfigError(
                 f"model.attention={impl}{form} disagrees with the xla reference on a packed "
-                f"batch: {name} off by {error:.3g} (relative, tolerance {tolerance}); use "
+                f"batch (head sizes {h}/{hv}): {name} off by {error:.3g} (relative, tolerance "
+                f"{tolerance}); use "
                 "model.attention=xla, or model.attention_check=false to train anyway")
     return errors

@@ -29,7 +29,7 @@ from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
 from jaxtron.data.rows import local_rows
 from jaxtron.lifecycle import Preemption
-from jaxtron.model import check_remat, moe
+from jaxtron.model import check_remat, head_sizes, moe
 from jaxtron.ops import attention as attention_lib
 from jaxtron.ops import context_attention
 from jaxtron.parallel import pipeline
@@ -143,10 +143,11 @@ def _set_up(cfg: Config, devices: list) -> tuple[Setup, Mesh]:
     check_remat(cfg.model, devices[0])
     mesh = parallel.make_mesh(cfg.mesh, devices)
     if _kernel_checked(cfg):
-        attention_lib.self_check(cfg.model.attention)  # a ConfigError: one line, exit 2
+        sizes = head_sizes(cfg.model)  # a ConfigError below: one line, exit 2
+        attention_lib.self_check(cfg.model.attention, sizes=sizes)
         if cfg.model.attention == "cudnn" and cfg.mesh.context > 1:  # its split form too
             attention_lib.self_check("cudnn", kernel=context_attention.simulated(2),
-                                     form=" (split over mesh.context)")
+                                     form=" (split over mesh.context)", sizes=sizes)
     return setup, mesh
 
 
