@@ -138,7 +138,11 @@ class Attention(nnx.Module):
         """The heads' outputs projected back to the model width [B, T, D]."""
         out_BTNH = checkpoint_name(constrain(out_BTNH, (*BATCH_WHOLE_SEQ, "act_heads", None)),
                                    "attn_out")
-        return ops.project_out(out_BTNH, self.wo, fp8.sites(self, 1, range(3, 4)))
+        return ops.project_out(out_BTNH, self.wo, self._output_sites())
+
+    def _output_sites(self) -> fp8.Sites | None:
+        """The FP8 histories of the output projection: input 1, weight 3 (after q, k, v)."""
+        return fp8.sites(self, 1, range(3, 4))
 
 
 class MLP(nnx.Module):

@@ -34,7 +34,7 @@ from jaxtron.model.layers import (
     rope_frequencies,
     softmax_scale_factor,
 )
-from jaxtron.ops import layer_ops
+from jaxtron.ops import fp8, layer_ops
 from jaxtron.ops.layer_ops import LayerOps
 from jaxtron.parallel import constrain
 
@@ -60,6 +60,15 @@ class LatentAttention(decoder.Attention):
         self.wkv_b = param(rngs, cfg, (m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim),
                            ("latent", "heads", "head_dim"))
         self.wo = param(rngs, cfg, (n, m.v_head_dim, d), ("heads", "head_dim", "embed"))
+        # FP8 histories: inputs h, (q's latent,) kv's latent, the heads' output; weights wq or
+        # wq_a, wkv_a, (wq_b,) wkv_b, wo
+        rows = 4 if m.q_lora_rank else 3
+        for name, value in fp8.histories(cfg.fp8, cfg.fp8_history, rows, rows + 1).items():
+            setattr(self, name, value)
+
+    def _output_sites(self) -> fp8.Sites | None:
+        rows = 4 if self.cfg.mla.q_lora_rank else 3
+        return fp8.sites(self, rows - 1, range(rows, rows + 1))
 
     def _rotated(self, x_BTD, positions_BT, inv_freq, ops: LayerOps
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -67,14 +76,18 @@ class LatentAttention(decoder.Attention):
         `positions`, heads split over tensor; q carries YaRN's softmax factor."""
         m, cfg = self.cfg.mla, self.cfg
         h_BTD = constrain(x_BTD, (*decoder.BATCH_WHOLE_SEQ, "act_embed"))
-        if m.q_lora_rank:
-            q_BTQ = self.q_norm(jnp.tensordot(h_BTD, ops.weight(self.wq_a), 1))
-            q_BTNH = jnp.tensordot(q_BTQ, ops.weight(self.wq_b), 1)
+        if m.q_lora_rank:  # FP8 sites as __init__ lists them
+            q_BTQ, kv_BTX = ops.project(h_BTD, (self.wq_a, self.wkv_a), fp8.sites(self, 0,
+                                                                                 range(2)))
+            (q_BTNH,) = ops.project(self.q_norm(q_BTQ), (self.wq_b,), fp8.sites(self, 1,
+                                                                                  range(2, 3)))
         else:
-            q_BTNH = jnp.tensordot(h_BTD, ops.weight(self.wq), 1)
-        kv_BTX = jnp.tensordot(h_BTD, ops.weight(self.wkv_a), 1)
+            q_BTNH, kv_BTX = ops.project(h_BTD, (self.wq, self.wkv_a), fp8.sites(self, 0,
+                                                                                range(2)))
         latent_BTR, k_rope_BTr = jnp.split(kv_BTX, [m.kv_lora_rank], axis=-1)
-        kv_BTNH = jnp.tensordot(self.kv_norm(latent_BTR), ops.weight(self.wkv_b), 1)
+        rows = 4 if m.q_lora_rank else 3
+        (kv_BTNH,) = ops.project(self.kv_norm(latent_BTR), (self.wkv_b,),
+                                 fp8.sites(self, rows - 2, range(rows - 1, rows)))
         k_nope_BTNH, v_BTNH = jnp.split(kv_BTNH, [m.qk_nope_head_dim], axis=-1)
         q_nope_BTNH, q_rope_BTNH = jnp.split(q_BTNH, [m.qk_nope_head_dim], axis=-1)
         factor = rope_attention_factor(cfg)

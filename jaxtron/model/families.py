@@ -121,9 +121,6 @@ def _check_deepseek(cfg: ModelConfig) -> None:
     if moe.bias_update_speed and moe.scoring != "sigmoid":
         raise ConfigError("model.moe.bias_update_speed > 0 moves the sigmoid router's bias: "
                           "set model.moe.scoring=sigmoid")
-    if cfg.fp8 != "none":
-        raise ConfigError(f"model.fp8={cfg.fp8} does not cover latent attention yet; use "
-                          "model.fp8=none with model.mla")
 
 
 def _made(cfg: ModelConfig) -> str:

@@ -69,6 +69,12 @@ class LayerOps:
         """x[B, T, D] times each weight [D, ...] (q, k, v; gate, up): [B, T, ...] each."""
         return projections.project_in(self.cfg, self.overlapped, x_BTD, params, sites)
 
+    def project(self, x: jax.Array, params, sites: fp8.Sites | None) -> tuple:
+        """x[..., K] times each weight [K, ...], as plain matmuls (no collective matmul: x is
+        whole over the sequence, as latent attention's projections read it), FP8 with
+        model.fp8."""
+        return projections.project_in(self.cfg, False, x, params, sites)
+
     def project_out(self, h: jax.Array, param: nnx.Param, sites: fp8.Sites | None) -> jax.Array:
         """h[B, T, ...] times w[..., D] summed over the middle dimensions (o, down): [B, T, D]."""
         return projections.project_out(self.cfg, self.overlapped, h, param, sites)
