@@ -107,10 +107,23 @@ def _end_to_end(function, helpers: set[str]) -> bool:
     return bool(E2E_CALLS.search(source)) or any(f"{name}(" in source for name in helpers)
 
 
+def slow_for_time() -> set[str]:
+    """The node ids tests/slow_tests.txt marks `slow` (each line's id, before its comment)."""
+    path = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+    with open(path, encoding="utf-8") as f:
+        return {line.split("  #")[0].strip() for line in f
+                if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test `e2e` or `unit` (pytest -m unit: the fast ones), by what it calls."""
+    """Mark each test `e2e` or `unit` (pytest -m unit: the fast ones), by what it calls, and
+    `slow` those tests/slow_tests.txt lists. Runs before pytest's own -m selection reads the
+    marks."""
     helpers: dict[object, set[str]] = {}
+    slow = slow_for_time()
     for item in items:
+        if item.nodeid in slow:
+            item.add_marker("slow")
         module = item.module
         if module not in helpers:
             helpers[module] = {name for name, value in vars(module).items()
