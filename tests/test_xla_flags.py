@@ -141,7 +141,9 @@ def test_apply_gives_jax_the_configured_memory_share_unless_the_environment_does
 @pytest.mark.parametrize("value", ["2", "0", "-0.5", "most", "nan"])
 def test_an_environment_memory_share_is_checked_like_xla_mem_fraction(monkeypatch, value):
     """XLA_PYTHON_CLIENT_MEM_FRACTION outside (0, 1] is refused as xla.mem_fraction=2 is: one
-    line naming the variable, launch.py's dry run included."""
+    line naming the variable, launch.py's dry run included. (The first name is cleared: an
+    earlier test's in-process run may have set it, and it is read first.)"""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", value)
     with pytest.raises(ConfigError, match=f"^XLA_CLIENT_MEM_FRACTION={value} must be a share of "
                                           r"each GPU's memory in \(0, 1\]"):
