@@ -100,14 +100,20 @@ def _count_executions(module: Module, name: str, times: int) -> None:
     module.executions[name] = module.executions.get(name, 0) + times
     for inst in module.computations.get(name, []):
         trip = trip_count(module, inst) if inst.opcode == "while" else 1
-        callees = _CALLEE.findall(inst.rest)
-        for match in _BRANCHES.finditer(inst.rest):
-            callees += re.findall(r"%([\w.\-]+)", match.group(1) or "") + [match.group(2) or ""]
-        for callee in filter(None, callees):
+        for callee in _callees(inst):
             if callee in module.computations:
                 if inst.opcode == "async-start":
                     module.async_bodies.add(callee)
                 _count_executions(module, callee, times * trip)
+
+
+def _callees(inst: Instruction) -> list[str]:
+    """The computations `inst` runs: a loop's body, a call's or fusion's, a conditional's
+    branches (not a reduction's adder)."""
+    callees = _CALLEE.findall(inst.rest)
+    for match in _BRANCHES.finditer(inst.rest):
+        callees += re.findall(r"%([\w.\-]+)", match.group(1) or "") + [match.group(2) or ""]
+    return [c for c in callees if c]
 
 
 def trip_count(module: Module, loop: Instruction) -> int:
@@ -305,9 +311,28 @@ def is_ragged_dot(inst: Instruction) -> bool:
         "RaggedDot" in inst.rest or bool(re.search(r'op_name="[^"]*/ragged_\w*dot', inst.rest)))
 
 
+def _computes(module: Module, inst: Instruction, seen: dict[str, bool]) -> bool:
+    """A matmul, or a while loop, call or conditional that runs one (the expert ring's loop
+    between a layer's weight gather and its done hides the gather as its kernels would)."""
+    if is_matmul(inst):
+        return True
+    if inst.opcode not in ("while", "call", "conditional"):
+        return False
+    for callee in _callees(inst):
+        if callee not in seen:
+            seen[callee] = False
+            seen[callee] = any(_computes(module, i, seen)
+                               for i in module.computations.get(callee, []))
+        if seen[callee]:
+            return True
+    return False
+
+
 def overlapped(module: Module) -> set[str]:
-    """Async starts (and the async bodies they run) with a matmul scheduled before their done."""
+    """Async starts (and the async bodies they run) with a matmul scheduled before their done,
+    or a loop that runs one (`_computes`)."""
     hidden: set[str] = set()
+    seen: dict[str, bool] = {}
     for insts in module.computations.values():
         pending: dict[str, bool] = {}  # start name -> a matmul seen since
         for inst in insts:
@@ -317,7 +342,7 @@ def overlapped(module: Module) -> set[str]:
                 pending[inst.name] = False
             elif start is not None and pending.pop(start):
                 hidden |= {start, *_CALLEE.findall(module.instructions[start].rest)}
-            elif is_matmul(inst):
+            elif pending and _computes(module, inst, seen):
                 pending = dict.fromkeys(pending, True)
     return hidden
 
