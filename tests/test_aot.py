@@ -652,7 +652,7 @@ def exposed_share(report: dict) -> float:
 # Traffic exposed per GPU per step by presets as shipped on their clusters, compiled with jax
 # 0.10.2 (docs/performance.md, "jax 0.12 against 0.10.2": jax 0.12.0.1 left 43.1 GiB (-60%),
 # 27.2 (+0.4%) and 161.8 (-21.7%)); the newest jax may leave at most 10% more
-EXPOSED_ON_JAX_0_10_2 = {"mixtral_8x7b.yaml": 108.48 * GiB, "llama3_70b_pp8.yaml": 27.11 * GiB,
+EXPOSED_ON_JAX_0_10_2 = {"mixtral_8x7b.yaml": 78.09 * GiB, "llama3_70b_pp8.yaml": 27.11 * GiB,
                          "llama3_70b_128k.yaml": 206.74 * GiB}
 NEWEST_OVER_0_10_2 = 1.10
 
