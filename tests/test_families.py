@@ -18,11 +18,13 @@ SMALL = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv
                     mlp_dim=24, dtype="float32")
 # the settings that make each family, from a config without the key
 EXPERTS = MoEConfig(num_experts=4)
+LATENT = MLAConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
 MADE_BY = {"llama": {}, "mistral": {"sliding_window": 32}, "qwen2": {"qkv_bias": True},
            "qwen3": {"qk_norm": True}, "mixtral": {"moe": EXPERTS},
            "qwen3_moe": {"moe": EXPERTS, "qk_norm": True},
-           "deepseek_v3": {"moe": EXPERTS, "num_kv_heads": 2, "mla": MLAConfig(
-               kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)}}
+           "deepseek_v3": {"moe": MoEConfig(num_experts=4, scoring="sigmoid"),
+                           "num_kv_heads": 2, "mla": LATENT},
+           "deepseek_v2": {"moe": EXPERTS, "num_kv_heads": 2, "mla": LATENT}}
 
 
 def test_every_family_is_made_by_its_settings_and_builds_its_module():
@@ -33,7 +35,7 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
         assert families.family_of(unnamed) == families.family_of(named) == name
         families.check(named)
         model = families.build(named, nnx.Rngs(0))
-        module = deepseek if name == "deepseek_v3" else decoder
+        module = deepseek if name.startswith("deepseek") else decoder
         assert type(model) is module.Transformer and model.cfg == named
         experts = hasattr(model.layers.mlp, "router")
         assert experts == ("moe" in settings), name
@@ -45,6 +47,10 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
     ("mixtral", {}, "model.moe.num_experts > 0"),
     ("qwen3", {"moe": EXPERTS, "qk_norm": True}, "model.moe.num_experts=0"),
     ("deepseek_v3", {"moe": EXPERTS}, "model.mla.kv_lora_rank > 0"),
+    ("deepseek_v3", {"moe": EXPERTS, "num_kv_heads": 2, "mla": LATENT},
+     "model.moe.scoring=sigmoid"),
+    ("deepseek_v2", {"moe": MoEConfig(num_experts=4, scoring="sigmoid"), "num_kv_heads": 2,
+                     "mla": LATENT}, "model.moe.scoring=softmax"),
 ])
 def test_a_family_without_its_settings_is_refused_in_one_line(family, settings, needs):
     cfg = dataclasses.replace(SMALL, family=family, **settings)

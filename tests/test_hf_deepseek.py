@@ -213,7 +213,6 @@ def test_deepseek_v3_config_reads():
     ({"num_key_value_heads": 1}, "num_key_value_heads=1 is not supported"),
     ({"n_shared_experts": 0}, "n_shared_experts=0 is not supported"),
     ({"quantization_config": {"quant_method": "fp8"}}, r"quantized weights .*fp8"),
-    ({"model_type": "deepseek_v2"}, "deepseek_v2' is not supported"),
     ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "'llama3' is not supported for deep"),
     ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "attention_factor": 1.2}},
      "attention_factor is not supported"),

@@ -100,8 +100,10 @@ MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # _keep_in_fp32_modules_strict, and DeepSeek-V3's own files store the bias so).
 FLOAT32_TENSORS = re.compile(r"\.e_score_correction_bias$")
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3",
+                   "deepseek_v2")
 DEEPSEEK = "deepseek_v3"
+DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")  # latent attention and DeepSeek-MoE
 
 
 def mlp_family(cfg: ModelConfig) -> str:
@@ -167,7 +169,8 @@ def _deepseek_rows(cfg: ModelConfig, interleave: bool) -> tuple[tuple[str, Param
     )
     experts = (
         (LAYER + "mlp.gate.weight", ("mlp", "router"), LINEAR),
-        (LAYER + "mlp.gate.e_score_correction_bias", ("mlp", "router_bias"), COPY),
+        *(((LAYER + "mlp.gate.e_score_correction_bias", ("mlp", "router_bias"), COPY),)
+          if cfg.moe.scoring == "sigmoid" else ()),  # V3's balancing bias; V2 has none
         *((p, path[1:], t) for p, path, t in MLPS["qwen3_moe"][1:]),
         (LAYER + "mlp.shared_experts.gate_proj.weight", ("mlp", "shared", "w_gate"), LINEAR),
         (LAYER + "mlp.shared_experts.up_proj.weight", ("mlp", "shared", "w_up"), LINEAR),
@@ -191,7 +194,7 @@ def rows(cfg: ModelConfig, rope_interleave: bool = True
     """The MAPPING rows this config has (no biases without qkv_bias, no head when tied).
     `rope_interleave`: DeepSeek-V3's (transformers' rope_interleave, its default true)."""
     shapes = expected_shapes(cfg)
-    table = (_deepseek_rows(cfg, rope_interleave) if family_of(cfg) == DEEPSEEK
+    table = (_deepseek_rows(cfg, rope_interleave) if family_of(cfg) in DEEPSEEK_TYPES
              else MAPPING + MLPS[mlp_family(cfg)])
     return [row for row in table if row[1] in shapes]
 
@@ -228,7 +231,7 @@ def check_names(names: Iterable[str], cfg: ModelConfig) -> None:
 def _mtp_names(names: set[str], cfg: ModelConfig) -> set[str]:
     """The tensors of DeepSeek-V3's multi-token-prediction layers among `names` (a layer past
     the model's with an eh_proj), which the model does not run."""
-    if family_of(cfg) != DEEPSEEK:
+    if family_of(cfg) not in DEEPSEEK_TYPES:
         return set()
     layers = {int(hit[1]) for n in names if (hit := MTP_LAYER.match(n))}
     mtp = {i for i in layers if i >= cfg.num_layers and f"model.layers.{i}.eh_proj.weight" in names}
@@ -344,9 +347,10 @@ def _rope_overrides(hf: dict) -> dict:
     theta = _setting(hf, "rope_theta", float, 10000.0)
     out = {"rope_theta": _setting(rope, "rope_theta", float, theta, where)}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if hf.get("model_type") == DEEPSEEK and kind not in ("default", "yarn"):
-        raise ValueError(f"RoPE scaling type '{kind}' is not supported for deepseek_v3 (default "
-                         "and yarn are)")
+    deepseek = hf.get("model_type") in DEEPSEEK_TYPES
+    if deepseek and kind not in ("default", "yarn"):
+        raise ValueError(f"RoPE scaling type '{kind}' is not supported for {hf['model_type']} "
+                         "(default and yarn are)")
     if kind == "llama3":
         out |= {
             "rope_scaling_factor": _setting(rope, "factor", float, where=where),
@@ -356,11 +360,11 @@ def _rope_overrides(hf: dict) -> dict:
                                                where)
                                       or _setting(hf, "max_position_embeddings", int)),
         }
-    elif kind == "yarn" and hf.get("model_type") == DEEPSEEK:
+    elif kind == "yarn" and deepseek:
         out |= _yarn(rope, hf, where)
     elif kind != "default":
         raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are; "
-                         "yarn for deepseek_v3 only)")
+                         "yarn for deepseek_v3 and deepseek_v2 only)")
     return out
 
 
@@ -390,13 +394,9 @@ def _yarn(rope: dict, hf: dict, where: str) -> dict:
 def _check_supported(hf: dict) -> None:
     """Refuse configs whose architecture our Transformer does not compute."""
     kind = hf.get("model_type")
-    if kind == "deepseek_v2":
-        raise ValueError("model_type 'deepseek_v2' is not supported (deepseek_v3 is): its "
-                         "softmax router, without normalisation or balancing bias, has no "
-                         "deepseek_v3 config to record or export")
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"model_type '{kind}' is not supported ({', '.join(SUPPORTED_TYPES)} are)")
-    if kind == DEEPSEEK:
+    if kind in DEEPSEEK_TYPES:
         _check_deepseek(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
@@ -412,14 +412,23 @@ def _check_supported(hf: dict) -> None:
 # compute what jaxtron does; absent keys are transformers' (which reads none of them)
 DEEPSEEK_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
                   "attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+# DeepSeek-V2's: a softmax router, its top-k greedy or group-limited greedy (`V2_ROUTING`)
+V2_FIXED = {"scoring_func": "softmax", "moe_layer_freq": 1, "attention_bias": False,
+            "mlp_bias": False, "hidden_act": "silu"}
+V2_ROUTING = ("greedy", "group_limited_greedy")
 
 
 def _check_deepseek(hf: dict) -> None:
-    """Refuse DeepSeek-V3 configs our deepseek_v3 family does not compute (one line)."""
-    for key, want in DEEPSEEK_FIXED.items():
+    """Refuse DeepSeek-V3 and -V2 configs our families of those names do not compute (one
+    line)."""
+    kind = hf["model_type"]
+    for key, want in (DEEPSEEK_FIXED if kind == DEEPSEEK else V2_FIXED).items():
         if key in hf and hf[key] != want:
-            raise ValueError(f"{key}={json.dumps(hf[key])} is not supported for deepseek_v3 "
+            raise ValueError(f"{key}={json.dumps(hf[key])} is not supported for {kind} "
                              f"(only {json.dumps(want)} is)")
+    if kind != DEEPSEEK and hf.get("topk_method", "greedy") not in V2_ROUTING:
+        raise ValueError(f"topk_method={json.dumps(hf['topk_method'])} is not supported for "
+                         f"{kind} ({', '.join(V2_ROUTING)} are)")
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?") if isinstance(
             hf["quantization_config"], dict) else "?"
@@ -429,10 +438,10 @@ def _check_deepseek(hf: dict) -> None:
     heads = _setting(hf, "num_attention_heads", int)
     if _setting(hf, "num_key_value_heads", int, heads) != heads:
         raise ValueError(f"num_key_value_heads={hf['num_key_value_heads']} is not supported for "
-                         f"deepseek_v3: latent attention has a key per head "
+                         f"{kind}: latent attention has a key per head "
                          f"(num_attention_heads={heads})")
     if _setting(hf, "n_shared_experts", int, 1) < 1:
-        raise ValueError("n_shared_experts=0 is not supported for deepseek_v3 (transformers "
+        raise ValueError(f"n_shared_experts=0 is not supported for {kind} (transformers "
                          "keeps empty shared-expert tensors, jaxtron none)")
 
 
@@ -480,7 +489,7 @@ def config_from_hf(hf_config: dict) -> dict:
     if hf.get("model_type") is None:
         raise ValueError(f"model_type is missing; add the family ({', '.join(SUPPORTED_TYPES)})")
     _check_supported(hf)
-    if hf["model_type"] == DEEPSEEK:
+    if hf["model_type"] in DEEPSEEK_TYPES:
         return _deepseek_config(hf)
     heads = _setting(hf, "num_attention_heads", int)
     hidden = _setting(hf, "hidden_size", int)
@@ -523,19 +532,34 @@ def _experts(hf: dict) -> dict:
 
 
 def _deepseek_config(hf: dict) -> dict:
-    """DeepSeek-V3's config.json -> our model.* settings, absent keys taking DeepseekV3Config's
-    defaults (transformers 5.24), as transformers does. The router's balancing bias is a
-    checkpoint tensor and is not moved in training (bias_update_speed 0), and transformers
-    computes no auxiliary loss for it (aux_coef 0)."""
+    """DeepSeek-V3's or -V2's config.json -> our model.* settings, absent keys taking
+    DeepseekV3Config's or DeepseekV2Config's defaults (transformers 5.24), as transformers does.
+    The router's balancing bias (V3) is a checkpoint tensor and is not moved in training
+    (bias_update_speed 0), and transformers computes no auxiliary loss for either (aux_coef
+    0). V2's router: softmax scores, never renormalised over the top k (transformers reads no
+    norm_topk_prob), its groups ranked by their best score (`moe.within_groups`)."""
+    v3 = hf["model_type"] == DEEPSEEK
     heads = _setting(hf, "num_attention_heads", int)
     nope = _setting(hf, "qk_nope_head_dim", int, 128)
     rope = _setting(hf, "qk_rope_head_dim", int, 64)
     experts = _setting(hf, "n_routed_experts", int, 0) or _setting(hf, "num_local_experts", int,
-                                                                   256)
+                                                                   256 if v3 else 64)
     # q_lora_rank: null is no compression; absent is the default 1536
     q_rank = _setting(hf, "q_lora_rank", int, 0) if "q_lora_rank" in hf else 1536
+    if v3:
+        routing = {"norm_topk_prob": _setting(hf, "norm_topk_prob", bool, True),
+                   "scoring": "sigmoid",
+                   "routed_scale": _setting(hf, "routed_scaling_factor", float, 2.5),
+                   "groups": _setting(hf, "n_group", int, 8),
+                   "topk_groups": _setting(hf, "topk_group", int, 4)}
+    else:
+        grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
+        routing = {"norm_topk_prob": False, "scoring": "softmax",
+                   "routed_scale": _setting(hf, "routed_scaling_factor", float, 1.0),
+                   "groups": _setting(hf, "n_group", int) if grouped else 1,
+                   "topk_groups": _setting(hf, "topk_group", int) if grouped else 1}
     return {
-        "family": DEEPSEEK,
+        "family": hf["model_type"],
         "vocab_size": _setting(hf, "vocab_size", int),
         "num_layers": _setting(hf, "num_hidden_layers", int),
         "d_model": _setting(hf, "hidden_size", int),
@@ -552,14 +576,10 @@ def _deepseek_config(hf: dict) -> dict:
         "moe": MoEConfig(
             num_experts=experts,
             experts_per_token=_setting(hf, "num_experts_per_tok", int, 8),
-            mlp_dim=_setting(hf, "moe_intermediate_size", int, 2048),
-            norm_topk_prob=_setting(hf, "norm_topk_prob", bool, True),
-            scoring="sigmoid",
-            routed_scale=_setting(hf, "routed_scaling_factor", float, 2.5),
-            groups=_setting(hf, "n_group", int, 8),
-            topk_groups=_setting(hf, "topk_group", int, 4),
-            shared_experts=_setting(hf, "n_shared_experts", int, 1),
-            first_dense=_setting(hf, "first_k_dense_replace", int, 3),
+            mlp_dim=_setting(hf, "moe_intermediate_size", int, 2048 if v3 else 1407),
+            **routing,
+            shared_experts=_setting(hf, "n_shared_experts", int, 1 if v3 else 2),
+            first_dense=_setting(hf, "first_k_dense_replace", int, 3 if v3 else 0),
             bias_update_speed=0.0,
             aux_coef=0.0,
         ),
@@ -568,7 +588,10 @@ def _deepseek_config(hf: dict) -> dict:
 
 def rope_interleave(hf: dict) -> bool:
     """Whether a DeepSeek-V3 config.json's RoPE dims come in interleaved pairs (transformers'
-    rope_interleave, default true as DeepSeek's own checkpoints have them); false elsewhere."""
+    rope_interleave, default true as DeepSeek's own checkpoints have them); DeepSeek-V2's
+    always do (transformers rotates them as complex pairs); false elsewhere."""
+    if hf.get("model_type") == "deepseek_v2":
+        return True
     if hf.get("model_type") != DEEPSEEK:
         return False
     return _setting(hf, "rope_interleave", bool, True)

@@ -47,7 +47,7 @@ PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
 Getter = Callable[[str], np.ndarray]
 
@@ -203,8 +203,8 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
     trained at); by default the Llama 3 scaling's original length, else 2048."""
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"model_type '{model_type}' is not one of {', '.join(ARCHITECTURES)}")
-    if model_type == "deepseek_v3":
-        return _deepseek_config(cfg, context)
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        return _deepseek_config(cfg, context, model_type)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
@@ -229,9 +229,9 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
     }
 
 
-def _deepseek_config(cfg: ModelConfig, context: int | None) -> dict:
-    """DeepSeek-V3's config.json (the inverse of mapping._deepseek_config): the rope dims
-    written interleaved (rope_interleave, as DeepSeek's checkpoints have them), no
+def _deepseek_config(cfg: ModelConfig, context: int | None, model_type: str) -> dict:
+    """DeepSeek-V3's or -V2's config.json (the inverse of mapping._deepseek_config): the rope
+    dims written interleaved (rope_interleave, as DeepSeek's checkpoints have them), no
     multi-token-prediction layers. `context`: as hf_config; by default YaRN's extended length
     (original length x factor), else 2048."""
     m, moe = cfg.mla, cfg.moe
@@ -246,7 +246,7 @@ def _deepseek_config(cfg: ModelConfig, context: int | None) -> dict:
                 **({"mscale_all_dim": cfg.rope_mscale_all_dim} if cfg.rope_mscale_all_dim
                    else {})}
     return {
-        "architectures": [ARCHITECTURES["deepseek_v3"]], "model_type": "deepseek_v3",
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim, "moe_intermediate_size": moe.mlp_dim or cfg.mlp_dim,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -264,6 +264,8 @@ def _deepseek_config(cfg: ModelConfig, context: int | None) -> dict:
         "first_k_dense_replace": moe.first_dense, "norm_topk_prob": moe.norm_topk_prob,
         "num_nextn_predict_layers": 0, "attention_bias": False, "output_router_logits": False,
         "torch_dtype": cfg.param_dtype,
+        **({"topk_method": "group_limited_greedy" if moe.groups > 1 else "greedy"}
+           if model_type == "deepseek_v2" else {}),
     }
 
 
@@ -312,20 +314,26 @@ def _check_family(cfg: ModelConfig, model_type: str) -> None:
     if model_type == "mixtral" and not cfg.moe.norm_topk_prob:
         raise ConfigError("Mixtral renormalizes its top-k router weights; model.moe.norm_topk_prob="
                           "false has no Mixtral equivalent")
-    if model_type == "deepseek_v3":
-        _check_deepseek(cfg)
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        _check_deepseek(cfg, model_type)
 
 
-def _check_deepseek(cfg: ModelConfig) -> None:
-    """A deepseek_v3 model that DeepseekV3ForCausalLM computes (one line naming what differs)."""
-    if cfg.moe.scoring != "sigmoid":
-        raise ConfigError(f"DeepseekV3ForCausalLM scores experts with a sigmoid; model.moe."
-                          f"scoring={cfg.moe.scoring} has no deepseek_v3 equivalent")
+def _check_deepseek(cfg: ModelConfig, model_type: str) -> None:
+    """A model that DeepseekV3ForCausalLM or DeepseekV2ForCausalLM computes (one line naming
+    what differs)."""
+    arch = ARCHITECTURES[model_type]
+    scoring = "sigmoid" if model_type == "deepseek_v3" else "softmax"
+    if cfg.moe.scoring != scoring:
+        raise ConfigError(f"{arch} scores experts with a {scoring}; model.moe.scoring="
+                          f"{cfg.moe.scoring} has no {model_type} equivalent")
+    if model_type == "deepseek_v2" and cfg.moe.norm_topk_prob:
+        raise ConfigError(f"{arch} never renormalises its top-k router weights; model.moe."
+                          "norm_topk_prob=true has no deepseek_v2 equivalent")
     if cfg.moe.shared_experts < 1:
-        raise ConfigError("DeepseekV3ForCausalLM always has shared experts; model.moe."
-                          "shared_experts=0 has no deepseek_v3 equivalent here")
+        raise ConfigError(f"{arch} always has shared experts; model.moe."
+                          f"shared_experts=0 has no {model_type} equivalent here")
     if cfg.rope_scaling_factor > 0 and cfg.rope_scaling_type != "yarn":
-        raise ConfigError(f"deepseek_v3 exports default or yarn RoPE; model.rope_scaling_type="
+        raise ConfigError(f"{model_type} exports default or yarn RoPE; model.rope_scaling_type="
                           f"{cfg.rope_scaling_type} has no equivalent here")
     if cfg.num_kv_heads != cfg.num_heads:
         raise ConfigError(f"latent attention has a key per head: model.num_kv_heads="

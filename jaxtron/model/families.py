@@ -26,6 +26,7 @@ class Family:
     qk_norm: bool = False  # RMSNorm over each head's q and k (Qwen3)
     experts: bool = False  # a mixture of experts in place of the MLP
     latent: bool = False  # multi-head latent attention (model.mla) and DeepSeek-MoE's options
+    scoring: str = ""  # the router's scores it fixes (model.moe.scoring), "" any
 
 
 FAMILIES = {
@@ -35,7 +36,9 @@ FAMILIES = {
     "qwen3": Family("decoder", qk_norm=True),
     "mixtral": Family("decoder", experts=True),
     "qwen3_moe": Family("decoder", qk_norm=True, experts=True),
-    "deepseek_v3": Family("deepseek", experts=True, latent=True),
+    "deepseek_v3": Family("deepseek", experts=True, latent=True, scoring="sigmoid"),
+    # DeepSeek-V2: V3's blocks with a softmax router, no balancing bias
+    "deepseek_v2": Family("deepseek", experts=True, latent=True, scoring="softmax"),
 }
 # DeepSeek-MoE's options (model.moe) at the values that leave the other families' experts as
 # they are
@@ -50,7 +53,7 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.family:
         return cfg.family
     if cfg.mla.kv_lora_rank:
-        return "deepseek_v3"
+        return "deepseek_v2" if cfg.moe.scoring == "softmax" else "deepseek_v3"
     if cfg.moe.num_experts:
         return "qwen3_moe" if cfg.qk_norm else "mixtral"
     return ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
@@ -73,14 +76,16 @@ def check(cfg: ModelConfig) -> None:
         wrong.append("model.moe.num_experts > 0" if family.experts else "model.moe.num_experts=0")
     if family.latent != bool(cfg.mla.kv_lora_rank):
         wrong.append("model.mla.kv_lora_rank > 0" if family.latent else "model.mla.kv_lora_rank=0")
+    if family.scoring and cfg.moe.scoring != family.scoring:
+        wrong.append(f"model.moe.scoring={family.scoring}")
     if wrong:
         raise ConfigError(f"model.family={cfg.family} needs {' and '.join(wrong)}; set them, or "
                           f"the family these settings make (model.family={_made(cfg)})")
 
 
 def _check_deepseek(cfg: ModelConfig) -> None:
-    """DeepSeek-MoE's options only with latent attention (the deepseek_v3 family), and within
-    their ranges."""
+    """DeepSeek-MoE's options only with latent attention (the deepseek_v3 and deepseek_v2
+    families), and within their ranges."""
     moe, m = cfg.moe, cfg.mla
     if cfg.mtp_depth < 0 or cfg.mtp_coef < 0:
         raise ConfigError(f"model.mtp_depth={cfg.mtp_depth} and model.mtp_coef={cfg.mtp_coef} "
@@ -108,7 +113,7 @@ def _check_deepseek(cfg: ModelConfig) -> None:
     if not 1 <= moe.topk_groups <= moe.groups:
         raise ConfigError(f"model.moe.topk_groups={moe.topk_groups} must be 1 to model.moe."
                           f"groups={moe.groups}")
-    if moe.groups > 1 and moe.num_experts // moe.groups < 2:
+    if moe.groups > 1 and moe.scoring == "sigmoid" and moe.num_experts // moe.groups < 2:
         raise ConfigError("group-limited routing ranks a group by its two best experts: "
                           f"model.moe.groups={moe.groups} leaves fewer than 2 per group")
     if moe.topk_groups * (moe.num_experts // moe.groups) < moe.experts_per_token:

@@ -94,7 +94,8 @@ class MoE(nnx.Module):
             probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
             choice_BTE = scores_BTE + jax.lax.stop_gradient(self.router_bias[...])
         if moe.groups > 1:
-            choice_BTE = within_groups(choice_BTE, moe.groups, moe.topk_groups)
+            choice_BTE = within_groups(choice_BTE, moe.groups, moe.topk_groups,
+                                       best=2 if moe.scoring == "sigmoid" else 1)
         _, expert_BTk = jax.lax.top_k(choice_BTE, moe.experts_per_token)
         weight_BTk = jnp.take_along_axis(scores_BTE, expert_BTk, axis=-1)
         if moe.norm_topk_prob:
@@ -103,13 +104,15 @@ class MoE(nnx.Module):
         return probs_BTE, weight_BTk * moe.routed_scale, expert_BTk
 
 
-def within_groups(choice_BTE: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+def within_groups(choice_BTE: jax.Array, groups: int, topk_groups: int,
+                  best: int = 2) -> jax.Array:
     """Group-limited routing: the experts in `groups` equal groups ranked by the sum of their
-    two best scores; outside the topk_groups best, -inf, so no token's experts span more
-    groups (DeepSeek-V3 puts a group on a node, bounding the dispatch's fan-out)."""
+    `best` best scores (DeepSeek-V3's sigmoid router: 2; V2's softmax router: 1, its group's
+    largest); outside the topk_groups best, -inf, so no token's experts span more groups
+    (DeepSeek puts a group on a node, bounding the dispatch's fan-out)."""
     *lead, experts = choice_BTE.shape
     grouped = choice_BTE.reshape(*lead, groups, experts // groups)
-    rank_BTG = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    rank_BTG = jnp.sum(jax.lax.top_k(grouped, best)[0], axis=-1)
     _, best = jax.lax.top_k(rank_BTG, topk_groups)
     kept_BTG = jnp.sum(jax.nn.one_hot(best, groups, dtype=jnp.int32), axis=-2) > 0
     kept_BTE = jnp.repeat(kept_BTG, experts // groups, axis=-1)
