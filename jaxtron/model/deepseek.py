@@ -60,14 +60,17 @@ class LatentAttention(decoder.Attention):
         self.wkv_b = param(rngs, cfg, (m.kv_lora_rank, n, m.qk_nope_head_dim + m.v_head_dim),
                            ("latent", "heads", "head_dim"))
         self.wo = param(rngs, cfg, (n, m.v_head_dim, d), ("heads", "head_dim", "embed"))
-        # FP8 histories: inputs h, (q's latent,) kv's latent, the heads' output; weights wq or
-        # wq_a, wkv_a, (wq_b,) wkv_b, wo
-        rows = 4 if m.q_lora_rank else 3
+        rows = self._input_rows()
         for name, value in fp8.histories(cfg.fp8, cfg.fp8_history, rows, rows + 1).items():
             setattr(self, name, value)
 
+    def _input_rows(self) -> int:
+        """The FP8 input histories' rows: h, (q's latent,) kv's latent, the heads' output; the
+        weights' are one more: wq or wq_a, wkv_a, (wq_b,) wkv_b, wo."""
+        return 4 if self.cfg.mla.q_lora_rank else 3
+
     def _output_sites(self) -> fp8.Sites | None:
-        rows = 4 if self.cfg.mla.q_lora_rank else 3
+        rows = self._input_rows()
         return fp8.sites(self, rows - 1, range(rows, rows + 1))
 
     def _rotated(self, x_BTD, positions_BT, inv_freq, ops: LayerOps
@@ -85,7 +88,7 @@ class LatentAttention(decoder.Attention):
             q_BTNH, kv_BTX = ops.project(h_BTD, (self.wq, self.wkv_a), fp8.sites(self, 0,
                                                                                 range(2)))
         latent_BTR, k_rope_BTr = jnp.split(kv_BTX, [m.kv_lora_rank], axis=-1)
-        rows = 4 if m.q_lora_rank else 3
+        rows = self._input_rows()
         (kv_BTNH,) = ops.project(self.kv_norm(latent_BTR), (self.wkv_b,),
                                  fp8.sites(self, rows - 2, range(rows - 1, rows)))
         k_nope_BTNH, v_BTNH = jnp.split(kv_BTNH, [m.qk_nope_head_dim], axis=-1)
