@@ -191,6 +191,7 @@ def hf_case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
     import torch
 
     from jaxtron.config import ModelConfig
+    from jaxtron.hf import config_json
     from jaxtron.hf import mapping as hf_mapping
 
     config_cls, model_cls, _, overrides = _hf_cases()[name]
@@ -203,7 +204,7 @@ def hf_case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
             else:
                 p.normal_(0.0, 0.2)
     hf_tensors = {k: v.numpy() for k, v in hf_model.state_dict().items()}
-    overrides = hf_mapping.config_from_hf(hf_model.config.to_dict())
+    overrides = config_json.config_from_hf(hf_model.config.to_dict())
     cfg = ModelConfig(**overrides, dtype="float32", param_dtype="float32")
     return hf_model, cfg, hf_tensors, hf_mapping.hf_to_params(hf_tensors, cfg)
 

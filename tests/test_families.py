@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxtron import config
 from jaxtron.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
-from jaxtron.hf import mapping
+from jaxtron.hf import config_json
 from jaxtron.model import decoder, deepseek, families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +90,6 @@ def test_an_import_records_its_family(model_type):
           "kv_lora_rank": 8, "q_lora_rank": None, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
           "v_head_dim": 4, "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1,
           "topk_group": 1, "first_k_dense_replace": 0}
-    overrides = mapping.config_from_hf(hf)
+    overrides = config_json.config_from_hf(hf)
     assert overrides["family"] == model_type
     families.check(ModelConfig(**overrides))

@@ -17,6 +17,7 @@ import torch
 from helpers import HF_TOL, hf_logits
 
 from jaxtron import hf
+from jaxtron.hf import config_json
 from jaxtron.hf import mapping as hf_mapping
 from jaxtron.model import generate as gen
 
@@ -127,7 +128,7 @@ def test_export_is_the_checkpoint_transformers_saved(case, tmp_path):
     back, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(back).__name__ == "DeepseekV3ForCausalLM"
-    read = lambda p: hf_mapping.config_from_hf(json.loads((p / "config.json").read_text()))
+    read = lambda p: config_json.config_from_hf(json.loads((p / "config.json").read_text()))
     assert read(out) == read(path)
     tokens, positions = _tokens()
     assert np.abs(hf_logits(back.eval(), tokens, positions)
@@ -186,7 +187,7 @@ DEEPSEEK_V3 = {
 def test_deepseek_v3_config_reads():
     from jaxtron.config import ModelConfig
 
-    cfg = ModelConfig(**hf_mapping.config_from_hf(DEEPSEEK_V3))
+    cfg = ModelConfig(**config_json.config_from_hf(DEEPSEEK_V3))
     m, moe = cfg.mla, cfg.moe
     assert (cfg.family, cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads,
             cfg.mlp_dim) == ("deepseek_v3", 61, 7168, 128, 128, 18432)
@@ -199,8 +200,8 @@ def test_deepseek_v3_config_reads():
     assert (cfg.rope_scaling_type, cfg.rope_scaling_factor, cfg.rope_original_max_len,
             cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_mscale,
             cfg.rope_mscale_all_dim) == ("yarn", 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
-    assert hf_mapping.rope_interleave(DEEPSEEK_V3)  # DeepSeek's own files: interleaved
-    no_q = hf_mapping.config_from_hf({**DEEPSEEK_V3, "q_lora_rank": None})["mla"]
+    assert config_json.rope_interleave(DEEPSEEK_V3)  # DeepSeek's own files: interleaved
+    no_q = config_json.config_from_hf({**DEEPSEEK_V3, "q_lora_rank": None})["mla"]
     assert no_q.q_lora_rank == 0
 
 
@@ -219,7 +220,7 @@ def test_deepseek_v3_config_reads():
 ])
 def test_what_we_do_not_compute_is_refused_in_one_line(change, match):
     with pytest.raises(ValueError, match=match) as err:
-        hf_mapping.config_from_hf({**DEEPSEEK_V3, **change})
+        config_json.config_from_hf({**DEEPSEEK_V3, **change})
     assert "\n" not in str(err.value)
 
 

@@ -17,7 +17,7 @@ import torch
 from helpers import HF_TOL, hf_logits
 
 from jaxtron import hf
-from jaxtron.hf import mapping as hf_mapping
+from jaxtron.hf import config_json
 from jaxtron.model import generate as gen
 from jaxtron.model import moe
 
@@ -111,7 +111,7 @@ def test_export_is_the_checkpoint_transformers_saved(case, tmp_path):
     back, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert type(back).__name__ == "DeepseekV2ForCausalLM"
-    read = lambda p: hf_mapping.config_from_hf(json.loads((p / "config.json").read_text()))
+    read = lambda p: config_json.config_from_hf(json.loads((p / "config.json").read_text()))
     assert read(out) == read(path)
     tokens, positions = _tokens()
     assert np.abs(hf_logits(back.eval(), tokens, positions)
@@ -137,7 +137,7 @@ def test_what_v2_computes_otherwise_is_refused_in_one_line(change, match):
             "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_experts_per_tok": 2}
     with pytest.raises(ValueError, match=match) as err:
-        hf_mapping.config_from_hf({**base, **change})
+        config_json.config_from_hf({**base, **change})
     assert "\n" not in str(err.value)
 
 

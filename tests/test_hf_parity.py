@@ -20,6 +20,7 @@ from helpers import HF_CASES, HF_TINY, HF_TOL, hf_case, hf_inputs, hf_logits
 
 from jaxtron import config, hf
 from jaxtron.config import ConfigError, ModelConfig
+from jaxtron.hf import config_json
 from jaxtron.hf import mapping as hf_mapping
 from jaxtron.model import abstract_model
 
@@ -99,7 +100,7 @@ def test_mistral_sliding_window_bounds_the_sequence(window):
     print(f"window 16: HF logits move by {diff:.2e}")
     assert diff > 100 * HF_TOL, (f"a window of 16 over {seq_len} tokens moved HF logits by "
                                  f"{diff:.2e}")
-    overrides = hf_mapping.config_from_hf(windowed.config.to_dict())
+    overrides = config_json.config_from_hf(windowed.config.to_dict())
     assert overrides["sliding_window"] == 16  # kept, and it bounds the sequence:
     with pytest.raises(ConfigError, match=r"train.seq_len=24 is longer .*model.sliding_window=16"):
         config.load(overrides=[f"model.{k}={v}" for k, v in overrides.items()]
@@ -133,12 +134,12 @@ def test_config_from_transformers4_style_json():
           "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": True,
           "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    cfg = ModelConfig(**hf_mapping.config_from_hf(config))
+    cfg = ModelConfig(**config_json.config_from_hf(config))
     assert (cfg.num_kv_heads, cfg.head_size, cfg.rope_theta) == (8, 64, 500000.0)
     assert (cfg.rope_scaling_factor, cfg.rope_original_max_len) == (32.0, 8192)
     assert cfg.tie_embeddings and not cfg.qkv_bias and cfg.norm_eps == 1e-5
     with pytest.raises(ValueError, match="yarn"):
-        hf_mapping.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        config_json.config_from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 @pytest.mark.parametrize("name", list(HF_CASES))
@@ -185,8 +186,8 @@ def test_a_missing_router_aux_loss_coef_is_transformers_default():
                             num_attention_heads=4).to_dict()
         default = config.pop("router_aux_loss_coef")
         assert default == config_cls().router_aux_loss_coef == 0.001
-        assert hf_mapping.config_from_hf(config)["moe"].aux_coef == default
-        assert hf_mapping.config_from_hf({**config, "router_aux_loss_coef": 0.02})[
+        assert config_json.config_from_hf(config)["moe"].aux_coef == default
+        assert config_json.config_from_hf({**config, "router_aux_loss_coef": 0.02})[
             "moe"].aux_coef == 0.02
 
 

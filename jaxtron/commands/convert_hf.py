@@ -48,6 +48,7 @@ from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.data import prepared
 from jaxtron.data import tokenizer as tokenizer_lib
 from jaxtron.hf import mapping as hf_mapping
+from jaxtron.hf.config_json import rope_interleave
 from jaxtron.lifecycle import EXIT_STOPPED, one_line_errors
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -244,7 +245,7 @@ def import_model(source: Path, out: Path, dtype: str, compute_dtype: str | None,
                     "hf_eos_token_id": eos,
                     "layer_order": list(range(cfg.num_layers))}
             top = hf_mapping.nest(hf_mapping.top_params(get, cfg))
-            layers = _layers(get, cfg, hf_mapping.rope_interleave(config_json))
+            layers = _layers(get, cfg, rope_interleave(config_json))
             with _signals_held():  # a stop waits for the layer in hand (one partial save)
                 weights.write_layers(into.absolute() / "checkpoints" / "0",  # Orbax: absolute
                                      top, layers, meta)

@@ -1,5 +1,5 @@
-"""Hugging Face model directories: read, run and write them (model_dir.py), the name and config
-mapping per family (mapping.py) and safetensors files (tensorfile.py)."""
+"""Hugging Face model directories: read, run and write them (model_dir.py), the tensor names per
+family (mapping.py), config.json's keys (config_json.py) and safetensors files (tensorfile.py)."""
 
 from jaxtron.hf.model_dir import (  # noqa: F401 - the names callers take from the package
     ARCHITECTURES,

@@ -9,8 +9,8 @@ tensors are memory-mapped one at a time (jaxtron.hf.tensorfile), bfloat16 includ
     logits = jaxtron.hf.logits(cfg, params, tokens)  # numpy [B, T, V]
     jaxtron.hf.save_pretrained(cfg, params, "out/", model_type="llama")
 
-The name mapping and config reading are in jaxtron.hf.mapping; `jaxtron convert-hf` converts
-whole directories to and from jaxtron checkpoints.
+The tensor names are jaxtron.hf.mapping's, the config reading jaxtron.hf.config_json's;
+`jaxtron convert-hf` converts whole directories to and from jaxtron checkpoints.
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ from flax import nnx
 
 from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.hf import tensorfile
+from jaxtron.hf.config_json import config_from_hf, rope_interleave
 from jaxtron.hf.mapping import (
     FLOAT32_TENSORS,
     ParamPath,
     check_names,
     check_tied,
-    config_from_hf,
     expected_shapes,
     hf_layout,
     hf_to_params,
-    rope_interleave,
 )
 from jaxtron.model import abstract_model, family_of, in_compute_dtype
 
