@@ -219,6 +219,34 @@ def hf_logits(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray)
     return out.logits.numpy()
 
 
+def assert_exported_as_read(model: torch.nn.Module, path: Path, cfg: ModelConfig, params: dict,
+                            out: Path, model_type: str, tokens: np.ndarray,
+                            positions: np.ndarray) -> None:
+    """`params` read from transformers' directory `path`, written back as `model_type` to `out`:
+    the same tensor names, dtypes and values; transformers loads it as that architecture with
+    no missing or unexpected weight, its config reads back the same, and its logits are
+    `model`'s."""
+    import json  # noqa: PLC0415
+
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from jaxtron import hf  # noqa: PLC0415
+    from jaxtron.hf import config_json  # noqa: PLC0415
+
+    source = hf.read_tensors(path)
+    written = hf.read_tensors(hf.save_pretrained(cfg, params, out, model_type))
+    assert sorted(written) == sorted(source)
+    for name, value in source.items():
+        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
+    back, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(back).__name__ == hf.ARCHITECTURES[model_type]
+    read = lambda p: config_json.config_from_hf(json.loads((p / "config.json").read_text()))
+    assert read(out) == read(path)
+    assert np.abs(hf_logits(back.eval(), tokens, positions)
+                  - hf_logits(model, tokens, positions)).max() < HF_TOL
+
+
 def hf_inputs(seq_len: int, batch: int = 2, seed: int = 0):
     tokens = np.random.default_rng(seed).integers(0, HF_TINY["vocab_size"], (batch, seq_len),
                                                   np.int32)

@@ -9,12 +9,11 @@ Dims no other test uses: 3 layers (the first dense), 8 experts in groups, 3 head
 """
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
-from helpers import HF_TOL, hf_logits
+from helpers import HF_TOL, assert_exported_as_read, hf_logits
 
 from jaxtron import hf
 from jaxtron.hf import config_json
@@ -109,30 +108,17 @@ def test_rope_interleave_false_reads_without_permutation(tmp_path):
 
 
 def test_export_is_the_checkpoint_transformers_saved(case, tmp_path):
-    """Import then export: the same tensor names, dtypes and values; transformers loads the
-    directory with no missing or unexpected weight, its config reads back the same, and its
-    logits are the source's."""
-    from transformers import AutoModelForCausalLM
-
+    """Import then export: the same tensor names and values in memory (params_to_hf), and on
+    disk the checkpoint transformers saved, which it loads as a DeepseekV3ForCausalLM computing
+    the same logits (helpers.assert_exported_as_read)."""
     model, path, cfg, params = case
     source = hf.read_tensors(path)
     exported = hf_mapping.params_to_hf(params, cfg)
     assert sorted(exported) == sorted(source)
     for name, value in source.items():
         assert np.array_equal(exported[name], value), name
-    out = hf.save_pretrained(cfg, params, tmp_path / "out", "deepseek_v3")
-    written = hf.read_tensors(out)
-    assert sorted(written) == sorted(source)
-    for name, value in source.items():
-        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
-    back, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert type(back).__name__ == "DeepseekV3ForCausalLM"
-    read = lambda p: config_json.config_from_hf(json.loads((p / "config.json").read_text()))
-    assert read(out) == read(path)
-    tokens, positions = _tokens()
-    assert np.abs(hf_logits(back.eval(), tokens, positions)
-                  - hf_logits(model, tokens, positions)).max() < HF_TOL
+    assert_exported_as_read(model, path, cfg, params, tmp_path / "out", "deepseek_v3",
+                            *_tokens())
 
 
 def test_greedy_generation_equals_transformers(case):

@@ -9,12 +9,11 @@ softmax scores, never renormalised over the top k, times routed_scaling_factor; 
 of the best two). Dims no other test uses: 3 layers (the first dense), 12 experts, 2 heads.
 """
 
-import json
 
 import numpy as np
 import pytest
 import torch
-from helpers import HF_TOL, hf_logits
+from helpers import HF_TOL, assert_exported_as_read, hf_logits
 
 from jaxtron import hf
 from jaxtron.hf import config_json
@@ -96,26 +95,11 @@ def test_groups_are_ranked_by_their_best_score(case, monkeypatch):
 
 
 def test_export_is_the_checkpoint_transformers_saved(case, tmp_path):
-    """Import then export: the same tensor names, dtypes and values; transformers loads the
-    directory as a DeepseekV2ForCausalLM with no missing or unexpected weight, its config reads
-    back the same, and its logits are the source's."""
-    from transformers import AutoModelForCausalLM
-
+    """Import then export: the checkpoint transformers saved, which it loads as a
+    DeepseekV2ForCausalLM computing the same logits (helpers.assert_exported_as_read)."""
     _, model, path, cfg, params = case
-    source = hf.read_tensors(path)
-    out = hf.save_pretrained(cfg, params, tmp_path / "out", "deepseek_v2")
-    written = hf.read_tensors(out)
-    assert sorted(written) == sorted(source)
-    for name, value in source.items():
-        assert written[name].dtype == value.dtype and np.array_equal(written[name], value), name
-    back, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert type(back).__name__ == "DeepseekV2ForCausalLM"
-    read = lambda p: config_json.config_from_hf(json.loads((p / "config.json").read_text()))
-    assert read(out) == read(path)
-    tokens, positions = _tokens()
-    assert np.abs(hf_logits(back.eval(), tokens, positions)
-                  - hf_logits(model, tokens, positions)).max() < HF_TOL
+    assert_exported_as_read(model, path, cfg, params, tmp_path / "out", "deepseek_v2",
+                            *_tokens())
 
 
 def test_greedy_generation_equals_transformers(case):

@@ -275,3 +275,24 @@ def test_overlap_is_a_matmul_between_start_and_done():
     assert (rows["all-gather"]["overlapped"], rows["all-gather"]["overlapped_bytes"]) == (6, 6 * 1024)
     assert rows["reduce-scatter"]["overlapped"] == 1
     assert rows["all-reduce"]["overlapped"] == 0  # the cuBLAS call moved past it
+
+
+def test_a_loop_that_runs_a_matmul_hides_a_collective_around_it():
+    """An all-reduce started before the layers' loop and done after it, with no GEMM of its own
+    level between: the loop's body runs a GEMM six times, so the traffic is hidden (the expert
+    ring's loop between a layer's weight gather and its done). A loop without one hides
+    nothing."""
+    lines = MODULE.splitlines()
+    start = next(i for i, line in enumerate(lines) if "all-reduce-start(" in line)
+    lines.insert(next(i for i, line in enumerate(lines) if " while(" in line), lines.pop(start))
+    cublas = lines.pop(next(i for i, line in enumerate(lines) if "__cublas" in line))
+    lines.insert(next(i for i, line in enumerate(lines) if "all-reduce-done(" in line) + 1, cublas)
+    text = "\n".join(lines)
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(text), MESH)}
+    assert rows["all-reduce"]["overlapped"] == 1
+    no_gemm = text.replace("  %gemm = bf16[64,16]{1,0} fusion(%x, %all-gather-done), kind=kCustom, "
+                           "calls=%fused_dot, backend_config={\"fusion_backend_config\":"
+                           "{\"kind\":\"__triton_gemm\"}}\n", "")
+    assert no_gemm != text
+    rows = {row["op"]: row for row in hlo.collectives(hlo.parse(no_gemm), MESH)}
+    assert rows["all-reduce"]["overlapped"] == 0
