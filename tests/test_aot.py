@@ -344,6 +344,27 @@ def test_pipeline_gathers_fsdp_sharded_stage_weights_once_per_pass(tmp_path, gra
     assert report["plan_peak_bytes"] == pytest.approx(report["memory"]["peak_bytes"], rel=0.15)
 
 
+@pytest.mark.parametrize("every", [0, 2])
+def test_windowed_layers_attend_in_cudnn_at_the_windows_cost(every):
+    """tiny in bfloat16 at 256 tokens with a 32-token window, every layer windowed or every
+    other one global (a `lax.cond` between the two kernels in the scanned stack): cuDNN's
+    kernels carry the window, and the compiled attention FLOPs are the windowed layers' at
+    twice the window (64 keys counted per query, against the whole 256 of a global layer), as
+    costs.expected_attention counts them; the matmuls are still what the policy implies."""
+    cfg = _cfg("mesh.fsdp=8", "model.dtype=bfloat16", "model.remat=full",
+               "model.sliding_window=32", f"model.global_every={every}")
+    report, compiled = _report(cfg)
+    counts, tokens, m = report["flops"], 8 * 256 / 8, cfg.model
+    kernel = lambda keys: 2 * (2 * m.num_heads * 256 * keys * m.head_size) * (2 + 5 / 2)
+    local = m.num_layers if not every else m.num_layers - m.num_layers // every
+    assert counts["attention_per_device"] == local * kernel(64) + (m.num_layers - local) * kernel(
+        256) == costs.expected_attention(cfg, tokens)
+    assert counts["matmul_per_device"] == pytest.approx(costs.expected_matmul(cfg, tokens),
+                                                        rel=0.02)
+    windows = re.findall(r"sliding_window_length\W*(\d+)", compiled.as_text())
+    assert windows and set(windows) == ({"32"} if not every else {"0", "32"}), set(windows)
+
+
 def test_fused_attention_and_chunked_loss_on_one_node(tmp_path):
     """llama3_8b at seq 8192 on 8 H100s (fsdp=8): cuDNN fused attention forward and backward, no
     float32 array of attention-score size [b, N, T, T] or of [tokens, vocab], and temporaries 3x

@@ -12,12 +12,19 @@ from jaxtron.parallel import features
 
 # what turns each feature on, as config overrides and mesh sizes
 ON = {"pipeline": ((), {"stage": 2}), "context": ((), {"context": 2}),
-      "experts": (("model.moe.num_experts=4",), {}), "fp8_delayed": (("model.fp8=delayed",), {})}
+      "experts": (("model.moe.num_experts=4",), {}), "fp8_delayed": (("model.fp8=delayed",), {}),
+      "window": (("model.sliding_window=32",), {}),
+      "mixed_windows": (("model.sliding_window=32", "model.global_every=2"), {})}
 # the pairs that do not run today (a row removed from the table without the code to back it
 # fails here)
-REFUSED = [("context", "experts"), ("fp8_delayed", "pipeline"), ("pipeline", "experts")]
+REFUSED = [("context", "experts"), ("fp8_delayed", "pipeline"), ("pipeline", "experts"),
+           ("context", "window"), ("pipeline", "mixed_windows")]
+# pairs refused through a feature the second turns on too (layers that differ in their windows
+# have a window)
+IMPLIED = [("context", "mixed_windows")]
 SETTING = {"pipeline": "mesh.stage=2", "context": "mesh.context=2",
-           "experts": "model.moe.num_experts=4", "fp8_delayed": "model.fp8=delayed"}
+           "experts": "model.moe.num_experts=4", "fp8_delayed": "model.fp8=delayed",
+           "window": "model.sliding_window=32", "mixed_windows": "model.global_every=2"}
 
 
 def _run_with(*names: str):
@@ -43,6 +50,12 @@ def test_a_pair_that_does_not_compose_is_refused_in_one_line(pair):
 
 
 @pytest.mark.parametrize("pair", [p for p in itertools.combinations(sorted(ON), 2)
-                                  if p not in REFUSED and p[::-1] not in REFUSED], ids="+".join)
+                                  if not {p, p[::-1]} & {*REFUSED, *IMPLIED}], ids="+".join)
 def test_features_that_compose_pass(pair):
     features.check(*_run_with(*pair))
+
+
+@pytest.mark.parametrize("pair", IMPLIED, ids="+".join)
+def test_a_pair_refused_through_what_it_implies_is_refused(pair):
+    with pytest.raises(ConfigError, match=SETTING[pair[0]]):
+        features.check(*_run_with(*pair))

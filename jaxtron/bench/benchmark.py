@@ -181,7 +181,8 @@ def gpu_checks(cfg: Config, devices: list) -> dict[str, str]:
         found["attention"] = "not checked: model.attention=xla"
     else:
         try:
-            errors = attention.self_check(cfg.model.attention, sizes=head_sizes(cfg.model))
+            errors = attention.self_check(cfg.model.attention, sizes=head_sizes(cfg.model),
+                                          window=cfg.model.sliding_window)
             found["attention"] = (f"passed: {cfg.model.attention} vs xla on a packed batch, "
                                   "relative error " + ", ".join(f"{k} {v:.1e}"
                                                                 for k, v in errors.items()))

@@ -172,7 +172,7 @@ MOE_ARRAYS = ("moe.mlp_dim", "moe.shared_experts", "moe.first_dense", "moe.scori
 # that starts from the checkpoint (checkpoint.restore, e.g. fine-tuning with a longer RoPE) may.
 FUNCTION = ("rope_theta", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
             "rope_original_max_len", "rope_scaling_type", "rope_beta_fast", "rope_beta_slow",
-            "rope_mscale", "rope_mscale_all_dim", "norm_eps", "sliding_window")
+            "rope_mscale", "rope_mscale_all_dim", "norm_eps", "sliding_window", "global_every")
 MOE_FUNCTION = ("moe.experts_per_token", "moe.norm_topk_prob", "moe.routed_scale", "moe.groups",
                 "moe.topk_groups")  # where both have experts
 

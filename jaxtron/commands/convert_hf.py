@@ -168,7 +168,7 @@ def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
     """The config preset that fine-tunes an imported model."""
     skip = {"scan_layers", "remat", "attention", "attention_check", "collective_matmul",
             "weights_ahead", "init_std", "moe", "mla"}
-    skip |= set() if cfg.sliding_window else {"sliding_window"}
+    skip |= set() if cfg.sliding_window else {"sliding_window", "global_every"}
     model = {f: getattr(cfg, f) for f in ModelConfig.__dataclass_fields__ if f not in skip}
     if cfg.moe.num_experts:  # a dense model's preset has no experts' section
         model["moe"] = dataclasses.asdict(cfg.moe)
@@ -176,7 +176,7 @@ def _preset(cfg: ModelConfig, out: Path, tokenizer: str | None,
         model["mla"] = dataclasses.asdict(cfg.mla)
     preset = {
         "model": {**model, "dtype": compute_dtype},
-        "train": {"seq_len": min(context, CONTEXT, cfg.sliding_window or CONTEXT)},
+        "train": {"seq_len": min(context, CONTEXT)},
         "checkpoint": {"restore": str(out.absolute()), "weights_only": True},
         "run": {"dir": f"runs/{out.name}"},
     }

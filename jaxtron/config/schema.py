@@ -130,9 +130,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    # An imported model's attention window (Mistral, Qwen2), 0 for none. Attention here is full
-    # causal, which equals a window only up to the window's length: train.seq_len may not exceed it.
+    # the attention window: a windowed layer's query sees its W latest keys (itself included),
+    # 0 for none (jaxtron/model/windows.py); global_every=n: every n-th layer attends globally
+    # (Gemma 3: 6; Gemma 2, gpt-oss: 2), 0: every layer windowed (Mistral)
     sliding_window: int = 0
+    global_every: int = 0
     init_std: float = 0.02
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights
@@ -473,12 +475,6 @@ def check_values(cfg: Config) -> None:
         if value < 0:  # 0: one chunk; auto
             raise ConfigError(f"{key}={value} must be "
                               f"{'0 (one chunk)' if 'loss' in key else 'auto'} or positive")
-    if m.sliding_window < 0:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} must be 0 (none) or positive")
-    if m.sliding_window and t.seq_len > m.sliding_window:
-        raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's attention window "
-                          f"model.sliding_window={m.sliding_window}, which jaxtron's full causal "
-                          "attention does not apply; lower train.seq_len to at most the window")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(
             f"model.num_heads={m.num_heads} must be a multiple of "

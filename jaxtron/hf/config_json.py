@@ -137,6 +137,28 @@ def _sliding_window(hf: dict) -> int | None:
     return None
 
 
+def _window_pattern(hf: dict) -> dict:
+    """model.sliding_window and model.global_every of the layers transformers windows: its
+    `layer_types` (written by transformers 5), else every layer, or for Qwen2 and Qwen3 the
+    layers from max_window_layers on. ValueError for a pattern jaxtron does not run."""
+    if not _sliding_window(hf):
+        return {"sliding_window": 0}
+    window, layers = _setting(hf, "sliding_window", int), _setting(hf, "num_hidden_layers", int)
+    local = [True] * layers
+    if hf["model_type"] in ("qwen2", "qwen3"):
+        local = [i >= _setting(hf, "max_window_layers", int, 28) for i in range(layers)]
+    if isinstance(hf.get("layer_types"), list):
+        local = [kind == "sliding_attention" for kind in hf["layer_types"]]
+    if not any(local):
+        return {"sliding_window": 0}
+    for every in (0, *range(2, layers + 1)):
+        if local == [not every or (i + 1) % every != 0 for i in range(layers)]:
+            return {"sliding_window": window, "global_every": every}
+    raise ValueError(f"the windowed layers {[i for i, kind in enumerate(local) if kind]} of "
+                     f"{layers} are not a pattern jaxtron runs (every layer, or all but every "
+                     "n-th)")
+
+
 _REQUIRED = object()
 _KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 
@@ -189,7 +211,7 @@ def config_from_hf(hf_config: dict) -> dict:
         "tie_embeddings": _setting(hf, "tie_word_embeddings", bool, False),
         "qkv_bias": hf["model_type"] == "qwen2",
         "qk_norm": hf["model_type"] in ("qwen3", "qwen3_moe"),
-        "sliding_window": _setting(hf, "sliding_window", int, 0) if _sliding_window(hf) else 0,
+        **_window_pattern(hf),
         **_rope_overrides(hf),
         **_experts(hf),
     }

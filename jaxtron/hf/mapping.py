@@ -6,8 +6,8 @@ Covers `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` (QKV bias), 
 `DeepseekV2ForCausalLM` (latent attention, shared experts, dense first layers), each HF
 `model_type` a jaxtron family
 (jaxtron/model/families.py) that an import records; an attention window is kept as
-model.sliding_window, which bounds the sequence length (attention is full causal): adding a
-family that computes the same function is adding rows or a config reading.
+model.sliding_window (and model.global_every): adding a family that computes the same function is
+adding rows or a config reading.
 Conversions go one layer at a time (`layer_params`, `hf_layout`), so a converter never needs a
 whole stacked weight in memory. Directories and the public API are in `jaxtron.hf`.
 

@@ -181,10 +181,6 @@ def from_pretrained(hf_dir: str | Path, dtype: str = "float32",
 def logits(cfg: ModelConfig, params: dict, tokens) -> np.ndarray:
     """float32 logits [B, T, V] of int tokens [B, T] (one document per row, positions 0..T-1)."""
     tokens = jnp.asarray(tokens, jnp.int32)
-    if cfg.sliding_window and tokens.shape[1] > cfg.sliding_window:
-        raise ConfigError(f"{tokens.shape[1]} tokens exceed the model's attention window of "
-                          f"{cfg.sliding_window}, which the full causal attention here does not "
-                          "apply; pass at most that many")
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return np.asarray(_forward(cfg, params, tokens, positions, jnp.ones_like(tokens)))
 
@@ -345,6 +341,9 @@ def _window(cfg: ModelConfig, model_type: str) -> dict:
     layers from max_window_layers on (0: every layer, as model.sliding_window means), Qwen3-MoE
     on every layer."""
     window = cfg.sliding_window or None
+    if cfg.global_every:
+        raise ConfigError(f"model_type '{model_type}' windows every layer alike; model."
+                          f"global_every={cfg.global_every} has no {model_type} equivalent")
     if model_type in ("mistral", "mixtral"):
         return {"sliding_window": window}
     if model_type in ("qwen2", "qwen3") and window:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.model import families, moe
+from jaxtron.model import families, moe, windows
 from jaxtron.model.layers import RMSNorm, apply_rope, rope_frequencies
 from jaxtron.model.layers import param as _param
 from jaxtron.ops import attention as attention_lib
@@ -64,6 +64,7 @@ def check(cfg: ModelConfig) -> None:
         raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
     experts.check(cfg)
     families.check(cfg)
+    windows.check(cfg)
     if cfg.fp8_history < 1:
         raise ConfigError(f"model.fp8_history={cfg.fp8_history} must be at least 1 (steps of "
                           "amax history under model.fp8=delayed)")
@@ -121,21 +122,39 @@ class Attention(nnx.Module):
         k_BTKH = checkpoint_name(apply_rope(k_BTKH, positions_BT, inv_freq), "key_proj")
         return q_BTNH, k_BTKH, v_BTKH
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
-                 ) -> jax.Array:
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps,
+                 local: jax.Array | bool = False) -> jax.Array:
+        """`local`: whether this layer attends within model.sliding_window (windows.py), a bool,
+        or traced where the layers of a scanned stack differ (then both kernels are compiled
+        and a `lax.cond` runs one)."""
         q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
-        out_BTNH = ops.attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+        window = self.cfg.sliding_window
+        if isinstance(local, bool):
+            out_BTNH = ops.attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
+                                  window=window if local else 0)
+        else:
+            heads = lambda x, names: constrain(x, (*BATCH_WHOLE_SEQ, names, None))
+
+            def attend(window):  # pinned inside the branch: the partitioner sees no sharding there
+                return lambda q, k, v: heads(ops.attend(
+                    heads(q, "act_heads"), heads(k, "act_kv_heads"), heads(v, "act_kv_heads"),
+                    segment_ids_BT, window=window), "act_heads")
+
+            out_BTNH = jax.lax.cond(local, attend(window), attend(0), q_BTNH, k_BTKH, v_BTKH)
         return self._output(out_BTNH, ops)
 
-    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps):
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps,
+               local: jax.Array | bool = False):
         """(output, k and v caches) for T tokens at positions and cache slots start..start+T-1:
-        their keys and values are written there, then the queries read the cache."""
+        their keys and values are written there, then the queries read the cache (within the
+        window where `local`)."""
         positions_BT = jnp.broadcast_to(start + jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
         q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
         at = (0, start, 0, 0)
         k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), at)
         v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
-        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSKH, v_BSKH, start)
+        window = jnp.where(local, self.cfg.sliding_window, 0)
+        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSKH, v_BSKH, start, window)
         return self._output(out_BTNH, ops), k_BSKH, v_BSKH
 
     def _output(self, out_BTNH, ops: LayerOps) -> jax.Array:
@@ -183,11 +202,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, rngs)
         self.mlp = (self.mixer or (moe.MoE if cfg.moe.num_experts else MLP))(cfg, rngs)
 
-    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps
-                 ) -> tuple[jax.Array, dict]:
-        """(x [B, T, D], the MoE router's sums, moe.STAT_KEYS; {} for a dense layer)."""
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps,
+                 local: jax.Array | bool = False) -> tuple[jax.Array, dict]:
+        """(x [B, T, D], the MoE router's sums, moe.STAT_KEYS; {} for a dense layer). `local`:
+        attention within the window (Attention)."""
         h_BTD = ops.whole_seq(self.attn_norm(x_BTD))
-        x_BTD = x_BTD + self.attn(h_BTD, positions_BT, segment_ids_BT, inv_freq, ops)
+        x_BTD = x_BTD + self.attn(h_BTD, positions_BT, segment_ids_BT, inv_freq, ops, local)
         x_BTD = constrain(x_BTD, (*BATCH_SEQ, "act_embed"))
         y_BTD, stats = self._mlp(ops.whole_seq(self.mlp_norm(x_BTD)), segment_ids_BT, ops)
         return constrain(x_BTD + y_BTD, (*BATCH_SEQ, "act_embed")), stats
@@ -197,10 +217,11 @@ class Block(nnx.Module):
             return self.mlp(h_BTD, segment_ids_BT, ops)
         return self.mlp(h_BTD, ops), {}
 
-    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps):
+    def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps,
+               local: jax.Array | bool = False):
         """The same layer over a KV cache (Attention.decode): (x, k and v caches)."""
         out_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), start, inv_freq,
-                                                   k_BSKH, v_BSKH, ops)
+                                                   k_BSKH, v_BSKH, ops, local)
         x_BTD = x_BTD + out_BTD
         return x_BTD + self._mlp(self.mlp_norm(x_BTD), None, ops)[0], k_BSKH, v_BSKH
 
@@ -252,18 +273,20 @@ class Transformer(nnx.Module):
         ops = layer_ops.build(self.cfg, None)
         x_BTD = self._embed(tokens_BT, ops)
         inv_freq = rope_frequencies(self.cfg)
-        updated = {}
-        for name, _, _ in self.stacks(self.cfg):
+        updated, first = {}, 0
+        for name, count, _ in self.stacks(self.cfg):
             graphdef, stacked = nnx.split(getattr(self, name))
+            local_L = jnp.broadcast_to(windows.stack_kinds(self.cfg, first, count), (count,))
+            first += count
 
             def body(x_BTD, layer, graphdef=graphdef):
-                state, k_BSKH, v_BSKH = layer
+                state, k_BSKH, v_BSKH, local = layer
                 x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, state).decode(
-                    x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops)
+                    x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops, local)
                 return x_BTD, (k_BSKH, v_BSKH)
 
             x_BTD, (k, v) = jax.lax.scan(body, x_BTD, (stacked, cache[name]["k"],
-                                                       cache[name]["v"]))
+                                                       cache[name]["v"], local_L))
             updated[name] = {"k": k, "v": v}
         return self._logits(self.final_norm(x_BTD)), updated
 
@@ -275,15 +298,16 @@ class Transformer(nnx.Module):
         if ops.cfg != self.cfg:
             raise ValueError("the operations set was built for another model config")
         batch = ops.balance(batch)
-        x_BTD = self._embed(batch["tokens"], ops)
-        for name, _, _ in self.stacks(self.cfg)[:-1]:  # whole, before `layers`: no statistics
+        x_BTD, first = self._embed(batch["tokens"], ops), 0
+        for name, count, _ in self.stacks(self.cfg)[:-1]:  # whole, before `layers`: no statistics
             graphdef, stacked = nnx.split(getattr(self, name))
             x_BTD, _ = _run_stack(self.cfg, ops.for_layers(), graphdef, stacked, x_BTD,
                                   batch["positions"], batch["segment_ids"],
-                                  names=self.projections)
+                                  names=self.projections, first=first)
+            first += count
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, ops.for_layers(), graphdef,
-                                      names=self.projections)
+                                      names=self.projections, first=first)
         x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
                                       batch["segment_ids"])
         stats = self._after_layers(x_BTD, batch, stats, ops)
@@ -326,19 +350,25 @@ def stacked(block: type, cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> nnx.Mo
 
 def _run_stack(cfg: ModelConfig, ops: LayerOps, graphdef, stacked, x_BTD, positions_BT,
                segment_ids_BT, select: Callable[[Any], Any] | None = None,
-               names: tuple[str, ...] = Transformer.projections):
+               names: tuple[str, ...] = Transformer.projections, first: int = 0):
     """A stack of layers [L', ...]: one scanned (or unrolled) body, remat per policy; returns
     (x, each layer's MoE statistics stacked [L', ...]). `select`, if given, maps each layer's
     stored weights to the ones it runs with, inside the layer body (the pipeline picks a
     repeat's weights there, so the pick is never a saved residual). `names`: the projections'
-    weights (Transformer.projections), which model.weights_ahead fetches in the compute dtype."""
+    weights (Transformer.projections), which model.weights_ahead fetches in the compute dtype.
+    `first`: the model's index of the stack's first layer, for its attention window; where the
+    layers' windows differ, each layer's rides with its weights (windows.stack_kinds)."""
     inv_freq = rope_frequencies(cfg)
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    kinds = windows.stack_kinds(cfg, first, layers)
+    if not isinstance(kinds, bool):
+        stacked = (stacked, jnp.asarray(kinds))
 
     def body(x, layer_state):
-        block = nnx.merge(graphdef, select(layer_state) if select else layer_state)
-        return block(x, positions_BT, segment_ids_BT, inv_freq, ops)
+        state, local = (layer_state, kinds) if isinstance(kinds, bool) else layer_state
+        block = nnx.merge(graphdef, select(state) if select else state)
+        return block(x, positions_BT, segment_ids_BT, inv_freq, ops, local)
 
-    layers = jax.tree.leaves(stacked)[0].shape[0]
     if cfg.remat != "none":
         # A scan keeps the recompute from sharing the forward's work, but XLA unrolls a stack
         # of a few layers whole, and then the recompute shares the forward's weight gathers:

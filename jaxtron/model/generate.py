@@ -73,21 +73,6 @@ def prompt_array(cfg: ModelConfig, prompt_ids: Sequence[int] | np.ndarray) -> np
     return ids.astype(np.int32)[None]
 
 
-def check_window(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
-    """Every token fed to the model (all but the last new one) within its attention window,
-    where full causal attention computes what the window does (model.sliding_window)."""
-    window = cfg.sliding_window
-    if not window or prompt_len + max_new_tokens - 1 <= window:
-        return
-    if prompt_len > window:
-        raise ConfigError(f"the prompt is {prompt_len} tokens, more than the model's attention "
-                          f"window of {window}, which the full causal attention here does not "
-                          "apply; shorten it")
-    raise ConfigError(f"the prompt ({prompt_len} tokens) and max_new_tokens={max_new_tokens} "
-                      f"pass the model's attention window of {window}, which the full causal "
-                      f"attention here does not apply; generate {window - prompt_len + 1} or less")
-
-
 def generate(cfg: ModelConfig, params: dict, prompt_ids: Sequence[int] | np.ndarray,
              max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0,
@@ -99,7 +84,6 @@ def generate(cfg: ModelConfig, params: dict, prompt_ids: Sequence[int] | np.ndar
     (numpy or jax arrays)."""
     check(max_new_tokens, temperature, top_k, top_p)
     prompt = prompt_array(cfg, prompt_ids)
-    check_window(cfg, prompt.shape[1], max_new_tokens)
     eos = [-1] if eos_id is None else np.atleast_1d(eos_id).tolist()
     knobs = Sampling(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                      jnp.asarray(eos, jnp.int32))

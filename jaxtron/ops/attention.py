@@ -3,14 +3,16 @@
 Shapes: B batch, T query length, S key length, N query heads, K kv heads, G = N // K query heads
 per kv head, H head size. V's head size may differ from q's and k's (DeepSeek-V3's latent
 attention: 192 for q and k, 128 for v): the output has v's, the scores are scaled by q's.
-Segment id 0 marks padding; a token attends only to earlier tokens of its own segment. Every
-backend is tested against `xla_attention` on a packed batch.
+Segment id 0 marks padding; a token attends only to earlier tokens of its own segment, and with
+a window W > 0 (a static int, jaxtron/model/windows.py) only to its W latest ones. Every backend
+is tested against `xla_attention` on a packed batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -21,28 +23,69 @@ from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
 
 
-def segment_causal_mask(segment_ids_BT: jax.Array) -> jax.Array:
-    """mask[B, 1, 1, T, S]: causal and within one segment (broadcasts over K and G)."""
+def segment_causal_mask(segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+    """mask[B, 1, 1, T, S]: causal and within one segment (broadcasts over K and G), and within
+    the `window` latest keys when it is > 0."""
     t = segment_ids_BT.shape[1]
-    causal_TS = jnp.tril(jnp.ones((t, t), dtype=bool))
+    q_T1, k_1T = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    causal_TS = (k_1T <= q_T1) & ((q_T1 - k_1T < window) if window else True)
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return (causal_TS[None] & same_BTS)[:, None, None]
 
 
-def xla_attention(
-    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
-) -> jax.Array:
-    """Reference attention in plain XLA ops; softmax in float32."""
-    return masked_attention(q_BTNH, k_BSKH, v_BSKH, segment_causal_mask(segment_ids_BT))
+def xla_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                  segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+    """Reference attention in plain XLA ops; softmax in float32. Within a window much shorter
+    than the sequence, in bands (`banded_attention`), so that its work scales with the window."""
+    chunk = band_chunk(q_BTNH.shape[1], window)
+    if chunk:
+        return banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, chunk)
+    return masked_attention(q_BTNH, k_BSKH, v_BSKH, segment_causal_mask(segment_ids_BT, window))
+
+
+def band_chunk(t: int, window: int) -> int:
+    """The query chunk `banded_attention` takes for a window over a sequence of t: the shortest
+    divisor of t at least the window; 0 (attend over the whole sequence) where there is no
+    window or two chunks would cover the sequence anyway."""
+    if not window:
+        return 0
+    chunk = next(c for c in range(min(window, t), t + 1) if t % c == 0)
+    return chunk if 2 * chunk < t else 0
+
+
+def banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int,
+                     chunk: int) -> jax.Array:
+    """Windowed attention in chunks of `chunk` >= window queries, each over its own chunk's keys
+    and the chunk's before: scores [T, 2 * chunk] where masked attention has [T, T]."""
+    b, t, c = q_BTNH.shape[0], q_BTNH.shape[1], chunk
+    m = t // c
+
+    def bands(x_BT, fill):  # [B, T, ...] -> [B, M, 2C, ...]: chunk j's keys are j-1's and j's
+        padded = jnp.pad(x_BT, [(0, 0), (c, 0)] + [(0, 0)] * (x_BT.ndim - 2),
+                         constant_values=fill).reshape(b, m + 1, c, *x_BT.shape[2:])
+        return jnp.concatenate([padded[:, :-1], padded[:, 1:]], axis=2)
+
+    fold = lambda x: x.reshape(b * m, *x.shape[2:])  # the chunks as rows of the batch
+    i_C1, j_1S = jnp.arange(c)[:, None], jnp.arange(2 * c)[None, :]
+    distance_CS = c + i_C1 - j_1S  # query's position less key's
+    band_CS = (distance_CS >= 0) & (distance_CS < window)
+    q_segments_BMC = segment_ids_BT.reshape(b, m, c)
+    same_BMCS = q_segments_BMC[..., None] == bands(segment_ids_BT, -1)[:, :, None, :]
+    mask = fold(band_CS & same_BMCS)[:, None, None]
+    out = masked_attention(fold(q_BTNH.reshape(b, m, c, *q_BTNH.shape[2:])),
+                           fold(bands(k_BSKH, 0)), fold(bands(v_BSKH, 0)), mask)
+    return out.reshape(b, t, *out.shape[2:])
 
 
 def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                     start: jax.Array) -> jax.Array:
+                     start: jax.Array, window: jax.Array | int = 0) -> jax.Array:
     """T new queries over a KV cache of S slots, in which their own keys sit at slots start ..
     start+T-1: each query sees the slots up to its own (earlier tokens and itself), never the
-    unwritten ones after. The reference math, for generation (T = 1 per step after the prompt)."""
-    query_slot_T = start + jnp.arange(q_BTNH.shape[1])
-    mask_TS = jnp.arange(k_BSKH.shape[1])[None, :] <= query_slot_T[:, None]
+    unwritten ones after, and with `window` > 0 (may be traced) only its `window` latest. The
+    reference math, for generation (T = 1 per step after the prompt)."""
+    query_slot_T1 = (start + jnp.arange(q_BTNH.shape[1]))[:, None]
+    slot_1S = jnp.arange(k_BSKH.shape[1])[None, :]
+    mask_TS = (slot_1S <= query_slot_T1) & ((window == 0) | (query_slot_T1 - slot_1S < window))
     return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS[None, None, None])
 
 
@@ -62,11 +105,11 @@ def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hv)
 
 
-def cudnn_attention(
-    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
-) -> jax.Array:
+def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                    segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
     """cuDNN fused (flash) attention, GPU only: causal, grouped-query with K/V read per kv head
-    (never repeated in memory), packed documents kept apart by a segment-equality mask.
+    (never repeated in memory), packed documents kept apart by a segment-equality mask, and a
+    window (cuDNN's sliding_window_length: the tiles outside the band are skipped).
 
     The scores never exist in memory: cuDNN tiles them in on-chip SRAM, forward and backward. The
     mask is [B, 1, T, S] (one per sequence, shared by every head); jax's entry with packed-layout
@@ -79,16 +122,17 @@ def cudnn_attention(
     mesh = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual
     if mesh.empty or manual not in mesh.axis_types:  # outside the pipeline: jax partitions it
-        return _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+        return _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window)
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
     q_spec = parallel.spec_here(("act_batch", None, "act_heads", None))
     kv_spec = parallel.spec_here(("act_batch", None, "act_kv_heads", None))
-    run = jax.shard_map(_sealed, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
+    run = jax.shard_map(functools.partial(_sealed, window=window),
+                        in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
                         out_specs=q_spec, axis_names=free, check_vma=False)
     return run(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
-def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
+def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int = 0) -> jax.Array:
     """One cuDNN call: causal, the segment-equality mask as a bias. jax.nn's entry wants v's head
     size to be q's, so another v size goes to cuDNN's own entry (the same kernel, in its latent
     attention form: jax allows it on Hopper or later with cuDNN 9.10 or later, checking the local
@@ -99,11 +143,13 @@ def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
     same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     if v_BSKH.shape[-1] == q_BTNH.shape[-1]:
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
-                                            is_causal=True, implementation="cudnn")
+                                            is_causal=True, implementation="cudnn",
+                                            local_window_size=(window - 1, 0) if window else None)
     from jax._src.cudnn import fused_attention_stablehlo as fa
     return fa.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
                                     scale=q_BTNH.shape[-1] ** -0.5,
-                                    mask_type=fa.MaskType.CAUSAL)
+                                    mask_type=fa.MaskType.CAUSAL,
+                                    sliding_window_length=window or None)
 
 
 def _from_arrays(prim, *avals, **params) -> bool:
@@ -112,7 +158,7 @@ def _from_arrays(prim, *avals, **params) -> bool:
     return any(getattr(aval, "shape", ()) for aval in avals)
 
 
-def _sealed(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
+def _sealed(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int = 0) -> jax.Array:
     """`_cudnn_local` as one unit that no transformation splits open inside a manual program.
 
     jax's cuDNN entry makes zero-element placeholders (`jnp.zeros(0)`, in place of the bias,
@@ -128,7 +174,8 @@ def _sealed(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT) -> jax.Array:
     remat recomputes what it may not save, so no constant leaves it; the outer one is the one
     differentiated, and saves the kernel's residuals but not the placeholders, which the
     backward makes again. The kernels run as often as unsealed: no forward is recomputed."""
-    kernel = lambda *args: _cudnn_local(*args)  # looked up at trace time (tests substitute it)
+    # looked up at trace time (tests substitute it)
+    kernel = lambda *args: _cudnn_local(*args, window=window)
     inner = jax.checkpoint(kernel, policy=jax.checkpoint_policies.nothing_saveable,
                            prevent_cse=False)
     outer = jax.checkpoint(inner, policy=_from_arrays, prevent_cse=False)
@@ -184,15 +231,17 @@ def configure(cfg: Config, platform: str) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla") -> jax.Array:
+def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla",
+              window: int = 0) -> jax.Array:
     """Dispatch to the configured kernel (`model.attention`; auto follows jax's backend)."""
     impl = resolve(impl, jax.default_backend())
-    return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window)
 
 
 def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,
                kernel: Callable[..., jax.Array] | None = None,
-               form: str = "", sizes: tuple[int, int] = (64, 64)) -> dict[str, float]:
+               form: str = "", sizes: tuple[int, int] = (64, 64),
+               window: int = 0) -> dict[str, float]:
     """Run `impl` against `xla_attention` on a small packed batch (three documents per row,
     padding at the end), forward and gradient, on the local default device; the relative errors
     of output, dq, dk and dv. Raise a ConfigError naming the kernel and the error when they
@@ -200,7 +249,8 @@ def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,
     fails here before training starts). `kernel`: another form of `impl` to check in its place
     (`form` names it in the error: context parallelism's). `sizes`: the model's query/key and
     value head sizes (`Transformer.cache_heads`), so the check runs the shapes training will
-    (latent attention's 192 and 128)."""
+    (latent attention's 192 and 128). `window`: the model's attention window, checked at a third
+    of the batch's length at most, so that it cuts the documents (0: none)."""
     b, t, n, k = 2, 64, 4, 2
     (h, hv), keys = sizes, jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, n, h), dtype)
@@ -209,9 +259,13 @@ def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,
     segments = jnp.array([[1] * 20 + [2] * 30 + [3] * 10 + [0] * 4,
                           [1] * 5 + [2] * 50 + [3] * 9], jnp.int32)
 
+    window = min(window, t // 3)
+    extra = (window,) if window else ()
+
     def run(kernel):
-        loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments).astype(jnp.float32) * cotangent)
-        out = kernel(q, *kv, segments)
+        loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments, *extra).astype(jnp.float32)
+                                       * cotangent)
+        out = kernel(q, *kv, segments, *extra)
         return (out, *jax.grad(loss, argnums=(0, 1, 2))(q, *kv))
 
     want = jax.jit(lambda: run(xla_attention))()

@@ -93,12 +93,14 @@ class LayerOps:
             return h_BTD
         return constrain(h_BTD, _WHOLE_SEQ)
 
-    def attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT) -> jax.Array:
-        """Causal attention within segments with model.attention's kernel; a sequence split over
-        `context` attends to the keys of the whole sequence."""
+    def attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window: int = 0) -> jax.Array:
+        """Causal attention within segments with model.attention's kernel, within the `window`
+        latest keys when it is > 0; a sequence split over `context` attends to the keys of the
+        whole sequence (no window there: parallel/features.py)."""
         impl = attention.resolve(self.cfg.attention, jax.default_backend())
-        attend = context_attention.attention if self.context_ways > 1 else attention.attention
-        return attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl)
+        if self.context_ways > 1:
+            return context_attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl)
+        return attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl, window)
 
     def experts(self, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
         """What each token's chosen experts make of it, weighted and summed: [B, T, D]."""

@@ -20,6 +20,10 @@ FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
     "experts": lambda cfg, sizes: (f"model.moe.num_experts={cfg.model.moe.num_experts}"
                                    if cfg.model.moe.num_experts else None),
     "fp8_delayed": lambda cfg, sizes: "model.fp8=delayed" if cfg.model.fp8 == "delayed" else None,
+    "window": lambda cfg, sizes: (f"model.sliding_window={cfg.model.sliding_window}"
+                                  if cfg.model.sliding_window else None),
+    "mixed_windows": lambda cfg, sizes: (f"model.global_every={cfg.model.global_every}"
+                                         if cfg.model.global_every else None),
 }
 # (feature, feature) -> the refusal, formatted with each feature's setting
 EXCLUSIONS: dict[tuple[str, str], str] = {
@@ -32,6 +36,11 @@ EXCLUSIONS: dict[tuple[str, str], str] = {
     ("fp8_delayed", "pipeline"): "model.fp8=delayed does not run under a pipeline ({pipeline}): "
                                  "its amax histories would be summed over the pipeline's "
                                  "iterations; use model.fp8=tensorwise",
+    ("context", "window"): "{context} with {window}: context parallelism does not apply an "
+                           "attention window yet; use mesh.fsdp, mesh.tensor or mesh.stage",
+    ("pipeline", "mixed_windows"): "{pipeline} with {mixed_windows}: a pipeline's stages run "
+                                   "layers that attend alike; use mesh.fsdp and mesh.tensor, or "
+                                   "model.global_every=0",
 }
 
 

@@ -6,6 +6,7 @@ Model FLOPs per token, for training (forward + backward = 3x forward):
   6 * N_matmul                      N_matmul: every matmul weight incl. the LM head, not
                                     norms/biases
   + 6 * L * N * H * S               attention scores and weighted sum: 12*L*N*H*S, halved for causal
+                                    (a windowed layer: its mean keys per query in place of S/2)
 MFU = achieved model FLOP/s per device / the device's dense BF16 peak. Remat recomputation is not
 counted (that would be hardware FLOPs), so MFU is comparable across remat policies. With
 model.fp8 the same FLOPs are also given against the dense FP8 peak (`mfu_fp8`, twice the BF16 one
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxtron.config import Config, ModelConfig
+from jaxtron.model import windows
 from jaxtron.ops import vocab
 from jaxtron.plan.memory import layer_weights, process_bytes
 
@@ -77,9 +79,10 @@ def attention_width(cfg: ModelConfig) -> float:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (see the module docstring)."""
-    attention = 6 * cfg.num_layers * cfg.num_heads * attention_width(cfg) * seq_len
-    return 6.0 * matmul_params(cfg) + attention
+    """Training FLOPs per token (see the module docstring); a windowed layer's attention over
+    the keys its window leaves (windows.keys_per_query)."""
+    keys = sum(windows.keys_per_query(w, seq_len) for w in windows.layer_windows(cfg))
+    return 6.0 * matmul_params(cfg) + 12 * cfg.num_heads * attention_width(cfg) * keys
 
 
 def peak_tflops(device_kind: str, fp8: bool = False) -> float | None:
@@ -189,13 +192,14 @@ def expected_attention(cfg: Config, tokens_per_device: float) -> float:
     """Attention's FLOPs per device per step as the compiled program counts its fused kernels
     (`--compile-for`'s attention_per_device): the whole [T, T] of scores and weighted sum, with
     no causal halving, 2 products forward, 5 backward, and the forward again under remat: per
-    token 2 * (2 + 5 + 2) * L * N * H * T. Exact for remat=full (Mixtral 8x7B on 16 H100s,
+    token 2 * (2 + 5 + 2) * L * N * H * T (a windowed layer's T: twice its window at most,
+    windows.counted_keys). Exact for remat=full (Mixtral 8x7B on 16 H100s,
     Qwen3-30B-A3B on 8, jax 0.10.2); the planner's step time reads it so that its estimate and
     the compiled step (planner.compiled_step) count attention alike."""
     m = cfg.model
     products = 2 + 5 + (2 if m.remat != "none" else 0)
-    t = cfg.train.seq_len
-    return 2 * products * m.num_layers * m.num_heads * attention_width(m) * t * tokens_per_device
+    keys = sum(windows.counted_keys(w, cfg.train.seq_len) for w in windows.layer_windows(m))
+    return 2 * products * m.num_heads * attention_width(m) * keys * tokens_per_device
 
 
 def _layer_kinds(m: ModelConfig) -> list[tuple[int, dict[str, int]]]:

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
+from jaxtron.model import windows
 from jaxtron.ops import ahead, attention
 from jaxtron.ops.vocab import chunks as loss_chunks
 from jaxtron.parallel import pipeline
@@ -239,7 +240,7 @@ def _attention_bytes(cfg: Config, kernel: str, b: int, sizes: dict[str, int]) ->
             * m.head_size
     if kernel == "cudnn":
         return 4 * b * seq * seq
-    scores = b * m.num_heads * local * seq // tp
+    scores = b * m.num_heads * local * max(windows.scored_keys(m, seq)) // tp
     if m.remat == "none":  # the saved scores are the working set; only their gradient is new
         return 4 * scores
     return scores * (15 if sizes["fsdp"] * sizes.get("expert", 1) * tp * sizes["stage"] > 1 else 11)
@@ -303,8 +304,8 @@ def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many:
     if kernel == "cudnn":  # float32 norms and activations besides; no scores (softmax stats)
         return (3 * everything // 2 if many else 2 * everything) + 2 * chunks
     # the XLA attention's float32 scores, bf16 probabilities and mask are kept too
-    return (everything + b * m.num_heads * seq * cfg.train.seq_len * (4 + act + 1) // tp
-            + 2 * chunks)
+    keys = sum(windows.scored_keys(m, cfg.train.seq_len)) // m.num_layers  # windows: fewer
+    return (everything + b * m.num_heads * seq * keys * (4 + act + 1) // tp + 2 * chunks)
 
 
 def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:

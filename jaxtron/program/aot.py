@@ -25,6 +25,7 @@ import jax
 from jaxtron import parallel
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
+from jaxtron.model import windows
 from jaxtron.ops import attention, experts
 from jaxtron.plan import autofit, costs, memory
 from jaxtron.plan.setup import Setup, set_up
@@ -176,7 +177,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     estimate = memory.estimate(cfg, plan)
     tokens = cfg.train.batch_size * cfg.train.seq_len / num_devices  # per device
-    counted = flops.compiled(module)
+    counted = flops.compiled(module, windows.shares(cfg.model))
     # the experts' kernels: each pair of the expert group's buffer runs on one of its devices
     ragged = counted["ragged"] // plan.mesh_sizes.get("expert", 1)
     counted["matmul"] += ragged

@@ -17,14 +17,20 @@ import json
 import math
 import re
 
+from jaxtron.model import windows
 from jaxtron.program import hlo
 from jaxtron.program.hlo import Instruction, Module
 
 
-def compiled(module: Module) -> dict[str, int]:
+def compiled(module: Module, window_shares: dict[int, float] | None = None) -> dict[str, int]:
     """FLOPs per device per step of the matmuls and of the cuDNN attention kernels, apart; of
     the matmuls, those with FP8 operands (`fp8`: an FP8 GEMM, model.fp8) and of those, the ones
-    with an e5m2 operand (`fp8_e5m2`: the backward's, against a gradient)."""
+    with an e5m2 operand (`fp8_e5m2`: the backward's, against a gradient).
+
+    A layer stack whose layers attend with different windows picks its kernel in a conditional
+    (jaxtron/model/windows.py), whose branches the module counts as run each time; a kernel in
+    a branch is weighed by `window_shares`: window (0: global) -> the share of the layers that
+    attend with it (windows.shares)."""
     totals = {"matmul": 0, "attention": 0, "ragged": 0, "fp8": 0, "fp8_e5m2": 0}
     for comp, insts in module.computations.items():
         runs = module.executions.get(comp, 0)
@@ -32,7 +38,9 @@ def compiled(module: Module) -> dict[str, int]:
             if not runs or not (flops := _flops(inst, module)):
                 continue
             if hlo._target(inst).startswith("__cudnn$fmha"):
-                totals["attention"] += runs * flops
+                share = (window_shares or {}).get(_window(inst), 1.0)
+                totals["attention"] += round(runs * flops * (share if comp in module.branches
+                                                             else 1.0))
                 continue
             if _ragged(inst):
                 totals["ragged"] += runs * flops
@@ -93,9 +101,19 @@ def _gemm_flops(inst: Instruction, module: Module, dims: dict) -> int:
 
 def _attention_flops(inst: Instruction, module: Module, backward: bool) -> int:
     """cuDNN attention on q[B, T, N, H], k[B, S, K, H]: 2 matmuls forward (4*B*N*T*S*H FLOPs, as
-    cuDNN counts a causal mask: no halving), 5 in the backward (2.5x)."""
+    cuDNN counts a causal mask: no halving), 5 in the backward (2.5x). With a sliding window
+    (its backend config's sliding_window_length W) over min(S, 2W) keys: the band, counted
+    like the causal square (windows.counted_keys)."""
     operands = _operand_shapes(inst, module)
     if len(operands) < 2:
         return 0
     (b, t, n, h), s = operands[0][1], operands[1][1][1]
+    s = windows.counted_keys(_window(inst), s)
     return 4 * b * n * t * s * h * (5 if backward else 2) // 2
+
+
+def _window(inst: Instruction) -> int:
+    """A cuDNN attention kernel's sliding window (its backend config's sliding_window_length;
+    0: none)."""
+    window = re.search(r"sliding_window_length\W*(\d+)", inst.rest)
+    return int(window.group(1)) if window else 0

@@ -54,6 +54,9 @@ class Module:
     async_bodies: set[str] = field(default_factory=set)  # computations run by async-start
     shapes: dict[str, str] = field(default_factory=dict)  # instruction name -> result shape
     instructions: dict[str, Instruction] = field(default_factory=dict)  # by name
+    # a conditional's branches: each counted in `executions` as if it ran every time the
+    # conditional does, since which runs is data (flops.compiled weighs attention's)
+    branches: set[str] = field(default_factory=set)
 
 
 def parse(text: str) -> Module:
@@ -104,6 +107,8 @@ def _count_executions(module: Module, name: str, times: int) -> None:
             if callee in module.computations:
                 if inst.opcode == "async-start":
                     module.async_bodies.add(callee)
+                if inst.opcode == "conditional":
+                    module.branches.add(callee)
                 _count_executions(module, callee, times * trip)
 
 

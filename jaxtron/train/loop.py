@@ -144,7 +144,8 @@ def _set_up(cfg: Config, devices: list) -> tuple[Setup, Mesh]:
     mesh = parallel.make_mesh(cfg.mesh, devices)
     if _kernel_checked(cfg):
         sizes = head_sizes(cfg.model)  # a ConfigError below: one line, exit 2
-        attention_lib.self_check(cfg.model.attention, sizes=sizes)
+        attention_lib.self_check(cfg.model.attention, sizes=sizes,
+                                 window=cfg.model.sliding_window)
         if cfg.model.attention == "cudnn" and cfg.mesh.context > 1:  # its split form too
             attention_lib.self_check("cudnn", kernel=context_attention.simulated(2),
                                      form=" (split over mesh.context)", sizes=sizes)
