@@ -89,8 +89,10 @@ def test_cycle_finder_finds_cycles():
 def test_the_schema_and_the_model_import_no_parallel_code():
     graph = _graph()
     assert graph["jaxtron.config"] == {"jaxtron.config.schema"}
-    assert graph["jaxtron.config.schema"] == {"jaxtron.config.errors", "jaxtron.config.presets"}
+    assert graph["jaxtron.config.schema"] == {"jaxtron.config.errors", "jaxtron.config.presets",
+                                              "jaxtron.config.model"}
     assert graph["jaxtron.config.presets"] == {"jaxtron.config.errors"}
+    assert graph["jaxtron.config.model"] == set()
     assert graph["jaxtron.config.errors"] == set()
     model = [name for name in graph if name.startswith("jaxtron.model")]
     assert len(model) >= 5, model

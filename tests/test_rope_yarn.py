@@ -12,7 +12,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 )
 
 from jaxtron.config import ModelConfig
-from jaxtron.config.schema import MLAConfig
+from jaxtron.config.model import MLAConfig
 from jaxtron.model.layers import (
     rope_attention_factor,
     rope_dim,

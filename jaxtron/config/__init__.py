@@ -1,5 +1,5 @@
-"""Run configuration: the typed schema (schema.py), the presets and overrides as written
-(presets.py), and the one error bad input raises (errors.py)."""
+"""Run configuration: the typed schema (schema.py; its model section, model.py), the presets and
+overrides as written (presets.py), and the one error bad input raises (errors.py)."""
 
 from jaxtron.config.schema import (  # noqa: F401 - the names callers take from the package
     FLAT_MOE,

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from jaxtron.config import MoEConfig
-from jaxtron.config.schema import MLAConfig
+from jaxtron.config.model import MLAConfig
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3",
                    "deepseek_v2")
