@@ -14,17 +14,19 @@ from jaxtron.parallel import features
 ON = {"pipeline": ((), {"stage": 2}), "context": ((), {"context": 2}),
       "experts": (("model.moe.num_experts=4",), {}), "fp8_delayed": (("model.fp8=delayed",), {}),
       "window": (("model.sliding_window=32",), {}),
-      "mixed_windows": (("model.sliding_window=32", "model.global_every=2"), {})}
+      "mixed_windows": (("model.sliding_window=32", "model.global_every=2"), {}),
+      "softcap": (("model.attn_softcap=50",), {})}
 # the pairs that do not run today (a row removed from the table without the code to back it
 # fails here)
 REFUSED = [("context", "experts"), ("fp8_delayed", "pipeline"), ("pipeline", "experts"),
-           ("context", "window"), ("pipeline", "mixed_windows")]
+           ("context", "window"), ("pipeline", "mixed_windows"), ("context", "softcap")]
 # pairs refused through a feature the second turns on too (layers that differ in their windows
 # have a window)
 IMPLIED = [("context", "mixed_windows")]
 SETTING = {"pipeline": "mesh.stage=2", "context": "mesh.context=2",
            "experts": "model.moe.num_experts=4", "fp8_delayed": "model.fp8=delayed",
-           "window": "model.sliding_window=32", "mixed_windows": "model.global_every=2"}
+           "window": "model.sliding_window=32", "mixed_windows": "model.global_every=2",
+           "softcap": "model.attn_softcap=50"}
 
 
 def _run_with(*names: str):

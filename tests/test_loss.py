@@ -169,24 +169,29 @@ def test_chunked_loss_equals_the_whole_loss_and_gradient(model_parts, chunk):
     assert float(whole(params, graphdef, first, None, 0)[0][0]) < 0.5 * float(total)
 
 
-@pytest.mark.parametrize("mesh,tied", [
-    (("mesh.tensor=2", "mesh.fsdp=4"), False),
-    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), False),
-    (("mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"), False),  # vocab over (tensor, stage)
-    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), True),  # the head is the embedding table
-], ids=["tensor2-fsdp4", "data2-fsdp2-tensor2", "stage2-fsdp2-tensor2", "tied"])
-def test_sharded_loss_equals_the_whole_loss(model_parts, mesh, tied):
+@pytest.mark.parametrize("mesh,tied,extra", [
+    (("mesh.tensor=2", "mesh.fsdp=4"), False, ()),
+    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), False, ()),
+    (("mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"), False, ()),  # vocab over (tensor, stage)
+    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), True, ()),  # the head is the table
+    # Gemma 2's soft-capped logits: the hand-written backward through the cap's tanh
+    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), True, ("model.logit_softcap=1.5",)),
+], ids=["tensor2-fsdp4", "data2-fsdp2-tensor2", "stage2-fsdp2-tensor2", "tied", "softcap"])
+def test_sharded_loss_equals_the_whole_loss(model_parts, mesh, tied, extra):
     """The loss under a mesh (jaxtron/ops/vocab.py's shard_map with its own backward): rows over
     data/fsdp/stage, vocabulary over tensor, the head gathered and its gradient reduce-scattered
     by hand. The single-device whole-loss value and gradient (measured <= 2e-7 of each
-    gradient's norm; a head gradient not summed over `data` is off by 50%)."""
+    gradient's norm; a head gradient not summed over `data` is off by 50%; with soft-capped
+    logits the backward without the cap's derivative is off by 0.92 of the embedding's
+    gradient)."""
     from jaxtron import parallel
     from jaxtron.step import global_batch
     from jaxtron.step.optim import make_optimizer
     from jaxtron.step.state import make_plan
 
     cfg = config.load(["configs/tiny.yaml"], MODEL + [*mesh, "train.batch_size=4",
-                                                     f"model.tie_embeddings={str(tied).lower()}"])
+                                                     f"model.tie_embeddings={str(tied).lower()}",
+                                                     *extra])
     if tied:
         make = lambda: Transformer(cfg.model, nnx.Rngs(0))
         graphdef = nnx.graphdef(nnx.eval_shape(make))

@@ -88,7 +88,8 @@ def model_config(model: dict) -> ModelConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3 (jaxtron/model/families.py);
+    # llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, deepseek_v2, gemma2,
+    # gemma3_text (jaxtron/model/families.py);
     # "": the one the settings below make
     family: str = ""
     vocab_size: int = 8192
@@ -103,8 +104,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
-    # with rope_scaling_factor > 0: llama3 (the fields above) or yarn (DeepSeek-V3: the fields
-    # below, and the softmax scale times mscale(rope_mscale_all_dim)^2)
+    # with rope_scaling_factor > 0: llama3 (the fields above), linear (positions divided by the
+    # factor: Gemma 3's global layers) or yarn (DeepSeek-V3: the fields below, and the softmax
+    # scale times mscale(rope_mscale_all_dim)^2)
     rope_scaling_type: str = "llama3"
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
@@ -118,6 +120,16 @@ class ModelConfig:
     # (Gemma 3: 6; Gemma 2, gpt-oss: 2), 0: every layer windowed (Mistral)
     sliding_window: int = 0
     global_every: int = 0
+    # the windowed layers' RoPE base, unscaled (Gemma 3's rope_local_base_freq); 0: rope_theta
+    # and its scaling, as the global layers
+    rope_local_theta: float = 0.0
+    # attention scores scaled by 1/sqrt(attn_scale_dim) (Gemma's query_pre_attn_scalar); 0: the
+    # head size
+    attn_scale_dim: int = 0
+    # soft-capping (Gemma 2): attention scores and the final logits z as cap * tanh(z / cap);
+    # 0: none
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
     init_std: float = 0.02
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights

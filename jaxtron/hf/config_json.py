@@ -13,7 +13,8 @@ from jaxtron.config import MoEConfig
 from jaxtron.config.model import MLAConfig
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3",
-                   "deepseek_v2")
+                   "deepseek_v2", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # read in jaxtron/hf/gemma.py
 DEEPSEEK = "deepseek_v3"
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")  # latent attention and DeepSeek-MoE
 
@@ -44,6 +45,9 @@ def _rope_overrides(hf: dict) -> dict:
         }
     elif kind == "yarn" and deepseek:
         out |= _yarn(rope, hf, where)
+    elif kind == "linear" and hf.get("model_type") == "gemma3_text":
+        out |= {"rope_scaling_factor": _setting(rope, "factor", float, where=where),
+                "rope_scaling_type": "linear"}
     elif kind != "default":
         raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are; "
                          "yarn for deepseek_v3 and deepseek_v2 only)")
@@ -80,6 +84,8 @@ def _check_supported(hf: dict) -> None:
         raise ValueError(f"model_type '{kind}' is not supported ({', '.join(SUPPORTED_TYPES)} are)")
     if kind in DEEPSEEK_TYPES:
         _check_deepseek(hf)
+    if kind in GEMMA_TYPES:
+        return
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
     if hf.get("mlp_bias") or (kind != "qwen2" and hf.get("attention_bias")):
@@ -132,7 +138,8 @@ def _sliding_window(hf: dict) -> int | None:
     # HF Mistral and Mixtral slide whenever sliding_window is set: they have no
     # use_sliding_window switch and ignore one left in config.json. Qwen2 and Qwen3(-MoE) slide
     # only with use_sliding_window=true.
-    if hf.get("model_type") in ("mistral", "mixtral") or hf.get("use_sliding_window", False):
+    if hf.get("model_type") in ("mistral", "mixtral", *GEMMA_TYPES) or hf.get(
+            "use_sliding_window", False):
         return hf.get("sliding_window")
     return None
 
@@ -195,6 +202,10 @@ def config_from_hf(hf_config: dict) -> dict:
     _check_supported(hf)
     if hf["model_type"] in DEEPSEEK_TYPES:
         return _deepseek_config(hf)
+    if hf["model_type"] in GEMMA_TYPES:
+        from jaxtron.hf import gemma  # noqa: PLC0415  (it builds on this module)
+
+        return gemma.config_from_hf(hf)
     heads = _setting(hf, "num_attention_heads", int)
     hidden = _setting(hf, "hidden_size", int)
     _setting(hf, "max_position_embeddings", int, 0)  # read by the callers

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.hf.config_json import DEEPSEEK_TYPES
+from jaxtron.hf.config_json import DEEPSEEK_TYPES, GEMMA_TYPES
 from jaxtron.model import abstract_model, family_of
 
 ParamPath = tuple[str, ...]  # keys into our nested param dict
@@ -92,6 +92,13 @@ MLPS: dict[str, tuple[tuple[str, ParamPath, Transform], ...]] = {
         (LAYER + "mlp.experts.{j}.down_proj.weight", ("layers", "mlp", "w_down"), COPY),
     ),
 }
+# Gemma's four norms a layer: after attention, before and after the MLP (Llama's
+# post_attention_layernorm is the norm before the MLP; Gemma's is after attention)
+GEMMA_NORMS = (
+    (LAYER + "post_attention_layernorm.weight", ("layers", "post_attn_norm", "scale"), COPY),
+    (LAYER + "pre_feedforward_layernorm.weight", ("layers", "mlp_norm", "scale"), COPY),
+    (LAYER + "post_feedforward_layernorm.weight", ("layers", "post_mlp_norm", "scale"), COPY),
+)
 # Non-parameter buffers some checkpoints carry; recomputed from the config, so dropped.
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # DeepSeek-V3's multi-token-prediction modules: layers past num_hidden_layers (model.layers.61 of
@@ -191,8 +198,14 @@ def rows(cfg: ModelConfig, rope_interleave: bool = True
     """The MAPPING rows this config has (no biases without qkv_bias, no head when tied).
     `rope_interleave`: DeepSeek-V3's (transformers' rope_interleave, its default true)."""
     shapes = expected_shapes(cfg)
-    table = (_deepseek_rows(cfg, rope_interleave) if family_of(cfg) in DEEPSEEK_TYPES
-             else MAPPING + MLPS[mlp_family(cfg)])
+    family = family_of(cfg)
+    if family in DEEPSEEK_TYPES:
+        table = _deepseek_rows(cfg, rope_interleave)
+    elif family in GEMMA_TYPES:
+        table = tuple(row for row in MAPPING if "post_attention" not in row[0]) + GEMMA_NORMS \
+            + MLPS["dense"]
+    else:
+        table = MAPPING + MLPS[mlp_family(cfg)]
     return [row for row in table if row[1] in shapes]
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.hf import tensorfile
+from jaxtron.hf import gemma, tensorfile
 from jaxtron.hf.config_json import config_from_hf, rope_interleave
 from jaxtron.hf.mapping import (
     FLOAT32_TENSORS,
@@ -46,7 +46,8 @@ PICKLED = ("*.bin", "*.pt", "*.pth")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 **gemma.ARCHITECTURES}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
 Getter = Callable[[str], np.ndarray]
 
@@ -200,6 +201,8 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
         raise ConfigError(f"model_type '{model_type}' is not one of {', '.join(ARCHITECTURES)}")
     if model_type in ("deepseek_v3", "deepseek_v2"):
         return _deepseek_config(cfg, context, model_type)
+    if model_type in gemma.TYPES:
+        return gemma.hf_config(cfg, model_type, context)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,

@@ -59,7 +59,8 @@ def check(cfg: ModelConfig) -> None:
     if cfg.attention not in attention_lib.CHOICES:
         raise ConfigError(
             f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
-    attention_lib.resolve(cfg.attention, "gpu", cfg.dtype)  # a kernel the compute dtype allows
+    # a kernel the compute dtype and the soft cap allow
+    attention_lib.resolve(cfg.attention, "gpu", cfg.dtype, cfg.attn_softcap)
     if cfg.fp8 not in fp8.MODES:
         raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
     experts.check(cfg)
@@ -86,6 +87,11 @@ IO_SEQ = ("act_batch_io", "act_seq")  # embedding and LM head: the pipeline stag
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention: q, k, v projections (biases with model.qkv_bias, per-head norms
+    of class `norm` with model.qk_norm), RoPE, the attention kernel, the output projection."""
+
+    norm: type = RMSNorm
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
         self.cfg = cfg
@@ -94,7 +100,7 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, cfg, (d, k, h), ("embed", "kv_heads", "head_dim"))
         self.wo = _param(rngs, cfg, (n, h, d), ("heads", "head_dim", "embed"))
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(cfg, rngs, h), RMSNorm(cfg, rngs, h)
+            self.q_norm, self.k_norm = self.norm(cfg, rngs, h), self.norm(cfg, rngs, h)
         if cfg.qkv_bias:
             self.bq = _param(rngs, cfg, (n, h), ("heads", "head_dim"), value=0.0)
             self.bk = _param(rngs, cfg, (k, h), ("kv_heads", "head_dim"), value=0.0)
@@ -128,17 +134,17 @@ class Attention(nnx.Module):
         or traced where the layers of a scanned stack differ (then both kernels are compiled
         and a `lax.cond` runs one)."""
         q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
-        window = self.cfg.sliding_window
+        window, softcap = self.cfg.sliding_window, self.cfg.attn_softcap
         if isinstance(local, bool):
             out_BTNH = ops.attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
-                                  window=window if local else 0)
+                                  window=window if local else 0, softcap=softcap)
         else:
             heads = lambda x, names: constrain(x, (*BATCH_WHOLE_SEQ, names, None))
 
             def attend(window):  # pinned inside the branch: the partitioner sees no sharding there
                 return lambda q, k, v: heads(ops.attend(
                     heads(q, "act_heads"), heads(k, "act_kv_heads"), heads(v, "act_kv_heads"),
-                    segment_ids_BT, window=window), "act_heads")
+                    segment_ids_BT, window=window, softcap=softcap), "act_heads")
 
             out_BTNH = jax.lax.cond(local, attend(window), attend(0), q_BTNH, k_BTKH, v_BTKH)
         return self._output(out_BTNH, ops)
@@ -154,7 +160,8 @@ class Attention(nnx.Module):
         k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), at)
         v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
         window = jnp.where(local, self.cfg.sliding_window, 0)
-        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSKH, v_BSKH, start, window)
+        out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSKH, v_BSKH, start, window,
+                                                  self.cfg.attn_softcap)
         return self._output(out_BTNH, ops), k_BSKH, v_BSKH
 
     def _output(self, out_BTNH, ops: LayerOps) -> jax.Array:
@@ -170,7 +177,9 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * (x W_up)), model.mlp_dim wide or `width` (DeepSeek's
-    shared experts)."""
+    shared experts); another gate `activation` in a subclass (Gemma's GeGLU)."""
+
+    activation = staticmethod(jax.nn.silu)
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int = 0):
         d, f = cfg.d_model, width or cfg.mlp_dim
@@ -184,7 +193,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD: jax.Array, ops: LayerOps) -> jax.Array:
         gate_BTF, up_BTF = ops.project_in(x_BTD, (self.w_gate, self.w_up),
                                           fp8.sites(self, 0, range(2)))
-        h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
+        h_BTF = constrain(self.activation(gate_BTF) * up_BTF, (*BATCH_WHOLE_SEQ, "act_mlp"))
         return ops.project_out(h_BTF, self.w_down, fp8.sites(self, 1, range(2, 3)))
 
 
@@ -195,11 +204,12 @@ class Block(nnx.Module):
 
     attention: type = None  # the attention module's class; None: grouped-query `Attention`
     mixer: type = None  # the MLP's class; None: moe.MoE with experts, else `MLP`
+    norm: type = RMSNorm  # the norms' class
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn_norm = self.norm(cfg, rngs)
         self.attn = (self.attention or Attention)(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp_norm = self.norm(cfg, rngs)
         self.mlp = (self.mixer or (moe.MoE if cfg.moe.num_experts else MLP))(cfg, rngs)
 
     def __call__(self, x_BTD, positions_BT, segment_ids_BT, inv_freq, ops: LayerOps,
@@ -233,6 +243,13 @@ class Transformer(nnx.Module):
     # the projections' weights: model.weights_ahead fetches them in the compute dtype, the
     # other weights split over `embed` (a router's) as stored (ops/ahead.py)
     projections = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    norm: type = RMSNorm  # the final norm's class
+
+    @staticmethod
+    def rope(cfg: ModelConfig) -> Any:
+        """What the layers' attention takes as its RoPE frequencies (`inv_freq`): one array of
+        inverse frequencies [H/2] here; a family with other bases per layer kind, its own."""
+        return rope_frequencies(cfg)
 
     @staticmethod
     def stacks(cfg: ModelConfig) -> tuple[tuple[str, int, type], ...]:
@@ -250,7 +267,7 @@ class Transformer(nnx.Module):
         self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         for name, count, block in self.stacks(cfg):
             setattr(self, name, stacked(block, cfg, count, rngs))
-        self.final_norm = RMSNorm(cfg, rngs)
+        self.final_norm = self.norm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
@@ -272,7 +289,7 @@ class Transformer(nnx.Module):
         attention in the XLA reference math whatever model.attention says."""
         ops = layer_ops.build(self.cfg, None)
         x_BTD = self._embed(tokens_BT, ops)
-        inv_freq = rope_frequencies(self.cfg)
+        inv_freq = self.rope(self.cfg)
         updated, first = {}, 0
         for name, count, _ in self.stacks(self.cfg):
             graphdef, stacked = nnx.split(getattr(self, name))
@@ -325,7 +342,8 @@ class Transformer(nnx.Module):
 
     def _logits(self, x_BTD) -> jax.Array:
         """float32 logits [B, T, V] of final-normed hidden states."""
-        return constrain(vocab.logits(x_BTD, self.head()), ("act_batch_io", None, "act_vocab"))
+        return constrain(vocab.logits(x_BTD, self.head(), self.cfg.logit_softcap),
+                         ("act_batch_io", None, "act_vocab"))
 
     def head(self) -> jax.Array:
         """The LM head [D, V] in the compute dtype, gathered like the table (vocab split over
@@ -358,7 +376,7 @@ def _run_stack(cfg: ModelConfig, ops: LayerOps, graphdef, stacked, x_BTD, positi
     weights (Transformer.projections), which model.weights_ahead fetches in the compute dtype.
     `first`: the model's index of the stack's first layer, for its attention window; where the
     layers' windows differ, each layer's rides with its weights (windows.stack_kinds)."""
-    inv_freq = rope_frequencies(cfg)
+    inv_freq = families.model_class(cfg).rope(cfg)
     layers = jax.tree.leaves(stacked)[0].shape[0]
     kinds = windows.stack_kinds(cfg, first, layers)
     if not isinstance(kinds, bool):

@@ -39,6 +39,8 @@ FAMILIES = {
     "deepseek_v3": Family("deepseek", experts=True, latent=True, scoring="sigmoid"),
     # DeepSeek-V2: V3's blocks with a softmax router, no balancing bias
     "deepseek_v2": Family("deepseek", experts=True, latent=True, scoring="softmax"),
+    "gemma2": Family("gemma"),  # windows, soft caps, four norms a layer, GeGLU
+    "gemma3_text": Family("gemma", qk_norm=True),  # Gemma 2 with q/k norms, local RoPE, no caps
 }
 # DeepSeek-MoE's options (model.moe) at the values that leave the other families' experts as
 # they are

@@ -23,17 +23,37 @@ def param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], axes: tuple[
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last dimension: d_model wide, or `width` (Qwen3's per-head
-    q and k norms, head_size wide)."""
+    """x / rms(x) * (offset + scale) over the last dimension, in float32: d_model wide, or
+    `width` (Qwen3's per-head q and k norms, head_size wide). `offset` 0 stores the factor
+    itself (Llama); Gemma's norms store it less 1 (`ZeroCentredNorm`)."""
+
+    offset = 0.0
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int = 0):
-        self.scale = param(rngs, cfg, (width or cfg.d_model,), ("norm",), value=1.0)
+        self.scale = param(rngs, cfg, (width or cfg.d_model,), ("norm",), value=1.0 - self.offset)
         self.eps = cfg.norm_eps
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x = x_BTD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+        factor = self.scale[...].astype(jnp.float32)
+        factor = factor + self.offset if self.offset else factor
+        return (x * factor).astype(x_BTD.dtype)
+
+
+class ZeroCentredNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + scale), scale stored as transformers stores it."""
+
+    offset = 1.0
+
+
+def local_rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """The windowed layers' inverse frequencies: of model.rope_local_theta, unscaled (Gemma 3),
+    or the global layers' (`rope_frequencies`) when it is 0."""
+    if not cfg.rope_local_theta:
+        return rope_frequencies(cfg)
+    h = rope_dim(cfg)
+    return 1.0 / (cfg.rope_local_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
 
 
 def rope_dim(cfg: ModelConfig) -> int:
@@ -57,6 +77,8 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     if cfg.rope_scaling_factor <= 0:
         return inv_freq
     factor, old_len = cfg.rope_scaling_factor, cfg.rope_original_max_len
+    if cfg.rope_scaling_type == "linear":
+        return inv_freq / factor
     if _yarn(cfg):
         # The dimension whose wavelength turns `rot` times in old_len; below beta_fast's
         # (short wavelengths) kept, above beta_slow's divided by factor, a ramp between.

@@ -4,8 +4,9 @@ Shapes: B batch, T query length, S key length, N query heads, K kv heads, G = N 
 per kv head, H head size. V's head size may differ from q's and k's (DeepSeek-V3's latent
 attention: 192 for q and k, 128 for v): the output has v's, the scores are scaled by q's.
 Segment id 0 marks padding; a token attends only to earlier tokens of its own segment, and with
-a window W > 0 (a static int, jaxtron/model/windows.py) only to its W latest ones. Every backend
-is tested against `xla_attention` on a packed batch.
+a window W > 0 (a static int, jaxtron/model/windows.py) only to its W latest ones. A soft cap c > 0
+(Gemma 2's) takes the scaled scores s to c * tanh(s / c) before the mask; the XLA kernels only.
+Every backend is tested against `xla_attention` on a packed batch.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ def segment_causal_mask(segment_ids_BT: jax.Array, window: int = 0) -> jax.Array
 
 
 def xla_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                  segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+                  segment_ids_BT: jax.Array, window: int = 0, softcap: float = 0.0) -> jax.Array:
     """Reference attention in plain XLA ops; softmax in float32. Within a window much shorter
     than the sequence, in bands (`banded_attention`), so that its work scales with the window."""
     chunk = band_chunk(q_BTNH.shape[1], window)
     if chunk:
-        return banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, chunk)
-    return masked_attention(q_BTNH, k_BSKH, v_BSKH, segment_causal_mask(segment_ids_BT, window))
+        return banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, chunk, softcap)
+    return masked_attention(q_BTNH, k_BSKH, v_BSKH, segment_causal_mask(segment_ids_BT, window),
+                            softcap)
 
 
 def band_chunk(t: int, window: int) -> int:
@@ -54,7 +56,7 @@ def band_chunk(t: int, window: int) -> int:
 
 
 def banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int,
-                     chunk: int) -> jax.Array:
+                     chunk: int, softcap: float = 0.0) -> jax.Array:
     """Windowed attention in chunks of `chunk` >= window queries, each over its own chunk's keys
     and the chunk's before: scores [T, 2 * chunk] where masked attention has [T, T]."""
     b, t, c = q_BTNH.shape[0], q_BTNH.shape[1], chunk
@@ -73,12 +75,13 @@ def banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int,
     same_BMCS = q_segments_BMC[..., None] == bands(segment_ids_BT, -1)[:, :, None, :]
     mask = fold(band_CS & same_BMCS)[:, None, None]
     out = masked_attention(fold(q_BTNH.reshape(b, m, c, *q_BTNH.shape[2:])),
-                           fold(bands(k_BSKH, 0)), fold(bands(v_BSKH, 0)), mask)
+                           fold(bands(k_BSKH, 0)), fold(bands(v_BSKH, 0)), mask, softcap)
     return out.reshape(b, t, *out.shape[2:])
 
 
 def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                     start: jax.Array, window: jax.Array | int = 0) -> jax.Array:
+                     start: jax.Array, window: jax.Array | int = 0,
+                     softcap: float = 0.0) -> jax.Array:
     """T new queries over a KV cache of S slots, in which their own keys sit at slots start ..
     start+T-1: each query sees the slots up to its own (earlier tokens and itself), never the
     unwritten ones after, and with `window` > 0 (may be traced) only its `window` latest. The
@@ -86,11 +89,11 @@ def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     query_slot_T1 = (start + jnp.arange(q_BTNH.shape[1]))[:, None]
     slot_1S = jnp.arange(k_BSKH.shape[1])[None, :]
     mask_TS = (slot_1S <= query_slot_T1) & ((window == 0) | (query_slot_T1 - slot_1S < window))
-    return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS[None, None, None])
+    return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS[None, None, None], softcap)
 
 
 def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                     mask: jax.Array) -> jax.Array:
+                     mask: jax.Array, softcap: float = 0.0) -> jax.Array:
     """Grouped-query attention where mask[B or 1, 1, 1, T, S] is true; softmax in float32. The
     output has v's head size (which may differ from q's), the scores the scale of q's."""
     b, t, n, h = q_BTNH.shape
@@ -99,6 +102,8 @@ def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     scores_BKGTS = jnp.einsum(
         "bkgth,bskh->bkgts", q_BKGTH, k_BSKH, preferred_element_type=jnp.float32
     ) / jnp.sqrt(jnp.float32(h))
+    if softcap:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     scores_BKGTS = jnp.where(mask, scores_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bskh->bkgth", probs_BKGTS, v_BSKH)
@@ -106,7 +111,8 @@ def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                    segment_ids_BT: jax.Array, window: int = 0) -> jax.Array:
+                    segment_ids_BT: jax.Array, window: int = 0, softcap: float = 0.0
+                    ) -> jax.Array:
     """cuDNN fused (flash) attention, GPU only: causal, grouped-query with K/V read per kv head
     (never repeated in memory), packed documents kept apart by a segment-equality mask, and a
     window (cuDNN's sliding_window_length: the tiles outside the band are skipped).
@@ -119,6 +125,8 @@ def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     Inside the pipeline's stages (a partly manual program, whose shardings jax's cuDNN
     partitioning rule cannot read) the kernel runs in a `shard_map` over the remaining axes, on
     each device's own sequences and heads (the specs of RULES), sealed (`_sealed`)."""
+    if softcap:
+        raise ConfigError(NO_SOFTCAP)
     mesh = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual
     if mesh.empty or manual not in mesh.axis_types:  # outside the pipeline: jax partitions it
@@ -208,23 +216,29 @@ ATTENTION_IMPLS: dict[str, Callable[..., jax.Array]] = {
 CHOICES = ("auto", *ATTENTION_IMPLS)  # model.attention; auto: cudnn on GPUs, xla elsewhere
 
 
-def resolve(impl: str, platform: str, dtype: str = "bfloat16") -> str:
+NO_SOFTCAP = ("model.attention=cudnn does not soft-cap scores (cuDNN has no tanh cap): with "
+              "model.attn_softcap use model.attention=auto or xla")
+
+
+def resolve(impl: str, platform: str, dtype: str = "bfloat16", softcap: float = 0.0) -> str:
     """The kernel `model.attention` means on devices of `platform` (auto: cudnn on GPUs in 16-bit
-    compute, xla elsewhere). Pipeline stages run their layers per device (a shard_map over
-    `stage`), so the choice is the same inside them."""
+    compute without a soft cap, xla elsewhere). Pipeline stages run their layers per device (a
+    shard_map over `stage`), so the choice is the same inside them."""
     if impl == "cudnn" and dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"model.attention=cudnn needs model.dtype=bfloat16 or float16, not "
                           f"{dtype}")
+    if impl == "cudnn" and softcap:
+        raise ConfigError(NO_SOFTCAP)
     if impl != "auto":
         return impl
     gpu = platform in ("gpu", "cuda")
-    return "cudnn" if gpu and dtype in ("bfloat16", "float16") else "xla"
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") and not softcap else "xla"
 
 
 def configure(cfg: Config, platform: str) -> Config:
     """cfg with model.attention resolved for devices of `platform` (auto -> cudnn on GPUs in
     16-bit compute, else xla)."""
-    kernel = resolve(cfg.model.attention, platform, cfg.model.dtype)
+    kernel = resolve(cfg.model.attention, platform, cfg.model.dtype, cfg.model.attn_softcap)
     if kernel == "cudnn" and platform not in ("gpu", "cuda"):
         raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs only, not on {platform} "
                           "devices; use model.attention=auto (it picks xla here)")
@@ -232,10 +246,10 @@ def configure(cfg: Config, platform: str) -> Config:
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla",
-              window: int = 0) -> jax.Array:
+              window: int = 0, softcap: float = 0.0) -> jax.Array:
     """Dispatch to the configured kernel (`model.attention`; auto follows jax's backend)."""
-    impl = resolve(impl, jax.default_backend())
-    return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window)
+    impl = resolve(impl, jax.default_backend(), softcap=softcap)
+    return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, softcap)
 
 
 def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,

@@ -93,14 +93,17 @@ class LayerOps:
             return h_BTD
         return constrain(h_BTD, _WHOLE_SEQ)
 
-    def attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window: int = 0) -> jax.Array:
+    def attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window: int = 0,
+               softcap: float = 0.0) -> jax.Array:
         """Causal attention within segments with model.attention's kernel, within the `window`
-        latest keys when it is > 0; a sequence split over `context` attends to the keys of the
-        whole sequence (no window there: parallel/features.py)."""
-        impl = attention.resolve(self.cfg.attention, jax.default_backend())
+        latest keys when it is > 0, its scores soft-capped at `softcap` > 0; a sequence split
+        over `context` attends to the keys of the whole sequence (neither there:
+        parallel/features.py)."""
+        impl = attention.resolve(self.cfg.attention, jax.default_backend(), softcap=softcap)
         if self.context_ways > 1:
             return context_attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl)
-        return attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl, window)
+        return attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl, window,
+                                   softcap)
 
     def experts(self, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
         """What each token's chosen experts make of it, weighted and summed: [B, T, D]."""
@@ -128,10 +131,11 @@ class LayerOps:
     def head_loss(self, head: Any, x_BTD, targets_BT, mask_BT, chunk: int) -> jax.Array:
         """The summed cross-entropy of final-normed hidden states over `mask` through `head`'s
         LM head (its `head()`, `head_weight()`), in chunks of `chunk` positions (vocab.py)."""
+        cap = self.cfg.logit_softcap
         if not self.sharded:
-            return vocab.plain_total(x_BTD, head.head(), targets_BT, mask_BT, chunk)
+            return vocab.plain_total(x_BTD, head.head(), targets_BT, mask_BT, chunk, cap)
         return vocab.sharded_total(x_BTD, head.head_weight(), targets_BT, mask_BT, chunk,
-                                   tied=self.cfg.tie_embeddings)
+                                   tied=self.cfg.tie_embeddings, softcap=cap)
 
 
 def build(cfg: ModelConfig, sizes: Mapping[str, int] | None,

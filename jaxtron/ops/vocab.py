@@ -37,28 +37,32 @@ def _merge(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
-def logits(x_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
-    """float32 logits [B, T, V] of hidden states under the head."""
-    return jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
+def logits(x_BTD: jax.Array, head_DV: jax.Array, softcap: float = 0.0) -> jax.Array:
+    """float32 logits [B, T, V] of hidden states under the head; with `softcap` > 0 (Gemma 2's
+    model.logit_softcap) z -> softcap * tanh(z / softcap)."""
+    z = jnp.einsum("btd,dv->btv", x_BTD, head_DV, preferred_element_type=jnp.float32)
+    return softcap * jnp.tanh(z / softcap) if softcap else z
 
 
-def cross_entropy(x_BTD, head_DV, targets_BT, mask_BT) -> jax.Array:
+def cross_entropy(x_BTD, head_DV, targets_BT, mask_BT, softcap: float = 0.0) -> jax.Array:
     """Summed cross-entropy of the logits of x under the head, over the masked positions."""
-    logits_BTV = parallel.constrain(logits(x_BTD, head_DV), ("act_batch_io", None, "act_vocab"))
+    logits_BTV = parallel.constrain(logits(x_BTD, head_DV, softcap),
+                                    ("act_batch_io", None, "act_vocab"))
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0))
 
 
-def plain_total(x_BTD, head_DV, targets_BT, mask_BT, chunk: int) -> jax.Array:
+def plain_total(x_BTD, head_DV, targets_BT, mask_BT, chunk: int,
+                softcap: float = 0.0) -> jax.Array:
     """The summed loss over chunks of `chunk` positions, each rematerialized in the backward."""
     parts = chunks(x_BTD.shape[1], chunk)
     if parts == 1:
-        return cross_entropy(x_BTD, head_DV, targets_BT, mask_BT)
+        return cross_entropy(x_BTD, head_DV, targets_BT, mask_BT, softcap)
 
     @jax.checkpoint
     def body(total, chunk_xs):
-        return total + cross_entropy(*chunk_xs[:1], head_DV, *chunk_xs[1:]), None
+        return total + cross_entropy(*chunk_xs[:1], head_DV, *chunk_xs[1:], softcap), None
 
     split = functools.partial(_split, parts=parts)
     return jax.lax.scan(body, jnp.zeros((), jnp.float32),
@@ -171,8 +175,8 @@ def _vocab_offset(width: int, layout: _Layout) -> jax.Array:
     return _index(layout.kept) * width
 
 
-def _chunk_logits(x_bcD, head_DV, layout: _Layout):
-    logits_bcV = logits(x_bcD, head_DV)
+def _chunk_logits(x_bcD, head_DV, layout: _Layout, softcap: float):
+    logits_bcV = logits(x_bcD, head_DV, softcap)
     top = jax.lax.stop_gradient(jnp.max(logits_bcV, axis=-1))
     top = jax.lax.pmax(top, layout.kept) if layout.kept else top
     sums = jnp.sum(jnp.exp(logits_bcV - top[..., None]), axis=-1)
@@ -180,7 +184,7 @@ def _chunk_logits(x_bcD, head_DV, layout: _Layout):
     return logits_bcV, top + jnp.log(sums)
 
 
-def _forward_local(x, w, targets, mask, *, layout: _Layout, parts: int, dtype):
+def _forward_local(x, w, targets, mask, *, layout: _Layout, parts: int, dtype, softcap: float):
     """This device's rows: (its summed loss [1], logsumexp [C, b, T/C] in chunk order).
 
     Chunk c is gathered over the sequence shards from each one's c-th share of positions, so
@@ -191,7 +195,7 @@ def _forward_local(x, w, targets, mask, *, layout: _Layout, parts: int, dtype):
 
     def body(total, chunk_xs):
         x_part, targets_bc, mask_bc = chunk_xs
-        logits_bcV, lse_bc = _chunk_logits(_gather_seq(x_part, layout), head_DV, layout)
+        logits_bcV, lse_bc = _chunk_logits(_gather_seq(x_part, layout), head_DV, layout, softcap)
         local = targets_bc - offset
         mine = (local >= 0) & (local < head_DV.shape[1])
         picked = jnp.take_along_axis(logits_bcV, jnp.where(mine, local, 0)[..., None], -1)[..., 0]
@@ -205,8 +209,10 @@ def _forward_local(x, w, targets, mask, *, layout: _Layout, parts: int, dtype):
     return total[None], lse
 
 
-def _backward_local(x, w, targets, mask, lse, g, *, layout: _Layout, parts: int, dtype):
-    """This device's rows: (dx [b, T/|seq|, D], its shard of dW summed over all rows)."""
+def _backward_local(x, w, targets, mask, lse, g, *, layout: _Layout, parts: int, dtype,
+                    softcap: float):
+    """This device's rows: (dx [b, T/|seq|, D], its shard of dW summed over all rows); through
+    the soft cap's tanh where there is one."""
     head_DV = _gather_head(w, layout, dtype)
     offset = _vocab_offset(head_DV.shape[1], layout)
     vocab = jnp.arange(head_DV.shape[1])
@@ -214,10 +220,14 @@ def _backward_local(x, w, targets, mask, lse, g, *, layout: _Layout, parts: int,
 
     def chunk_grads(x_part, targets_bc, mask_bc, lse_bc):
         x_bcD = _gather_seq(x_part, layout)
-        probs_bcV = jnp.exp(logits(x_bcD, head_DV) - lse_bc[..., None])
+        logits_bcV = logits(x_bcD, head_DV, softcap)
+        probs_bcV = jnp.exp(logits_bcV - lse_bc[..., None])
         hit_bcV = (targets_bc - offset)[..., None] == vocab
         scale_bc = jnp.where(mask_bc, g, 0.0)
-        dlogits_bcV = ((probs_bcV - hit_bcV) * scale_bc[..., None]).astype(dtype)
+        dlogits_bcV = (probs_bcV - hit_bcV) * scale_bc[..., None]
+        if softcap:  # d(c tanh(z / c))/dz = 1 - tanh^2
+            dlogits_bcV = dlogits_bcV * (1 - jnp.square(logits_bcV / softcap))
+        dlogits_bcV = dlogits_bcV.astype(dtype)
         dx_bcD = jnp.einsum("bcv,dv->bcd", dlogits_bcV, head_DV, preferred_element_type=jnp.float32)
         dhead_DV = jnp.einsum("bcd,bcv->dv", x_bcD, dlogits_bcV, preferred_element_type=dtype)
         # Each tensor rank holds the part from its vocab slice: summed, each keeps its share.
@@ -241,16 +251,18 @@ def _backward_local(x, w, targets, mask, lse, g, *, layout: _Layout, parts: int,
     return _merge(jnp.stack(dx)), dw.astype(w.dtype)
 
 
-def sharded_total(x_BTD, w, targets_BT, mask_BT, chunk: int, tied: bool) -> jax.Array:
+def sharded_total(x_BTD, w, targets_BT, mask_BT, chunk: int, tied: bool,
+                  softcap: float = 0.0) -> jax.Array:
     """The summed loss under the context mesh; `w` the stored head (lm_head [D, V] or, `tied`,
-    the embedding table [V, D]); x[B, T, D] in the compute dtype."""
+    the embedding table [V, D]); x[B, T, D] in the compute dtype; the logits soft-capped at
+    `softcap` > 0."""
     layout = _Layout(tied)
     shape = jax.sharding.get_abstract_mesh().shape
     ways = math.prod(shape[a] for a in layout.seq)
     local = x_BTD.shape[1] // math.prod(shape[a] for a in layout.ctx)  # a context rank's
     # Chunks of at most `chunk` positions, each taking the same share of every sequence shard.
     parts = chunks(local // ways, max(chunk // ways, 1) if chunk > 0 else 0)
-    options = {"layout": layout, "parts": parts, "dtype": x_BTD.dtype}
+    options = {"layout": layout, "parts": parts, "dtype": x_BTD.dtype, "softcap": softcap}
     in_specs = (layout.x_spec, layout.head_spec, layout.row_spec, layout.row_spec)
     lse_spec = P(None, layout.rows or None, layout.ctx or None)
     forward = jax.shard_map(functools.partial(_forward_local, **options), in_specs=in_specs,

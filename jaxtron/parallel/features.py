@@ -24,6 +24,8 @@ FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
                                   if cfg.model.sliding_window else None),
     "mixed_windows": lambda cfg, sizes: (f"model.global_every={cfg.model.global_every}"
                                          if cfg.model.global_every else None),
+    "softcap": lambda cfg, sizes: (f"model.attn_softcap={cfg.model.attn_softcap}"
+                                   if cfg.model.attn_softcap else None),
 }
 # (feature, feature) -> the refusal, formatted with each feature's setting
 EXCLUSIONS: dict[tuple[str, str], str] = {
@@ -41,6 +43,8 @@ EXCLUSIONS: dict[tuple[str, str], str] = {
     ("pipeline", "mixed_windows"): "{pipeline} with {mixed_windows}: a pipeline's stages run "
                                    "layers that attend alike; use mesh.fsdp and mesh.tensor, or "
                                    "model.global_every=0",
+    ("context", "softcap"): "{context} with {softcap}: context parallelism does not soft-cap "
+                            "attention scores; use mesh.fsdp, mesh.tensor or mesh.stage",
 }
 
 
