@@ -83,7 +83,7 @@ def test_yaml_errors_name_the_line_and_column(tmp_path):
 
 def test_a_directory_as_config_lists_its_presets():
     with pytest.raises(config.ConfigError, match=r"is a directory; give one preset file from it "
-                                                 r"\(deepseek_v3.yaml, gpt2_124m.yaml, .*tiny.yaml, "
+                                                 r"\(deepseek_v3.yaml, gemma3_27b.yaml, .*tiny.yaml, "
                                                  r"tiny_deepseek.yaml, tiny_moe.yaml\)"):
         config.load([CONFIGS])
 

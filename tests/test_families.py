@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtron import config
 from jaxtron.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
 from jaxtron.hf import config_json
-from jaxtron.model import decoder, deepseek, families
+from jaxtron.model import decoder, deepseek, families, gemma
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
@@ -25,10 +25,13 @@ MADE_BY = {"llama": {}, "mistral": {"sliding_window": 32}, "qwen2": {"qkv_bias":
            "deepseek_v3": {"moe": MoEConfig(num_experts=4, scoring="sigmoid"),
                            "num_kv_heads": 2, "mla": LATENT},
            "deepseek_v2": {"moe": EXPERTS, "num_kv_heads": 2, "mla": LATENT}}
+# families that only model.family makes (their blocks differ in ways no other setting says),
+# with the settings they fix; unnamed, those settings make the family beside them
+NAMED_ONLY = {"gemma2": ({}, "llama"), "gemma3_text": ({"qk_norm": True}, "qwen3")}
 
 
 def test_every_family_is_made_by_its_settings_and_builds_its_module():
-    assert set(MADE_BY) == set(families.FAMILIES)
+    assert set(MADE_BY) | set(NAMED_ONLY) == set(families.FAMILIES)
     for name, settings in MADE_BY.items():
         unnamed = dataclasses.replace(SMALL, **settings)
         named = dataclasses.replace(unnamed, family=name)
@@ -39,6 +42,13 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
         assert type(model) is module.Transformer and model.cfg == named
         experts = hasattr(model.layers.mlp, "router")
         assert experts == ("moe" in settings), name
+    for name, (settings, unnamed_family) in NAMED_ONLY.items():
+        named = dataclasses.replace(SMALL, family=name, **settings)
+        families.check(named)
+        assert families.family_of(dataclasses.replace(named, family="")) == unnamed_family
+        model = families.build(named, nnx.Rngs(0))
+        assert type(model) is gemma.Transformer and model.cfg == named
+        assert hasattr(model.layers, "post_mlp_norm"), name
 
 
 @pytest.mark.parametrize("family, settings, needs", [

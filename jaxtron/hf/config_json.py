@@ -14,7 +14,7 @@ from jaxtron.config.model import MLAConfig
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3",
                    "deepseek_v2", "gemma2", "gemma3_text")
-GEMMA_TYPES = ("gemma2", "gemma3_text")  # read in jaxtron/hf/gemma.py
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # written by jaxtron/hf/gemma.py
 DEEPSEEK = "deepseek_v3"
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")  # latent attention and DeepSeek-MoE
 
@@ -203,9 +203,7 @@ def config_from_hf(hf_config: dict) -> dict:
     if hf["model_type"] in DEEPSEEK_TYPES:
         return _deepseek_config(hf)
     if hf["model_type"] in GEMMA_TYPES:
-        from jaxtron.hf import gemma  # noqa: PLC0415  (it builds on this module)
-
-        return gemma.config_from_hf(hf)
+        return _gemma_config(hf)
     heads = _setting(hf, "num_attention_heads", int)
     hidden = _setting(hf, "hidden_size", int)
     _setting(hf, "max_position_embeddings", int, 0)  # read by the callers
@@ -299,6 +297,76 @@ def _deepseek_config(hf: dict) -> dict:
             aux_coef=0.0,
         ),
     }
+
+
+_SHARED = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+           "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+           "attention_bias": False}
+GEMMA_DEFAULTS = {
+    "gemma2": {**_SHARED, "vocab_size": 256000, "max_position_embeddings": 8192,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_SHARED, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None},
+}
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+
+
+def _gemma_config(hf_config: dict) -> dict:
+    """Gemma 2's or Gemma 3's config.json -> our model.* settings, absent keys taking
+    transformers 5.24's Gemma2Config and Gemma3TextConfig defaults (GEMMA_DEFAULTS)."""
+    kind = hf_config["model_type"]
+    hf = {**GEMMA_DEFAULTS[kind], **{k: v for k, v in hf_config.items() if v is not None
+                                or k.endswith("softcapping")}}
+    if hf["hidden_activation"] != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation '{hf['hidden_activation']}' is not supported "
+                         "(Gemma's GeGLU uses gelu_pytorch_tanh)")
+    if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
+        raise ValueError("attention biases and bidirectional attention are not supported")
+    layers = _setting(hf, "num_hidden_layers", int)
+    if not isinstance(hf.get("layer_types"), list):  # transformers' pattern from its default
+        every = 2 if kind == "gemma2" else _setting(hf, "sliding_window_pattern", int, 6)
+        hf["layer_types"] = [LOCAL if (i + 1) % every else GLOBAL for i in range(layers)]
+    heads = _setting(hf, "num_attention_heads", int)
+    return {
+        "family": kind,
+        "vocab_size": _setting(hf, "vocab_size", int),
+        "num_layers": layers,
+        "d_model": _setting(hf, "hidden_size", int),
+        "num_heads": heads,
+        "num_kv_heads": _setting(hf, "num_key_value_heads", int, heads),
+        "head_dim": _setting(hf, "head_dim", int),
+        "mlp_dim": _setting(hf, "intermediate_size", int),
+        "norm_eps": _setting(hf, "rms_norm_eps", float),
+        "tie_embeddings": _setting(hf, "tie_word_embeddings", bool),
+        "qk_norm": kind == "gemma3_text",
+        "attn_scale_dim": _setting(hf, "query_pre_attn_scalar", int),
+        "attn_softcap": _setting(hf, "attn_logit_softcapping", float, 0.0),
+        "logit_softcap": _setting(hf, "final_logit_softcapping", float, 0.0),
+        **_window_pattern({**hf, "use_sliding_window": True}),
+        **_gemma_rope(hf, kind),
+    }
+
+
+def _gemma_rope(hf: dict, kind: str) -> dict:
+    """The global layers' RoPE as our rope_* fields, and Gemma 3's windowed layers' base
+    (model.rope_local_theta): per layer type in rope_parameters (transformers 5), or rope_theta
+    with rope_scaling and rope_local_base_freq (transformers 4)."""
+    params = hf.get("rope_parameters") or {}
+    if kind == "gemma2":
+        return _rope_overrides(hf)
+    if isinstance(params.get(GLOBAL), dict):
+        local = params.get(LOCAL) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.{LOCAL}.rope_type '{local['rope_type']}' is not "
+                             "supported (default is)")
+        out = _rope_overrides({**hf, "rope_parameters": params[GLOBAL]})
+        return {**out, "rope_local_theta": _setting(local, "rope_theta", float, 10000.0,
+                                                    f"rope_parameters.{LOCAL}.")}
+    out = _rope_overrides({**hf, "rope_parameters": None,
+                           "rope_theta": hf.get("rope_theta", 1_000_000.0)})
+    return {**out, "rope_local_theta": _setting(hf, "rope_local_base_freq", float, 10000.0)}
 
 
 def rope_interleave(hf: dict) -> bool:

@@ -139,14 +139,8 @@ class Attention(nnx.Module):
             out_BTNH = ops.attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
                                   window=window if local else 0, softcap=softcap)
         else:
-            heads = lambda x, names: constrain(x, (*BATCH_WHOLE_SEQ, names, None))
-
-            def attend(window):  # pinned inside the branch: the partitioner sees no sharding there
-                return lambda q, k, v: heads(ops.attend(
-                    heads(q, "act_heads"), heads(k, "act_kv_heads"), heads(v, "act_kv_heads"),
-                    segment_ids_BT, window=window, softcap=softcap), "act_heads")
-
-            out_BTNH = jax.lax.cond(local, attend(window), attend(0), q_BTNH, k_BTKH, v_BTKH)
+            out_BTNH = ops.attend_either(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local, window,
+                                         softcap)
         return self._output(out_BTNH, ops)
 
     def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps,

@@ -27,6 +27,7 @@ class Family:
     experts: bool = False  # a mixture of experts in place of the MLP
     latent: bool = False  # multi-head latent attention (model.mla) and DeepSeek-MoE's options
     scoring: str = ""  # the router's scores it fixes (model.moe.scoring), "" any
+    post_norms: bool = False  # norms after attention and the MLP too, before the residual add
 
 
 FAMILIES = {
@@ -39,8 +40,9 @@ FAMILIES = {
     "deepseek_v3": Family("deepseek", experts=True, latent=True, scoring="sigmoid"),
     # DeepSeek-V2: V3's blocks with a softmax router, no balancing bias
     "deepseek_v2": Family("deepseek", experts=True, latent=True, scoring="softmax"),
-    "gemma2": Family("gemma"),  # windows, soft caps, four norms a layer, GeGLU
-    "gemma3_text": Family("gemma", qk_norm=True),  # Gemma 2 with q/k norms, local RoPE, no caps
+    "gemma2": Family("gemma", post_norms=True),  # windows, soft caps, four norms a layer, GeGLU
+    # Gemma 2's blocks with q/k norms, the windowed layers' own RoPE base, no caps
+    "gemma3_text": Family("gemma", qk_norm=True, post_norms=True),
 }
 # DeepSeek-MoE's options (model.moe) at the values that leave the other families' experts as
 # they are

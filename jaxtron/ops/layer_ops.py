@@ -105,6 +105,14 @@ class LayerOps:
         return attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl, window,
                                    softcap)
 
+    def attend_either(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local: jax.Array,
+                      window: int, softcap: float = 0.0) -> jax.Array:
+        """`attend` within `window` where `local` (traced), else globally: one of the two
+        kernels runs, on each device's own rows and heads (attention.either)."""
+        impl = attention.resolve(self.cfg.attention, jax.default_backend(), softcap=softcap)
+        return attention.either(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local, impl, window,
+                                softcap)
+
     def experts(self, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
         """What each token's chosen experts make of it, weighted and summed: [B, T, D]."""
         return experts.experts(self.cfg, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)

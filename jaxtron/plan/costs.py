@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxtron.config import Config, ModelConfig
-from jaxtron.model import windows
+from jaxtron.model import families, windows
 from jaxtron.ops import vocab
 from jaxtron.plan.memory import layer_weights, process_bytes
 
@@ -137,8 +137,9 @@ def make_row(step: int, fetched: dict, step_time: float, cost: StepCost, tokens:
 
 
 # The projections each remat policy (model.REMAT_POLICIES) recomputes in the backward. The down
-# projection never is: its output only joins the residual stream, which nothing in the backward
-# reads, so XLA drops it from the recompute. The output projection is recomputed whenever the
+# projection is not: its output only joins the residual stream, which nothing in the backward
+# reads, so XLA drops it from the recompute; except where a norm reads it first (a family with
+# post_norms, Gemma: `expected_matmul`). The output projection is recomputed whenever the
 # residual after attention is not saved (the MLP's norm reads it).
 RECOMPUTED = {
     "none": (),
@@ -163,6 +164,8 @@ def expected_matmul(cfg: Config, tokens_per_device: float, mesh_expert: int = 1,
     names = RECOMPUTED[m.remat]
     if m.moe.num_experts and "gate" in names:
         names = (*names, "router")
+    if families.FAMILIES[families.family_of(m)].post_norms and "gate" in names:
+        names = (*names, "down")  # the norm after the MLP reads its output
     recomputed = sum(count * sum(w[name] for name in names) for count, w in _layer_kinds(m))
     if m.moe.num_experts and mesh_expert > 1 and "gate" not in names:
         # each ring step's own gate and up, of the routed experts (not the shared ones), in
