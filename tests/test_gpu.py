@@ -174,6 +174,28 @@ def test_cudnn_attention_keeps_packed_documents_apart():
 
 
 @gpu
+@pytest.mark.parametrize("window", [64, 96])
+def test_cudnn_windowed_attention_matches_xla_on_packed_batches(window):
+    """cuDNN's sliding_window_length against the banded XLA kernel (512 positions: chunks of 64
+    or 128), packed documents, forward and gradients; and the per-layer choice between the two
+    kernels (`attention.either`, a cond) picks the windowed one where asked."""
+    cuda = jax.devices("cuda")[0]
+    t, n, k, h = 512, 8, 2, 128
+    segments = packed_segments(ROWS, t, seed=window)
+    q, kk, v, cot = attention_inputs(t, n, k, h, cuda, seed=window)
+    windowed = lambda kernel: lambda *a: kernel(*a, window)
+    want = outputs_and_grads(windowed(attention.xla_attention), q, kk, v, segments, cot)
+    got = outputs_and_grads(windowed(attention.cudnn_attention), q, kk, v, segments, cot)
+    errors = relative_errors(got, want)
+    assert max(errors.values()) <= ATTENTION_RTOL, errors
+    either = lambda *a: attention.either(*a, jnp.asarray(True), "cudnn", window)
+    errors = relative_errors(outputs_and_grads(either, q, kk, v, segments, cot), want)
+    assert max(errors.values()) <= ATTENTION_RTOL, errors
+    whole = outputs_and_grads(attention.xla_attention, q, kk, v, segments, cot)
+    assert min(relative_errors(got, whole).values()) > MASK_FLOOR  # the window matters
+
+
+@gpu
 @pytest.mark.parametrize("sizes", [(64, 64), (192, 128)])  # latent attention's
 def test_attention_self_check_passes_on_the_gpu(sizes):
     """jaxtron's start-up check (train() runs it before training with model.attention=cudnn)."""
