@@ -374,7 +374,6 @@ def test_windowed_layers_attend_in_cudnn_at_the_windows_cost(every):
         assert gathered(report) == gathered(uniform)
 
 
-@pytest.mark.slow  # CI runs it in its second leg, on jax 0.12
 def test_gemma3_4b_as_shipped_fits_one_gpu_and_attends_in_its_window(tmp_path):
     """Gemma 3 4B on one H100 as shipped (five windowed layers to one global, a conditional
     per layer inside a shard_map): the compiled peak leaves 10% of the usable memory, the

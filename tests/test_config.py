@@ -152,7 +152,7 @@ def test_a_missing_config_names_the_presets(tmp_path, monkeypatch):
                                                  r"\(did you mean --config tiny\?\)$"):
         config.load(["configs/tiny"])
     with pytest.raises(config.ConfigError, match=r"^config file not found: nope; a preset's name "
-                                                 r"is one of deepseek_v3, gpt2_124m, .*, llama3_8b, "
+                                                 r"is one of deepseek_v3, gemma3_27b, .*, llama3_8b, "
                                                  r".*tiny_moe$"):
         config.load(["nope"])
 

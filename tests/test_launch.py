@@ -705,8 +705,8 @@ def test_help_gives_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--config PRESET a preset's name (llama3_8b; listed below) or a YAML file's path " \
            "(repeatable; later ones override earlier ones; default: tiny)" in text
-    assert ("presets (--config NAME, shipped with jaxtron): deepseek_v3, gpt2_124m, gpu_base, "
-            "llama2_7b, ") in text
+    assert ("presets (--config NAME, shipped with jaxtron): deepseek_v3, gemma3_27b, gemma3_4b, "
+            "gpt2_124m, gpu_base, llama2_7b, ") in text
     assert "(default: the local device's, if it reports one)" in text
     assert "GPUs per host (default 8)" in text
 

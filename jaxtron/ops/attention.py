@@ -157,7 +157,7 @@ def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int = 0) -> jax
     return fa.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=same_BTS[:, None],
                                     scale=q_BTNH.shape[-1] ** -0.5,
                                     mask_type=fa.MaskType.CAUSAL,
-                                    sliding_window_length=window or None)
+                                    **({"sliding_window_length": window} if window else {}))
 
 
 def either(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local: jax.Array, impl: str, window: int,
