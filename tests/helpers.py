@@ -209,6 +209,25 @@ def hf_case(name: str) -> tuple[torch.nn.Module, ModelConfig, dict, dict]:
     return hf_model, cfg, hf_tensors, hf_mapping.hf_to_params(hf_tensors, cfg)
 
 
+def saved_and_read(model: torch.nn.Module, path: Path) -> tuple[ModelConfig, dict]:
+    """`model` saved by transformers to `path`, read back by jaxtron: (config, params)."""
+    from jaxtron import hf
+
+    model.save_pretrained(path)
+    return hf.from_pretrained(path)
+
+
+def logit_diff(model: torch.nn.Module, cfg: ModelConfig, params: dict, tokens: np.ndarray,
+               positions: np.ndarray) -> float:
+    """The largest |our logit - transformers'| on one unpacked batch (printed with the scale)."""
+    from jaxtron import hf
+
+    ref = hf_logits(model, tokens, positions)
+    diff = float(np.abs(hf.logits(cfg, params, tokens) - ref).max())
+    print(f"max |logit diff| {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
+    return diff
+
+
 def hf_logits(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """HF logits for one unpacked batch."""
     import torch

@@ -13,7 +13,7 @@ of the best two). Dims no other test uses: 3 layers (the first dense), 12 expert
 import numpy as np
 import pytest
 import torch
-from helpers import HF_TOL, assert_exported_as_read, hf_logits
+from helpers import HF_TOL, assert_exported_as_read, hf_logits, logit_diff, saved_and_read
 
 from jaxtron import hf
 from jaxtron.hf import config_json
@@ -58,9 +58,7 @@ def case(request, tmp_path_factory):
     """(case name, HF model, its directory as transformers saves it, our config and params)."""
     model = _hf_model(CASES[request.param])
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    cfg, params = hf.from_pretrained(path)
-    return request.param, model, path, cfg, params
+    return request.param, model, path, *saved_and_read(model, path)
 
 
 def _tokens(batch: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -73,11 +71,7 @@ def test_logits_equal_transformers(case):
     assert cfg.family == "deepseek_v2" and cfg.moe.scoring == "softmax"
     assert not cfg.moe.norm_topk_prob and "router_bias" not in params["layers"]["mlp"]
     assert (cfg.moe.groups, cfg.moe.topk_groups) == ((4, 2) if name == "grouped" else (1, 1))
-    tokens, positions = _tokens()
-    ref = hf_logits(model, tokens, positions)
-    diff = np.abs(hf.logits(cfg, params, tokens) - ref).max()
-    print(f"max |logit diff| {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
-    assert diff < HF_TOL
+    assert logit_diff(model, cfg, params, *_tokens()) < HF_TOL
 
 
 def test_groups_are_ranked_by_their_best_score(case, monkeypatch):

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import HF_TOL, assert_exported_as_read, hf_logits
+from helpers import HF_TOL, assert_exported_as_read, hf_logits, logit_diff, saved_and_read
 
 from jaxtron import hf
 from jaxtron.hf import config_json
@@ -59,9 +59,7 @@ def case(request, tmp_path_factory):
     kind, overrides = CASES[request.param]
     model = _hf_model(kind, overrides)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    cfg, params = hf.from_pretrained(path)
-    return request.param, model, path, cfg, params
+    return request.param, model, path, *saved_and_read(model, path)
 
 
 def _tokens(batch: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -74,11 +72,7 @@ def test_logits_equal_transformers(case):
     assert cfg.family == CASES[name][0] and cfg.sliding_window == WINDOW
     assert windows.layer_windows(cfg) == ([8, 0] * 2 if name == "gemma2"
                                           else [8] * 5 + [0] + [8])
-    tokens, positions = _tokens()
-    ref = hf_logits(model, tokens, positions)
-    diff = np.abs(hf.logits(cfg, params, tokens) - ref).max()
-    print(f"max |logit diff| {diff:.2e} (logit scale {np.abs(ref).max():.1f})")
-    assert diff < HF_TOL
+    assert logit_diff(model, cfg, params, *_tokens()) < HF_TOL
 
 
 def test_the_window_and_the_caps_matter(case):

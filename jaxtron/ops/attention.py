@@ -169,7 +169,7 @@ def either(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local: jax.Array, impl: str, 
     backward (the softmax statistics, the mask, q, k, v) came out whole over the batch and
     were all-gathered on every device, every layer (Gemma 3 27B on 8 H100s: 285 GiB gathered
     per step against 98 with every layer alike)."""
-    run = ATTENTION_IMPLS[resolve(impl, jax.default_backend(), softcap=softcap)]
+    run = ATTENTION_IMPLS[impl]  # resolved by the caller (LayerOps.attend_either)
     if run is cudnn_attention:
         run = _sealed  # a device's own rows: the kernel, sealed inside the manual program
 
