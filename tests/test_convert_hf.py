@@ -754,7 +754,7 @@ def test_of_two_imports_into_one_new_directory_the_second_is_refused(tmp_path, c
     ({"rms_norm_eps": [1e-5]}, "rms_norm_eps is [1e-05], a list; it must be a number"),
     ({"model_type": None},
      "model_type is missing; add the family (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, "
-     "deepseek_v3, deepseek_v2, gemma2, gemma3_text)"),
+     "deepseek_v3, deepseek_v2, gemma2, gemma3_text, gpt_oss)"),
     ({"num_attention_heads": None}, "num_attention_heads is missing; add it (an integer)"),
 ])
 def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path, capsys, edit, message):

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxtron import config
 from jaxtron.config import ConfigError, MLAConfig, ModelConfig, MoEConfig
 from jaxtron.hf import config_json
-from jaxtron.model import decoder, deepseek, families, gemma
+from jaxtron.model import decoder, deepseek, families, gemma, gpt_oss
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
@@ -24,7 +24,8 @@ MADE_BY = {"llama": {}, "mistral": {"sliding_window": 32}, "qwen2": {"qkv_bias":
            "qwen3_moe": {"moe": EXPERTS, "qk_norm": True},
            "deepseek_v3": {"moe": MoEConfig(num_experts=4, scoring="sigmoid"),
                            "num_kv_heads": 2, "mla": LATENT},
-           "deepseek_v2": {"moe": EXPERTS, "num_kv_heads": 2, "mla": LATENT}}
+           "deepseek_v2": {"moe": EXPERTS, "num_kv_heads": 2, "mla": LATENT},
+           "gpt_oss": {"moe": EXPERTS, "qkv_bias": True, "attn_sinks": True}}
 # families that only model.family makes (their blocks differ in ways no other setting says),
 # with the settings they fix; unnamed, those settings make the family beside them
 NAMED_ONLY = {"gemma2": ({}, "llama"), "gemma3_text": ({"qk_norm": True}, "qwen3")}
@@ -38,7 +39,8 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
         assert families.family_of(unnamed) == families.family_of(named) == name
         families.check(named)
         model = families.build(named, nnx.Rngs(0))
-        module = deepseek if name.startswith("deepseek") else decoder
+        module = (deepseek if name.startswith("deepseek") else gpt_oss if name == "gpt_oss"
+                  else decoder)
         assert type(model) is module.Transformer and model.cfg == named
         experts = hasattr(model.layers.mlp, "router")
         assert experts == ("moe" in settings), name
@@ -61,6 +63,8 @@ def test_every_family_is_made_by_its_settings_and_builds_its_module():
      "model.moe.scoring=sigmoid"),
     ("deepseek_v2", {"moe": MoEConfig(num_experts=4, scoring="sigmoid"), "num_kv_heads": 2,
                      "mla": LATENT}, "model.moe.scoring=softmax"),
+    ("gpt_oss", {"moe": EXPERTS, "qkv_bias": True}, "model.attn_sinks=true"),
+    ("llama", {"attn_sinks": True}, "model.attn_sinks=false"),
 ])
 def test_a_family_without_its_settings_is_refused_in_one_line(family, settings, needs):
     cfg = dataclasses.replace(SMALL, family=family, **settings)

@@ -43,6 +43,10 @@ class MoEConfig:
     # auxiliary-loss-free balancing: a per-expert bias added to the scores for the choice only,
     # moved after each step by this times the sign of the expert's load error; 0: no bias
     bias_update_speed: float = 0.0
+    # > 0: gpt-oss's clamped SwiGLU, gate clipped above and up on both sides at this limit,
+    # then (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: silu(gate) * up
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    # YaRN's correction range rounded out to whole dimensions (transformers' truncate; gpt-oss:
+    # false)
+    rope_truncate: bool = True
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -130,6 +137,8 @@ class ModelConfig:
     # 0: none
     attn_softcap: float = 0.0
     logit_softcap: float = 0.0
+    # gpt-oss: a learned logit per head in every softmax's denominator (model/gpt_oss.py)
+    attn_sinks: bool = False
     init_std: float = 0.02
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"  # master weights

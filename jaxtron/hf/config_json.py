@@ -13,7 +13,7 @@ from jaxtron.config import MoEConfig
 from jaxtron.config.model import MLAConfig
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3",
-                   "deepseek_v2", "gemma2", "gemma3_text")
+                   "deepseek_v2", "gemma2", "gemma3_text", "gpt_oss")
 GEMMA_TYPES = ("gemma2", "gemma3_text")  # written by jaxtron/hf/gemma.py
 DEEPSEEK = "deepseek_v3"
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")  # latent attention and DeepSeek-MoE
@@ -43,29 +43,28 @@ def _rope_overrides(hf: dict) -> dict:
                                                where)
                                       or _setting(hf, "max_position_embeddings", int)),
         }
-    elif kind == "yarn" and deepseek:
+    elif kind == "yarn" and (deepseek or hf.get("model_type") == "gpt_oss"):
         out |= _yarn(rope, hf, where)
     elif kind == "linear" and hf.get("model_type") == "gemma3_text":
         out |= {"rope_scaling_factor": _setting(rope, "factor", float, where=where),
                 "rope_scaling_type": "linear"}
     elif kind != "default":
         raise ValueError(f"RoPE scaling type '{kind}' is not supported (default and llama3 are; "
-                         "yarn for deepseek_v3 and deepseek_v2 only)")
+                         "yarn for deepseek_v3, deepseek_v2 and gpt_oss only)")
     return out
 
 
 def _yarn(rope: dict, hf: dict, where: str) -> dict:
     """YaRN's fields as transformers' _compute_yarn_parameters reads them (beta_fast 32 and
     beta_slow 1 when absent or 0; mscale and mscale_all_dim count only when set, so absent is
-    0 here), for DeepSeek-V3 (whose softmax scale takes mscale_all_dim too)."""
+    0 here), for DeepSeek-V3 (whose softmax scale takes mscale_all_dim too) and gpt-oss (its
+    correction range untruncated)."""
     if rope.get("attention_factor") is not None:
         raise ValueError(f"{where}attention_factor is not supported (the factor is computed "
                          "from factor, mscale and mscale_all_dim)")
-    if rope.get("truncate", True) is not True:
-        raise ValueError(f"{where}truncate={json.dumps(rope['truncate'])} is not supported "
-                         "(YaRN's correction range is truncated here)")
     return {
         "rope_scaling_type": "yarn",
+        "rope_truncate": _setting(rope, "truncate", bool, True, where),
         "rope_scaling_factor": _setting(rope, "factor", float, where=where),
         "rope_original_max_len": (_setting(rope, "original_max_position_embeddings", int, 0,
                                            where)
@@ -84,7 +83,7 @@ def _check_supported(hf: dict) -> None:
         raise ValueError(f"model_type '{kind}' is not supported ({', '.join(SUPPORTED_TYPES)} are)")
     if kind in DEEPSEEK_TYPES:
         _check_deepseek(hf)
-    if kind in GEMMA_TYPES:
+    if kind in (*GEMMA_TYPES, "gpt_oss"):  # read by their own readers
         return
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported (SwiGLU uses silu)")
@@ -204,6 +203,9 @@ def config_from_hf(hf_config: dict) -> dict:
         return _deepseek_config(hf)
     if hf["model_type"] in GEMMA_TYPES:
         return _gemma_config(hf)
+    if hf["model_type"] == "gpt_oss":
+        from jaxtron.hf import gpt_oss  # noqa: PLC0415 (it reads with this module's helpers)
+        return gpt_oss.read(hf)
     heads = _setting(hf, "num_attention_heads", int)
     hidden = _setting(hf, "hidden_size", int)
     _setting(hf, "max_position_embeddings", int, 0)  # read by the callers

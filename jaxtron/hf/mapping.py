@@ -50,6 +50,8 @@ OUT: Transform = (  # [D, N*H] <-> [N, H, D]
     lambda y, h: y.reshape(-1, y.shape[-1]).T,
 )
 BIAS: Transform = (lambda x, h: x.reshape(-1, h), lambda y, h: y.reshape(-1))  # [N*H] <-> [N, H]
+EXPERTS_DOWN: Transform = (lambda x, h: x.transpose(0, 2, 1),  # [E, F, D] <-> [E, D, F]
+                           lambda y, h: y.transpose(0, 2, 1))
 
 LAYER = "model.layers.{i}."
 # One row per tensor: HF name ({i}: layer index, stacked on our L axis), our path (a layer's
@@ -64,6 +66,8 @@ MAPPING: tuple[tuple[str, ParamPath, Transform], ...] = (
     (LAYER + "self_attn.k_proj.bias", ("layers", "attn", "bk"), BIAS),  # Qwen2
     (LAYER + "self_attn.v_proj.bias", ("layers", "attn", "bv"), BIAS),  # Qwen2
     (LAYER + "self_attn.o_proj.weight", ("layers", "attn", "wo"), OUT),
+    (LAYER + "self_attn.o_proj.bias", ("layers", "attn", "bo"), COPY),  # gpt-oss
+    (LAYER + "self_attn.sinks", ("layers", "attn", "sinks"), COPY),  # gpt-oss
     (LAYER + "self_attn.q_norm.weight", ("layers", "attn", "q_norm", "scale"), COPY),  # Qwen3
     (LAYER + "self_attn.k_norm.weight", ("layers", "attn", "k_norm", "scale"), COPY),  # Qwen3
     (LAYER + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), COPY),
@@ -90,6 +94,16 @@ MLPS: dict[str, tuple[tuple[str, ParamPath, Transform], ...]] = {
         (LAYER + "mlp.experts.{j}.gate_proj.weight", ("layers", "mlp", "w_gate"), LINEAR),
         (LAYER + "mlp.experts.{j}.up_proj.weight", ("layers", "mlp", "w_up"), LINEAR),
         (LAYER + "mlp.experts.{j}.down_proj.weight", ("layers", "mlp", "w_down"), COPY),
+    ),
+    # every expert in one tensor per layer: gate and up interleaved [E, D, 2F] as ours, the
+    # down projection [E, F, D] (ours [E, D, F]); router weight and bias
+    "gpt_oss": (
+        (LAYER + "mlp.router.weight", ("layers", "mlp", "router"), LINEAR),
+        (LAYER + "mlp.router.bias", ("layers", "mlp", "b_router"), COPY),
+        (LAYER + "mlp.experts.gate_up_proj", ("layers", "mlp", "w_gate_up"), COPY),
+        (LAYER + "mlp.experts.gate_up_proj_bias", ("layers", "mlp", "b_gate_up"), COPY),
+        (LAYER + "mlp.experts.down_proj", ("layers", "mlp", "w_down"), EXPERTS_DOWN),
+        (LAYER + "mlp.experts.down_proj_bias", ("layers", "mlp", "b_down"), COPY),
     ),
 }
 # Gemma's four norms a layer: after attention, before and after the MLP (Llama's

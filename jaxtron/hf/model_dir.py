@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import ConfigError, ModelConfig
-from jaxtron.hf import gemma, tensorfile
+from jaxtron.hf import gemma, gpt_oss, tensorfile
 from jaxtron.hf.config_json import config_from_hf, rope_interleave
 from jaxtron.hf.mapping import (
     FLOAT32_TENSORS,
@@ -47,7 +47,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-                 **gemma.ARCHITECTURES}
+                 **gemma.ARCHITECTURES, **gpt_oss.ARCHITECTURES}
 SHARD_BYTES = 5 * 2**30  # safetensors shards written by save_pretrained, as transformers does
 Getter = Callable[[str], np.ndarray]
 
@@ -114,7 +114,8 @@ def open_tensors(hf_dir: str | Path, allow_pickle: bool = False) -> tuple[list[s
             except tensorfile.TensorFileError as err:
                 raise ConfigError(str(err)) from None
             where |= {key: (root / name, entries, start) for key in entries}
-        return sorted(where), lambda key: tensorfile.read(where[key][0], key, *where[key][1:])
+        return gpt_oss.dequantized(
+            sorted(where), lambda key: tensorfile.read(where[key][0], key, *where[key][1:]))
     pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
     if not pickled:
         raise ConfigError(f"{root} has no *.safetensors files")
@@ -203,6 +204,8 @@ def hf_config(cfg: ModelConfig, model_type: str = "llama", context: int | None =
         return _deepseek_config(cfg, context, model_type)
     if model_type in gemma.TYPES:
         return gemma.hf_config(cfg, model_type, context)
+    if model_type == gpt_oss.TYPE:
+        return gpt_oss.hf_config(cfg, context)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor > 0:
         rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta,

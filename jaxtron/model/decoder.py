@@ -134,13 +134,13 @@ class Attention(nnx.Module):
         or traced where the layers of a scanned stack differ (then both kernels are compiled
         and a `lax.cond` runs one)."""
         q_BTNH, k_BTKH, v_BTKH = self._rotated(x_BTD, positions_BT, inv_freq, ops)
-        window, softcap = self.cfg.sliding_window, self.cfg.attn_softcap
+        window, softcap, sinks = self.cfg.sliding_window, self.cfg.attn_softcap, self._sinks()
         if isinstance(local, bool):
             out_BTNH = ops.attend(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
-                                  window=window if local else 0, softcap=softcap)
+                                  window=window if local else 0, softcap=softcap, sinks=sinks)
         else:
             out_BTNH = ops.attend_either(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local, window,
-                                         softcap)
+                                         softcap, sinks)
         return self._output(out_BTNH, ops)
 
     def decode(self, x_BTD, start, inv_freq, k_BSKH, v_BSKH, ops: LayerOps,
@@ -155,8 +155,12 @@ class Attention(nnx.Module):
         v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), at)
         window = jnp.where(local, self.cfg.sliding_window, 0)
         out_BTNH = attention_lib.cached_attention(q_BTNH, k_BSKH, v_BSKH, start, window,
-                                                  self.cfg.attn_softcap)
+                                                  self.cfg.attn_softcap, self._sinks())
         return self._output(out_BTNH, ops), k_BSKH, v_BSKH
+
+    def _sinks(self) -> jax.Array | None:
+        """Each head's sink logit [N] in the softmax (gpt-oss's), None for none."""
+        return None
 
     def _output(self, out_BTNH, ops: LayerOps) -> jax.Array:
         """The heads' outputs projected back to the model width [B, T, D]."""

@@ -28,6 +28,7 @@ class Family:
     latent: bool = False  # multi-head latent attention (model.mla) and DeepSeek-MoE's options
     scoring: str = ""  # the router's scores it fixes (model.moe.scoring), "" any
     post_norms: bool = False  # norms after attention and the MLP too, before the residual add
+    sinks: bool = False  # a sink logit per head in the softmax (model.attn_sinks)
 
 
 FAMILIES = {
@@ -43,6 +44,8 @@ FAMILIES = {
     "gemma2": Family("gemma", post_norms=True),  # windows, soft caps, four norms a layer, GeGLU
     # Gemma 2's blocks with q/k norms, the windowed layers' own RoPE base, no caps
     "gemma3_text": Family("gemma", qk_norm=True, post_norms=True),
+    # biased attention with sinks, biased experts with the clamped SwiGLU, YaRN
+    "gpt_oss": Family("gpt_oss", qkv_bias=True, experts=True, sinks=True),
 }
 # DeepSeek-MoE's options (model.moe) at the values that leave the other families' experts as
 # they are
@@ -53,9 +56,11 @@ DEEPSEEK_MOE = {"scoring": "softmax", "routed_scale": 1.0, "groups": 1, "topk_gr
 def family_of(cfg: ModelConfig) -> str:
     """cfg's family: model.family, or where it is not set the one its settings make (Qwen2:
     QKV biases; Qwen3: q/k norms; Qwen3-MoE: experts with q/k norms; Mixtral: experts;
-    Mistral: an attention window; else Llama)."""
+    Mistral: an attention window; else Llama; gpt-oss: sinks)."""
     if cfg.family:
         return cfg.family
+    if cfg.attn_sinks:
+        return "gpt_oss"
     if cfg.mla.kv_lora_rank:
         return "deepseek_v2" if cfg.moe.scoring == "softmax" else "deepseek_v3"
     if cfg.moe.num_experts:
@@ -68,14 +73,14 @@ def check(cfg: ModelConfig) -> None:
     """model.family is a family, and the settings it fixes are cfg's (one line naming the
     setting otherwise)."""
     _check_deepseek(cfg)
-    if not cfg.family:
+    if not cfg.family and not cfg.attn_sinks:
         return
-    if cfg.family not in FAMILIES:
+    if cfg.family and cfg.family not in FAMILIES:
         raise ConfigError(f"model.family={cfg.family} is not one of {', '.join(FAMILIES)}")
-    family = FAMILIES[cfg.family]
+    family = FAMILIES[family_of(cfg)]
     wrong = [f"model.{key}={str(want).lower()}" for key, want, have in (
-        ("qkv_bias", family.qkv_bias, cfg.qkv_bias), ("qk_norm", family.qk_norm, cfg.qk_norm))
-        if want != have]
+        ("qkv_bias", family.qkv_bias, cfg.qkv_bias), ("qk_norm", family.qk_norm, cfg.qk_norm),
+        ("attn_sinks", family.sinks, cfg.attn_sinks)) if want != have]
     if family.experts != bool(cfg.moe.num_experts):
         wrong.append("model.moe.num_experts > 0" if family.experts else "model.moe.num_experts=0")
     if family.latent != bool(cfg.mla.kv_lora_rank):
@@ -83,8 +88,9 @@ def check(cfg: ModelConfig) -> None:
     if family.scoring and cfg.moe.scoring != family.scoring:
         wrong.append(f"model.moe.scoring={family.scoring}")
     if wrong:
-        raise ConfigError(f"model.family={cfg.family} needs {' and '.join(wrong)}; set them, or "
-                          f"the family these settings make (model.family={_made(cfg)})")
+        raise ConfigError(f"model.family={family_of(cfg)} needs {' and '.join(wrong)}; set "
+                          f"them, or the family these settings make (model.family="
+                          f"{_made(cfg)})")
 
 
 def _check_deepseek(cfg: ModelConfig) -> None:

@@ -71,7 +71,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     """Inverse frequencies [rope_dim/2], with Llama-3 or YaRN scaling when `rope_scaling_factor`
-    > 0 (YaRN as transformers' `_compute_yarn_parameters`, truncate=True)."""
+    > 0 (YaRN as transformers' `_compute_yarn_parameters`)."""
     h = rope_dim(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     if cfg.rope_scaling_factor <= 0:
@@ -84,8 +84,10 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
         # (short wavelengths) kept, above beta_slow's divided by factor, a ramp between.
         def dim_at(rot: float) -> float:
             return h * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-        low = max(math.floor(dim_at(cfg.rope_beta_fast)), 0)
-        high = min(math.ceil(dim_at(cfg.rope_beta_slow)), h - 1)
+        low, high = dim_at(cfg.rope_beta_fast), dim_at(cfg.rope_beta_slow)
+        if cfg.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, h - 1)
         high = high + 0.001 if low == high else high
         ramp = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
         return inv_freq / factor * ramp + inv_freq * (1 - ramp)

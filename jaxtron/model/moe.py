@@ -62,8 +62,7 @@ class MoE(nnx.Module):
         ops = ops or layer_ops.here(cfg)
         real_BT = (jnp.ones(x_BTD.shape[:2], bool) if segment_ids_BT is None
                    else segment_ids_BT != 0)
-        logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32),
-                                self.router[...].astype(jnp.float32))
+        logits_BTE = self._logits(x_BTD)
         probs_BTE, weight_BTk, expert_BTk = self._route(logits_BTE)
         routed_BTk = jnp.broadcast_to(real_BT[..., None], expert_BTk.shape)
         stats = _router_sums(logits_BTE, probs_BTE, expert_BTk, real_BT, cfg.moe.num_experts)
@@ -74,10 +73,19 @@ class MoE(nnx.Module):
         # a pair routed nowhere gets expert E: it sorts after every real group, and no kernel
         # reads it
         expert_BTk = jnp.where(routed_BTk, expert_BTk, cfg.moe.num_experts)
-        weights = [_expert_weights(self.cfg, w) for w in (self.w_gate, self.w_up, self.w_down)]
-        y_BTD = ops.experts(x_BTD, expert_BTk, weight_BTk.astype(cfg.dtype), *weights)
+        weights, biases = self._experts()
+        y_BTD = ops.experts(x_BTD, expert_BTk, weight_BTk.astype(cfg.dtype), *weights, biases)
         return y_BTD, stats
 
+    def _logits(self, x_BTD) -> jax.Array:
+        """The router's logits [B, T, E], in float32."""
+        return jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32),
+                          self.router[...].astype(jnp.float32))
+
+    def _experts(self) -> tuple[tuple[jax.Array, ...], tuple | None]:
+        """((gate, up, down) [E, D, F] each in the compute dtype, their biases or None)."""
+        return tuple(_expert_weights(self.cfg, w) for w in (self.w_gate, self.w_up,
+                                                            self.w_down)), None
 
     def _route(self, logits_BTE) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(the scores as probabilities over the experts [B, T, E], each token's expert weights

@@ -5,7 +5,9 @@ per kv head, H head size. V's head size may differ from q's and k's (DeepSeek-V3
 attention: 192 for q and k, 128 for v): the output has v's, the scores are scaled by q's.
 Segment id 0 marks padding; a token attends only to earlier tokens of its own segment, and with
 a window W > 0 (a static int, jaxtron/model/windows.py) only to its W latest ones. A soft cap c > 0
-(Gemma 2's) takes the scaled scores s to c * tanh(s / c) before the mask; the XLA kernels only.
+(Gemma 2's) takes the scaled scores s to c * tanh(s / c) before the mask; sinks [N] (gpt-oss's
+learned logit per head) join each softmax's denominator and nothing else. Both the XLA kernels
+only (cuDNN takes neither: `resolve`).
 Every backend is tested against `xla_attention` on a packed batch.
 """
 
@@ -35,14 +37,16 @@ def segment_causal_mask(segment_ids_BT: jax.Array, window: int = 0) -> jax.Array
 
 
 def xla_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                  segment_ids_BT: jax.Array, window: int = 0, softcap: float = 0.0) -> jax.Array:
+                  segment_ids_BT: jax.Array, window: int = 0, softcap: float = 0.0,
+                  sinks: jax.Array | None = None) -> jax.Array:
     """Reference attention in plain XLA ops; softmax in float32. Within a window much shorter
     than the sequence, in bands (`banded_attention`), so that its work scales with the window."""
     chunk = band_chunk(q_BTNH.shape[1], window)
     if chunk:
-        return banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, chunk, softcap)
+        return banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, chunk, softcap,
+                                sinks)
     return masked_attention(q_BTNH, k_BSKH, v_BSKH, segment_causal_mask(segment_ids_BT, window),
-                            softcap)
+                            softcap, sinks)
 
 
 def band_chunk(t: int, window: int) -> int:
@@ -56,7 +60,8 @@ def band_chunk(t: int, window: int) -> int:
 
 
 def banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int,
-                     chunk: int, softcap: float = 0.0) -> jax.Array:
+                     chunk: int, softcap: float = 0.0, sinks: jax.Array | None = None
+                     ) -> jax.Array:
     """Windowed attention in chunks of `chunk` >= window queries, each over its own chunk's keys
     and the chunk's before: scores [T, 2 * chunk] where masked attention has [T, T]."""
     b, t, c = q_BTNH.shape[0], q_BTNH.shape[1], chunk
@@ -75,13 +80,13 @@ def banded_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int,
     same_BMCS = q_segments_BMC[..., None] == bands(segment_ids_BT, -1)[:, :, None, :]
     mask = fold(band_CS & same_BMCS)[:, None, None]
     out = masked_attention(fold(q_BTNH.reshape(b, m, c, *q_BTNH.shape[2:])),
-                           fold(bands(k_BSKH, 0)), fold(bands(v_BSKH, 0)), mask, softcap)
+                           fold(bands(k_BSKH, 0)), fold(bands(v_BSKH, 0)), mask, softcap, sinks)
     return out.reshape(b, t, *out.shape[2:])
 
 
 def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                      start: jax.Array, window: jax.Array | int = 0,
-                     softcap: float = 0.0) -> jax.Array:
+                     softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
     """T new queries over a KV cache of S slots, in which their own keys sit at slots start ..
     start+T-1: each query sees the slots up to its own (earlier tokens and itself), never the
     unwritten ones after, and with `window` > 0 (may be traced) only its `window` latest. The
@@ -89,13 +94,16 @@ def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     query_slot_T1 = (start + jnp.arange(q_BTNH.shape[1]))[:, None]
     slot_1S = jnp.arange(k_BSKH.shape[1])[None, :]
     mask_TS = (slot_1S <= query_slot_T1) & ((window == 0) | (query_slot_T1 - slot_1S < window))
-    return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS[None, None, None], softcap)
+    return masked_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS[None, None, None], softcap, sinks)
 
 
 def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                     mask: jax.Array, softcap: float = 0.0) -> jax.Array:
+                     mask: jax.Array, softcap: float = 0.0, sinks: jax.Array | None = None
+                     ) -> jax.Array:
     """Grouped-query attention where mask[B or 1, 1, 1, T, S] is true; softmax in float32. The
-    output has v's head size (which may differ from q's), the scores the scale of q's."""
+    output has v's head size (which may differ from q's), the scores the scale of q's. `sinks`
+    [N]: each head's sink logit in the softmax's denominator (probabilities summing to less
+    than 1), as transformers' gpt-oss appends it as a column and drops it after."""
     b, t, n, h = q_BTNH.shape
     k, hv = k_BSKH.shape[2], v_BSKH.shape[3]
     q_BKGTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
@@ -105,14 +113,20 @@ def masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     if softcap:
         scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     scores_BKGTS = jnp.where(mask, scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    if sinks is None:
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+    else:
+        sink_KG11 = sinks.astype(jnp.float32).reshape(k, n // k, 1, 1)
+        total = jnp.logaddexp(jax.nn.logsumexp(scores_BKGTS, axis=-1, keepdims=True), sink_KG11)
+        probs_BKGTS = jnp.exp(scores_BKGTS - total)
+    probs_BKGTS = probs_BKGTS.astype(v_BSKH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bskh->bkgth", probs_BKGTS, v_BSKH)
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hv)
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                    segment_ids_BT: jax.Array, window: int = 0, softcap: float = 0.0
-                    ) -> jax.Array:
+                    segment_ids_BT: jax.Array, window: int = 0, softcap: float = 0.0,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """cuDNN fused (flash) attention, GPU only: causal, grouped-query with K/V read per kv head
     (never repeated in memory), packed documents kept apart by a segment-equality mask, and a
     window (cuDNN's sliding_window_length: the tiles outside the band are skipped).
@@ -125,8 +139,8 @@ def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     Inside the pipeline's stages (a partly manual program, whose shardings jax's cuDNN
     partitioning rule cannot read) the kernel runs in a `shard_map` over the remaining axes, on
     each device's own sequences and heads (the specs of RULES), sealed (`_sealed`)."""
-    if softcap:
-        raise ConfigError(NO_SOFTCAP)
+    if softcap or sinks is not None:
+        raise ConfigError(NO_SOFTCAP if softcap else NO_SINKS)
     mesh = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual
     if mesh.empty or manual not in mesh.axis_types:  # outside the pipeline: jax partitions it
@@ -161,7 +175,7 @@ def _cudnn_local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window: int = 0) -> jax
 
 
 def either(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local: jax.Array, impl: str, window: int,
-           softcap: float = 0.0) -> jax.Array:
+           softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
     """Attention within `window` where `local` (a traced bool: a layer of a scanned stack whose
     layers differ, jaxtron/model/windows.py), else global: both kernels compiled, a `lax.cond`
     runs one. The cond runs on each device's own rows and heads, in a `shard_map` over the
@@ -173,23 +187,27 @@ def either(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local: jax.Array, impl: str, 
     if run is cudnn_attention:
         run = _sealed  # a device's own rows: the kernel, sealed inside the manual program
 
-    def per_device(q, k, v, segments, local):
-        kernel = lambda w: lambda q, k, v: run(q, k, v, segments, w, softcap)
+    def per_device(q, k, v, segments, local, *sinks):
+        extra = (softcap, *sinks)
+        kernel = lambda w: lambda q, k, v: run(q, k, v, segments, w, *extra)
         return jax.lax.cond(local, kernel(window), kernel(0), q, k, v)
 
+    args = (q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local,
+            *(() if sinks is None else (sinks,)))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return per_device(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local)
+        return per_device(*args)
     manual = jax.sharding.AxisType.Manual
     free = {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != manual}
     if not free:
-        return per_device(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local)
+        return per_device(*args)
     q_spec = parallel.spec_here(("act_batch", None, "act_heads", None))
     kv_spec = parallel.spec_here(("act_batch", None, "act_kv_heads", None))
+    sink_spec = (P(q_spec[2]),) if sinks is not None else ()
     sharded = jax.shard_map(per_device, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None),
-                                                  P()),
+                                                  P(), *sink_spec),
                             out_specs=q_spec, axis_names=free, check_vma=False)
-    return sharded(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, local)
+    return sharded(*args)
 
 
 def _from_arrays(prim, *avals, **params) -> bool:
@@ -251,27 +269,32 @@ CHOICES = ("auto", *ATTENTION_IMPLS)  # model.attention; auto: cudnn on GPUs, xl
 
 NO_SOFTCAP = ("model.attention=cudnn does not soft-cap scores (cuDNN has no tanh cap): with "
               "model.attn_softcap use model.attention=auto or xla")
+NO_SINKS = ("model.attention=cudnn has no attention sinks (jax's cuDNN entry takes no sink "
+            "logit): with model.attn_sinks use model.attention=auto or xla")
 
 
-def resolve(impl: str, platform: str, dtype: str = "bfloat16", softcap: float = 0.0) -> str:
+def resolve(impl: str, platform: str, dtype: str = "bfloat16", softcap: float = 0.0,
+            sinks: bool = False) -> str:
     """The kernel `model.attention` means on devices of `platform` (auto: cudnn on GPUs in 16-bit
-    compute without a soft cap, xla elsewhere). Pipeline stages run their layers per device (a
-    shard_map over `stage`), so the choice is the same inside them."""
+    compute without a soft cap or sinks, xla elsewhere). Pipeline stages run their layers per
+    device (a shard_map over `stage`), so the choice is the same inside them."""
     if impl == "cudnn" and dtype not in ("bfloat16", "float16"):
         raise ConfigError(f"model.attention=cudnn needs model.dtype=bfloat16 or float16, not "
                           f"{dtype}")
-    if impl == "cudnn" and softcap:
-        raise ConfigError(NO_SOFTCAP)
+    if impl == "cudnn" and (softcap or sinks):
+        raise ConfigError(NO_SOFTCAP if softcap else NO_SINKS)
     if impl != "auto":
         return impl
     gpu = platform in ("gpu", "cuda")
-    return "cudnn" if gpu and dtype in ("bfloat16", "float16") and not softcap else "xla"
+    plain = not softcap and not sinks
+    return "cudnn" if gpu and dtype in ("bfloat16", "float16") and plain else "xla"
 
 
 def configure(cfg: Config, platform: str) -> Config:
     """cfg with model.attention resolved for devices of `platform` (auto -> cudnn on GPUs in
     16-bit compute, else xla)."""
-    kernel = resolve(cfg.model.attention, platform, cfg.model.dtype, cfg.model.attn_softcap)
+    kernel = resolve(cfg.model.attention, platform, cfg.model.dtype, cfg.model.attn_softcap,
+                     cfg.model.attn_sinks)
     if kernel == "cudnn" and platform not in ("gpu", "cuda"):
         raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs only, not on {platform} "
                           "devices; use model.attention=auto (it picks xla here)")
@@ -279,10 +302,12 @@ def configure(cfg: Config, platform: str) -> Config:
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, impl: str = "xla",
-              window: int = 0, softcap: float = 0.0) -> jax.Array:
+              window: int = 0, softcap: float = 0.0, sinks: jax.Array | None = None
+              ) -> jax.Array:
     """Dispatch to the configured kernel (`model.attention`; auto follows jax's backend)."""
-    impl = resolve(impl, jax.default_backend(), softcap=softcap)
-    return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, softcap)
+    impl = resolve(impl, jax.default_backend(), softcap=softcap, sinks=sinks is not None)
+    extra = () if sinks is None else (sinks,)
+    return ATTENTION_IMPLS[impl](q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, softcap, *extra)
 
 
 def self_check(impl: str, dtype=jnp.bfloat16, tolerance: float = 2e-2,

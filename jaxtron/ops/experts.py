@@ -112,28 +112,36 @@ def configure(cfg, platform: str):
     return dataclasses.replace(cfg, model=model)
 
 
-def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
+def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down,
+            biases: tuple | None = None) -> jax.Array:
     """sum_j weight[j] * SwiGLU_{expert[j]}(x) per token [B, T, D], the pairs with expert E
     (routed nowhere) left out; across the mesh in one shard_map (the module docstring). The
-    weights as stored, [E, D, F]."""
+    weights as stored, [E, D, F]; `biases` (gate, up [E, F], down [E, D]) where the experts
+    have them (gpt-oss)."""
     mesh = jax.sharding.get_abstract_mesh()
+    biases = tuple(biases or ())
 
-    def local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down):
+    def local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down, *biases):
+        if biases and not mesh.empty and jax.lax.axis_size("tensor") > 1:
+            # the down projection's partial sums add up over tensor: its bias on one rank
+            first = (jax.lax.axis_index("tensor") == 0).astype(biases[2].dtype)
+            biases = (*biases[:2], biases[2] * first)
         return _local_experts(cfg, kernel(cfg), x_BTD, expert_BTk, weight_BTk, w_gate,
-                              w_up, w_down.transpose(0, 2, 1))
+                              w_up, w_down.transpose(0, 2, 1), *biases)
 
     if mesh.empty:
-        return local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)
+        return local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down, *biases)
     batch = P(_BATCH, None, None)
     column = row = P(EXPERT_AXIS, None, "tensor")
+    bias_specs = (P(EXPERT_AXIS, "tensor"),) * 2 + (P(EXPERT_AXIS, None),) if biases else ()
     axes = set(_BATCH) | {"tensor"}
-    run = jax.shard_map(local, in_specs=(batch, batch, batch, column, column, row),
+    run = jax.shard_map(local, in_specs=(batch, batch, batch, column, column, row, *bias_specs),
                         out_specs=batch, axis_names=axes, check_vma=False)
-    return run(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)
+    return run(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down, *biases)
 
 
 def _local_experts(cfg: ModelConfig, kind: str, x_BTD, expert_BTk, weight_BTk, w_gate, w_up,
-                   w_down) -> jax.Array:
+                   w_down, *biases) -> jax.Array:
     """One device's part: its tokens [B', T, D], its experts [E', D, F'] (all of them off a
     mesh). Returns its tokens' outputs, summed over the expert and tensor axes.
 
@@ -144,9 +152,9 @@ def _local_experts(cfg: ModelConfig, kind: str, x_BTD, expert_BTk, weight_BTk, w
     groups = lambda name: jax.lax.axis_size(name) if inside else 1
     held = tuple(a.reshape(b * t, -1) for a in (x_BTD, expert_BTk, weight_BTk))
     if groups(EXPERT_AXIS) > 1:
-        out_nD = _ring(cfg, kind, held, (w_gate, w_up, w_down))
+        out_nD = _ring(cfg, kind, held, (w_gate, w_up, w_down, *biases))
     else:
-        out_nD = _my_experts(cfg, kind, *held, 0, w_gate, w_up, w_down)
+        out_nD = _my_experts(cfg, kind, *held, 0, w_gate, w_up, w_down, *biases)
     if groups("tensor") > 1:
         out_nD = jax.lax.psum(out_nD, "tensor")
     return out_nD.reshape(b, t, d)
@@ -258,13 +266,14 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _my_experts(cfg: ModelConfig, kind: str, x_nD, expert_nk, weight_nk, first, w_gate, w_up,
-                w_down) -> jax.Array:
+                w_down, *biases) -> jax.Array:
     """What experts first .. first+E'-1 (this device's) add to tokens x [n, D] that chose
     experts [n, k] with weights [n, k]: [n, D]. Their pairs are sorted into one group per
     expert, run through the grouped kernels, and brought back to their tokens. The router's
     weight scales the hidden activations before the down projection (the same sum, by
     linearity), so that the backward never needs the experts' outputs: nothing recomputes
-    the down projection."""
+    the down projection. `biases` (gate, up [E', F'], down [E', D]): each row's expert's,
+    the down one times the router's weight too."""
     n, k = expert_nk.shape
     local = w_gate.shape[0]
     mine_nk = (expert_nk >= first) & (expert_nk < first + local)
@@ -277,10 +286,30 @@ def _my_experts(cfg: ModelConfig, kind: str, x_nD, expert_nk, weight_nk, first, 
     x_RD = permute(jnp.repeat(x_nD, k, axis=0), order_R, inverse_R)
     scale_R = permute(jnp.where(mine_nk, weight_nk, 0).reshape(-1), order_R, inverse_R)
     dot = _past_groups_zero(_grouped(kind))  # whatever kernel: nothing trusted past the groups
-    h_RF = jax.nn.silu(dot(x_RD, w_gate, sizes)) * dot(x_RD, w_up, sizes)
+    gate_RF, up_RF = dot(x_RD, w_gate, sizes), dot(x_RD, w_up, sizes)
+    if biases:
+        # each sorted row's expert (rows past the groups: the last, never read)
+        expert_R = jnp.minimum(group_R[order_R], local - 1)
+        gate_RF, up_RF = (y + b.astype(y.dtype)[expert_R] for y, b in zip((gate_RF, up_RF),
+                                                                            biases))
+    h_RF = activation(cfg, gate_RF, up_RF)
     y_RD = dot(h_RF * scale_R[:, None].astype(h_RF.dtype), w_down, sizes)
+    if biases:
+        y_RD = y_RD + biases[2].astype(y_RD.dtype)[expert_R] * scale_R[:, None].astype(
+            y_RD.dtype)
     y_nkD = permute(y_RD, inverse_R, order_R).reshape(n, k, -1)  # (token, choice) order
     return jnp.sum(jnp.where(mine_nk[..., None], y_nkD, 0), axis=1)
+
+
+def activation(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU silu(gate) * up; with model.moe.swiglu_limit > 0 gpt-oss's clamped form: gate
+    clipped above and up on both sides at the limit, then (up + 1) * gate *
+    sigmoid(swiglu_alpha * gate)."""
+    limit = cfg.moe.swiglu_limit
+    if not limit:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(cfg.moe.swiglu_alpha * gate)
 
 
 @jax.custom_vjp

@@ -94,28 +94,35 @@ class LayerOps:
         return constrain(h_BTD, _WHOLE_SEQ)
 
     def attend(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, window: int = 0,
-               softcap: float = 0.0) -> jax.Array:
+               softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
         """Causal attention within segments with model.attention's kernel, within the `window`
-        latest keys when it is > 0, its scores soft-capped at `softcap` > 0; a sequence split
-        over `context` attends to the keys of the whole sequence (neither there:
-        parallel/features.py)."""
-        impl = attention.resolve(self.cfg.attention, jax.default_backend(), softcap=softcap)
+        latest keys when it is > 0, its scores soft-capped at `softcap` > 0, each head's sink
+        logit `sinks` [N] in its softmax; a sequence split over `context` attends to the keys
+        of the whole sequence (none of these there: parallel/features.py)."""
+        impl = self._kernel(softcap, sinks)
         if self.context_ways > 1:
             return context_attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl)
         return attention.attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, impl, window,
-                                   softcap)
+                                   softcap, sinks)
 
     def attend_either(self, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local: jax.Array,
-                      window: int, softcap: float = 0.0) -> jax.Array:
+                      window: int, softcap: float = 0.0, sinks: jax.Array | None = None
+                      ) -> jax.Array:
         """`attend` within `window` where `local` (traced), else globally: one of the two
         kernels runs, on each device's own rows and heads (attention.either)."""
-        impl = attention.resolve(self.cfg.attention, jax.default_backend(), softcap=softcap)
-        return attention.either(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local, impl, window,
-                                softcap)
+        return attention.either(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, local,
+                                self._kernel(softcap, sinks), window, softcap, sinks)
 
-    def experts(self, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down) -> jax.Array:
-        """What each token's chosen experts make of it, weighted and summed: [B, T, D]."""
-        return experts.experts(self.cfg, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down)
+    def _kernel(self, softcap: float, sinks: jax.Array | None) -> str:
+        return attention.resolve(self.cfg.attention, jax.default_backend(), softcap=softcap,
+                                 sinks=sinks is not None)
+
+    def experts(self, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down,
+                biases: tuple | None = None) -> jax.Array:
+        """What each token's chosen experts make of it, weighted and summed: [B, T, D].
+        `biases`: (gate [E, F], up [E, F], down [E, D]) where the experts have them."""
+        return experts.experts(self.cfg, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down,
+                               biases)
 
     def run_layers(self, run_group: Callable[..., tuple[jax.Array, dict]], stacked: Any,
                    x_BTD, positions_BT, segment_ids_BT) -> tuple[jax.Array, dict]:
