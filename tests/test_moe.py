@@ -513,3 +513,31 @@ def test_weights_fetched_a_layer_ahead_change_no_gradient(devices, remat):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     _assert_gradients_close(got[1], want[1])
     np.testing.assert_allclose(got[2]["moe_load"], want[2]["moe_load"], rtol=1e-6)
+
+
+# gpt-oss's blocks on tiny_moe: sinks, biased attention and experts, the clamped SwiGLU at a
+# limit the activations reach, every other layer windowed (a window of 16 in rows of 64), YaRN
+GPT_OSS = ("model.family=gpt_oss", "model.qkv_bias=true", "model.attn_sinks=true",
+           "model.moe.swiglu_limit=0.5", "model.sliding_window=16", "model.global_every=2",
+           "model.rope_scaling_type=yarn", "model.rope_scaling_factor=4",
+           "model.rope_original_max_len=32", "model.rope_truncate=false")
+
+
+def test_gpt_oss_on_experts_tensor_and_fsdp_equals_one_device(devices, tmp_path):
+    """mesh.expert=2 mesh.tensor=2 mesh.fsdp=2 (the experts' down bias added on one tensor
+    rank, their gate/up pairs split whole over tensor): every gradient at the initial weights
+    (sinks and biases included) and 4 steps of losses and grad norms equal one device's."""
+    mesh = ("mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2")
+    one, many = _gradients(devices[:1], *GPT_OSS), _gradients(devices, *GPT_OSS, *mesh)
+    flat = jax.tree_util.tree_flatten_with_path(one)[0]
+    names = {jax.tree_util.keystr(path) for path, _ in flat}
+    assert {"['layers']['attn']['sinks']", "['layers']['mlp']['b_down']",
+            "['layers']['mlp']['b_gate_up']", "['layers']['mlp']['b_router']"} <= names
+    for (path, a), b in zip(flat, jax.tree.leaves(many)):
+        scale = float(np.linalg.norm(a))
+        assert scale > 0, jax.tree_util.keystr(path)
+        assert float(np.linalg.norm(a - b)) / scale < 1e-5, jax.tree_util.keystr(path)
+    want = _curves(tmp_path / "one", devices[:1], *GPT_OSS)
+    got = _curves(tmp_path / "many", devices, *GPT_OSS, *mesh)
+    for key in ("loss", "grad_norm", "moe_aux_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)

@@ -7,9 +7,11 @@ import optax
 
 from jaxtron.config import Config, OptimConfig
 
-# Leaf names that are never weight-decayed: RMSNorm scales, QKV biases, and the MoE balancing
-# bias (moe.rebalanced moves it; it has no gradient).
-NO_DECAY = frozenset({"scale", "bq", "bk", "bv", "router_bias"})
+# Leaf names that are never weight-decayed: RMSNorm scales, biases (gpt-oss's output, router
+# and expert ones too), gpt-oss's attention sinks, and the MoE balancing bias (moe.rebalanced
+# moves it; it has no gradient).
+NO_DECAY = frozenset({"scale", "bq", "bk", "bv", "bo", "sinks", "b_router", "b_gate_up",
+                      "b_down", "router_bias"})
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
