@@ -397,6 +397,45 @@ def test_gemma3_4b_as_shipped_fits_one_gpu_and_attends_in_its_window(tmp_path):
     assert report["kernels"]["__cudnn$fmhaScaleBiasSoftmaxBackward"] == 2 * cfg.model.num_layers
 
 
+def test_xla_attention_in_a_conditional_counts_the_branch_each_layer_takes():
+    """Gemma 2's soft cap keeps attention in XLA (as gpt-oss's sinks do): every other layer
+    global, a `lax.cond` between the banded kernel (chunks of 32: 64 keys a query) and the
+    global one (256). The compiled matmuls are the policy's and each layer's own attention
+    products, 8 of them (2 forward, 4 backward, 2 again under remat): the conditional's
+    branches weighed by the share of layers that take each (flops.compiled), not both
+    counted on every layer."""
+    cfg = _cfg("mesh.fsdp=8", "model.dtype=bfloat16", "model.remat=full",
+               "model.sliding_window=32", "model.global_every=2", "model.family=gemma2",
+               "model.attn_softcap=20")
+    report, _ = _report(cfg)
+    counts, tokens, m = report["flops"], 8 * 256 / 8, cfg.model
+    assert counts["attention_per_device"] == 0  # no cuDNN kernel
+    products = lambda keys: 8 * 2 * m.num_heads * m.head_size * keys * tokens
+    attention = m.num_layers // 2 * (products(64) + products(256))
+    assert counts["matmul_per_device"] == pytest.approx(
+        costs.expected_matmul(cfg, tokens) + attention, rel=0.02)
+
+
+@pytest.mark.parametrize("preset, devices", [("gpt_oss_20b.yaml", 8), ("gpt_oss_120b.yaml", 64)])
+def test_gpt_oss_as_shipped_fits_and_attends_in_xla_with_sinks(tmp_path, preset, devices):
+    """gpt-oss on its smallest cluster as shipped: the compiled peak leaves 10% of the usable
+    memory; the attention runs in XLA (no cuDNN kernel takes a sink), its matmuls beside the
+    policy's: 1.13x it (the 20B's 14.0 T of 125.7, jax 0.10.2), each windowed layer's at the
+    band's 256 keys, each global one's at 4,096."""
+    report = _launch(tmp_path, preset, devices, shipped=True, timeout=1800)
+    assert report["memory"]["peak_bytes"] <= 0.9 * report["memory"]["usable_bytes"]
+    counts = report["flops"]
+    cfg = config_lib.load([str(ROOT / "configs" / preset)])
+    m, t = cfg.model, cfg.train.seq_len
+    tokens = cfg.train.batch_size * t / devices
+    products = lambda keys: 8 * 2 * m.num_heads * m.head_size * keys * tokens
+    attention = m.num_layers // 2 * (products(2 * m.sliding_window) + products(t))
+    assert counts["attention_per_device"] == 0
+    assert not any(name.startswith("__cudnn$fmha") for name in report["kernels"])
+    assert counts["matmul_per_device"] == pytest.approx(
+        counts["expected_matmul_per_device"] + attention, rel=0.01)
+
+
 def test_fused_attention_and_chunked_loss_on_one_node(tmp_path):
     """llama3_8b at seq 8192 on 8 H100s (fsdp=8): cuDNN fused attention forward and backward, no
     float32 array of attention-score size [b, N, T, T] or of [tokens, vocab], and temporaries 3x

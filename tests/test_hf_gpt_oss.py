@@ -167,3 +167,25 @@ def test_what_gpt_oss_computes_otherwise_is_refused_in_one_line(change, match):
     with pytest.raises(ValueError, match=match) as err:
         config_json.config_from_hf({**base, **change})
     assert "\n" not in str(err.value)
+
+
+def test_convert_hf_exports_bfloat16_and_says_so(case, tmp_path, capsys):
+    """`jaxtron convert-hf` import then export: the experts come back in bfloat16 by default
+    (OpenAI's MXFP4 is not written), the line says so, and transformers loads the directory as
+    GptOssForCausalLM computing the original's logits to bfloat16's precision."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxtron.commands import convert_hf
+
+    model, path, _, _ = case
+    assert convert_hf.main(["import", str(path), str(tmp_path / "imp")]) == 0
+    capsys.readouterr()
+    assert convert_hf.main(["export", str(tmp_path / "imp"), str(tmp_path / "out")]) == 0
+    line = capsys.readouterr().out
+    assert "as GptOssForCausalLM" in line and "every tensor in bfloat16" in line, line
+    names, get = hf.model_dir.open_tensors(tmp_path / "out")
+    assert {str(get(n).dtype) for n in names} == {"bfloat16"}
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", torch_dtype=torch.float32)
+    tokens, positions = _tokens()
+    ref = hf_logits(model, tokens, positions)
+    assert np.abs(hf_logits(back.eval(), tokens, positions) - ref).max() < 0.05 * np.abs(ref).max()

@@ -706,7 +706,7 @@ def test_help_gives_the_defaults(capsys):
     assert "--config PRESET a preset's name (llama3_8b; listed below) or a YAML file's path " \
            "(repeatable; later ones override earlier ones; default: tiny)" in text
     assert ("presets (--config NAME, shipped with jaxtron): deepseek_v3, gemma3_27b, gemma3_4b, "
-            "gpt2_124m, gpu_base, llama2_7b, ") in text
+            "gpt2_124m, gpt_oss_120b, gpt_oss_20b, gpu_base, llama2_7b, ") in text
     assert "(default: the local device's, if it reports one)" in text
     assert "GPUs per host (default 8)" in text
 

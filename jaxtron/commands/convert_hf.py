@@ -291,6 +291,8 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
     _check_outside_checkpoints(out, step_dir)
 
     source_ends = imported(cfg, meta, "hf_eos_token_id") or []
+    # gpt-oss's experts come as MXFP4 from OpenAI and go out in a float dtype: bf16 by default
+    dtype = dtype or ("bfloat16" if kind == "gpt_oss" else None)
 
     def write(into: Path) -> str:
         hf.write_pretrained(cfg.model, get, into, kind, dtype, _trained_context(cfg, meta),
@@ -305,8 +307,10 @@ def export_model(source: Path, out: Path, model_type: str | None, dtype: str | N
         return f"tokenizer: {note}"
 
     note = _write_new_dir(out, write)
-    print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}; "
-          f"{note}")
+    quantized = f"; every tensor in {dtype}, the experts too (not MXFP4)" if kind == "gpt_oss" \
+        else ""
+    print(f"exported step {meta['step']} of {step_dir} as {hf.ARCHITECTURES[kind]} to {out}"
+          f"{quantized}; {note}")
 
 
 def _trained_context(cfg, meta: dict) -> int:

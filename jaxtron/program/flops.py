@@ -30,26 +30,33 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None) -> d
     A layer stack whose layers attend with different windows picks its kernel in a conditional
     (jaxtron/model/windows.py), whose branches the module counts as run each time; a kernel in
     a branch is weighed by `window_shares`: window (0: global) -> the share of the layers that
-    attend with it (windows.shares)."""
+    attend with it (windows.shares). A cuDNN kernel's window is its own; the XLA kernels'
+    matmuls (gpt-oss's sinks) take their branch's: 1 windowed (attention.either's true
+    branch), 0 global."""
     totals = {"matmul": 0, "attention": 0, "ragged": 0, "fp8": 0, "fp8_e5m2": 0}
+    shares = window_shares or {}
+    by_branch = {0: shares.get(0, 1.0), 1: sum(v for w, v in shares.items() if w) or 1.0}
     for comp, insts in module.computations.items():
         runs = module.executions.get(comp, 0)
+        if len(shares) > 1 and comp in module.branch_of:
+            runs *= by_branch[module.branch_of[comp]]
         for inst in insts:
             if not runs or not (flops := _flops(inst, module)):
                 continue
             if hlo._target(inst).startswith("__cudnn$fmha"):
-                share = (window_shares or {}).get(_window(inst), 1.0)
-                totals["attention"] += round(runs * flops * (share if comp in module.branches
-                                                             else 1.0))
+                share = shares.get(_window(inst), 1.0)
+                runs_here = module.executions.get(comp, 0)
+                totals["attention"] += round(runs_here * flops * (share if comp in module.branches
+                                                                  else 1.0))
                 continue
             if _ragged(inst):
-                totals["ragged"] += runs * flops
+                totals["ragged"] += round(runs * flops)
                 continue
-            totals["matmul"] += runs * flops
+            totals["matmul"] += round(runs * flops)
             dtypes = [dtype for dtype, _ in _operand_shapes(inst, module)[:2]]
             if all(dtype.startswith("f8") for dtype in dtypes):
-                totals["fp8"] += runs * flops
-                totals["fp8_e5m2"] += runs * flops * ("f8e5m2" in dtypes)
+                totals["fp8"] += round(runs * flops)
+                totals["fp8_e5m2"] += round(runs * flops) * ("f8e5m2" in dtypes)
     return totals
 
 

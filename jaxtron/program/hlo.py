@@ -57,6 +57,9 @@ class Module:
     # a conditional's branches: each counted in `executions` as if it ran every time the
     # conditional does, since which runs is data (flops.compiled weighs attention's)
     branches: set[str] = field(default_factory=set)
+    # each computation run inside a conditional's branch (its own or one it calls): the index of
+    # that branch (0: false_computation, 1: true_computation; flops.compiled weighs matmuls)
+    branch_of: dict[str, int] = field(default_factory=dict)
 
 
 def parse(text: str) -> Module:
@@ -99,17 +102,30 @@ def _instruction(line: str) -> Instruction | None:
     return Instruction(head.lstrip("%"), shape, opcode, rest) if paren else None
 
 
-def _count_executions(module: Module, name: str, times: int) -> None:
+def _count_executions(module: Module, name: str, times: int, branch: int | None = None) -> None:
     module.executions[name] = module.executions.get(name, 0) + times
+    if branch is not None:
+        module.branch_of.setdefault(name, branch)
     for inst in module.computations.get(name, []):
         trip = trip_count(module, inst) if inst.opcode == "while" else 1
+        indices = _branch_indices(inst) if inst.opcode == "conditional" else {}
         for callee in _callees(inst):
             if callee in module.computations:
                 if inst.opcode == "async-start":
                     module.async_bodies.add(callee)
                 if inst.opcode == "conditional":
                     module.branches.add(callee)
-                _count_executions(module, callee, times * trip)
+                _count_executions(module, callee, times * trip, indices.get(callee, branch))
+
+
+def _branch_indices(inst: Instruction) -> dict[str, int]:
+    """A conditional's branch computations by index: branch_computations in order, or
+    false_computation 0 and true_computation 1."""
+    listed = re.search(r"\bbranch_computations=\{([^}]*)\}", inst.rest)
+    if listed:
+        return {name: i for i, name in enumerate(re.findall(r"%([\w.\-]+)", listed.group(1)))}
+    return {name: int(kind == "true") for kind, name in
+            re.findall(r"\b(true|false)_computation=%([\w.\-]+)", inst.rest)}
 
 
 def _callees(inst: Instruction) -> list[str]:
