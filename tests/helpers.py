@@ -228,6 +228,30 @@ def logit_diff(model: torch.nn.Module, cfg: ModelConfig, params: dict, tokens: n
     return diff
 
 
+def assert_greedy_as_transformers(model: torch.nn.Module, cfg: ModelConfig, params: dict,
+                                  prompt: list[int], new: int) -> None:
+    """Our greedy continuation of `prompt` (`new` tokens, no end token) is transformers'."""
+    import torch
+
+    from jaxtron.model import generate as gen
+
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert gen.generate(cfg, params, prompt, new) == want
+
+
+def assert_config_refused(hf_config: dict, match: str) -> None:
+    """config.json's settings are refused in one line matching `match`."""
+    import pytest
+
+    from jaxtron.hf import config_json
+
+    with pytest.raises(ValueError, match=match) as err:
+        config_json.config_from_hf(hf_config)
+    assert "\n" not in str(err.value)
+
+
 def hf_logits(model: torch.nn.Module, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """HF logits for one unpacked batch."""
     import torch

@@ -13,12 +13,17 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import HF_TOL, assert_exported_as_read, hf_logits, logit_diff
+from helpers import (
+    HF_TOL,
+    assert_exported_as_read,
+    assert_greedy_as_transformers,
+    hf_logits,
+    logit_diff,
+)
 
 from jaxtron import hf
 from jaxtron.hf import config_json
 from jaxtron.hf import mapping as hf_mapping
-from jaxtron.model import generate as gen
 
 VOCAB, SEQ, NEW = 112, 40, 8
 TINY = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=72, moe_intermediate_size=20,
@@ -120,10 +125,7 @@ def test_export_is_the_checkpoint_transformers_saved(case, tmp_path):
 def test_greedy_generation_equals_transformers(case):
     model, _, cfg, params = case
     prompt = np.random.default_rng(3).integers(3, VOCAB, 12).tolist()
-    with torch.no_grad():
-        want = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert gen.generate(cfg, params, prompt, NEW) == want
+    assert_greedy_as_transformers(model, cfg, params, prompt, NEW)
 
 
 def test_multi_token_prediction_layers_are_dropped(case):
