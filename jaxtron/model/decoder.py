@@ -59,8 +59,7 @@ def check(cfg: ModelConfig) -> None:
     if cfg.attention not in attention_lib.CHOICES:
         raise ConfigError(
             f"model.attention={cfg.attention} is not one of {', '.join(attention_lib.CHOICES)}")
-    # a kernel the compute dtype and the soft cap allow
-    attention_lib.resolve(cfg.attention, "gpu", cfg.dtype, cfg.attn_softcap)
+    attention_lib.kernel_of(cfg, "gpu")  # a kernel the dtype, soft cap and sinks allow
     if cfg.fp8 not in fp8.MODES:
         raise ConfigError(f"model.fp8={cfg.fp8} is not one of {', '.join(fp8.MODES)}")
     experts.check(cfg)

@@ -290,11 +290,16 @@ def resolve(impl: str, platform: str, dtype: str = "bfloat16", softcap: float = 
     return "cudnn" if gpu and dtype in ("bfloat16", "float16") and plain else "xla"
 
 
+def kernel_of(m, platform: str) -> str:
+    """The kernel a model config's model.attention means on devices of `platform`, with its
+    dtype, soft cap and sinks (`resolve`)."""
+    return resolve(m.attention, platform, m.dtype, m.attn_softcap, m.attn_sinks)
+
+
 def configure(cfg: Config, platform: str) -> Config:
     """cfg with model.attention resolved for devices of `platform` (auto -> cudnn on GPUs in
     16-bit compute, else xla)."""
-    kernel = resolve(cfg.model.attention, platform, cfg.model.dtype, cfg.model.attn_softcap,
-                     cfg.model.attn_sinks)
+    kernel = kernel_of(cfg.model, platform)
     if kernel == "cudnn" and platform not in ("gpu", "cuda"):
         raise ConfigError(f"model.attention=cudnn runs on NVIDIA GPUs only, not on {platform} "
                           "devices; use model.attention=auto (it picks xla here)")

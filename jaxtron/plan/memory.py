@@ -79,7 +79,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
     """Bytes per device of every large term of the step on GPUs (see the module docstring)."""
     m, sizes = cfg.model, plan.mesh_sizes
     tp, stages = sizes["tensor"], sizes["stage"]
-    kernel = attention.resolve(m.attention, "gpu", m.dtype, m.attn_softcap)
+    kernel = attention.kernel_of(m, "gpu")
     act = jnp.dtype(m.dtype).itemsize
     params = plan.bytes_per_device("params")
     b = _rows(cfg, sizes, ("data", "fsdp", "expert"))
