@@ -34,6 +34,7 @@ from jaxtron.model.layers import (
     rope_frequencies,
     softmax_scale_factor,
 )
+from jaxtron.model.settings import REMAT_POLICIES
 from jaxtron.ops import fp8, layer_ops
 from jaxtron.ops.layer_ops import LayerOps
 from jaxtron.parallel import constrain
@@ -185,7 +186,7 @@ class Transformer(decoder.Transformer):
             block = lambda x, block_state: nnx.merge(*block_state)(
                 x, batch["positions"], batch["segment_ids"], inv_freq, ops)
             if cfg.remat != "none":
-                block = jax.checkpoint(block, policy=decoder.REMAT_POLICIES[cfg.remat])
+                block = jax.checkpoint(block, policy=REMAT_POLICIES[cfg.remat])
             h_BTD, layer_stats = block(h_BTD, nnx.split(module.block))
             outputs.append(module.norm(constrain(h_BTD, (*decoder.IO_SEQ, "act_embed"))))
             extra.append(layer_stats)
