@@ -268,6 +268,39 @@ class Transformer(nnx.Module):
         such as targets, ride along) -> (the final-normed hidden states [B, T, D] that the LM
         head reads, the batch in their order (`ops.balance`), the MoE layers' router sums
         stacked [L, ...] per moe.STAT_KEYS, {} for a dense model)."""
+        x_BTD, batch, run_group, stacked = self._to_layers(batch, ops)
+        x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
+                                      batch["segment_ids"])
+        stats = self._after_layers(x_BTD, batch, stats, ops)
+        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
+
+    def staged_loss(self, batch: dict, ops: LayerOps, chunk: int) -> tuple[jax.Array, dict]:
+        """(the summed cross-entropy over batch["segment_ids"] != 0, the batch in the order the
+        model ran on) with the last stack through a 1F1B pipeline (ops.pipe.explicit), which
+        runs the final norm, the LM head and the loss of each microbatch itself
+        (parallel/one_f_one_b.py). Dense models without multi-token prediction only
+        (parallel/features.py)."""
+        x_BTD, batch, run_group, stacked = self._to_layers(batch, ops)
+        norm_graph, norm_state = nnx.split(self.final_norm)
+        cfg = self.cfg
+
+        def tail(params, x_bTD, targets_bT, mask_bT):
+            norm, head = params
+            x_bTD = nnx.merge(norm_graph, norm)(x_bTD)
+            head_DV = (head.T if cfg.tie_embeddings else head).astype(cfg.dtype)
+            return vocab.plain_total(x_bTD, head_DV, targets_bT, mask_bT, chunk,
+                                     cfg.logit_softcap)
+
+        mask_BT = batch["segment_ids"] != 0
+        total = ops.staged_loss(run_group, tail, stacked, (norm_state, self.head_weight()),
+                                x_BTD, batch["positions"], batch["segment_ids"],
+                                batch["targets"], mask_BT)
+        return total, batch
+
+    def _to_layers(self, batch: dict, ops: LayerOps) -> tuple[jax.Array, dict, Callable, Any]:
+        """(the embeddings through the stacks before the last [B, T, D], the batch balanced,
+        the last stack's runner `run_group(stacked, x, positions, segment_ids, select=)`, its
+        stacked weights)."""
         if ops.cfg != self.cfg:
             raise ValueError("the operations set was built for another model config")
         batch = ops.balance(batch)
@@ -281,10 +314,7 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
         run_group = functools.partial(_run_stack, self.cfg, ops.for_layers(), graphdef,
                                       names=self.projections, first=first)
-        x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
-                                      batch["segment_ids"])
-        stats = self._after_layers(x_BTD, batch, stats, ops)
-        return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
+        return x_BTD, batch, run_group, stacked
 
     def _after_layers(self, x_BTD, batch: dict, stats: dict, ops: LayerOps) -> dict:
         """What a family adds to the statistics from the last layer's output (before the final

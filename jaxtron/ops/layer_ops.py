@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.ops import ahead, attention, context_attention, experts, fp8, projections, vocab
-from jaxtron.parallel import constrain, context, pipeline
+from jaxtron.parallel import constrain, context, one_f_one_b, pipeline
 
 # between blocks, the rows and the sequence as split over the batch axes and tensor
 _WHOLE_SEQ = ("act_batch", "act_ctx", "act_embed")
@@ -134,6 +134,16 @@ class LayerOps:
         layers_fn = lambda *args, **kwargs: run_group(*args, **kwargs)[0]
         return pipeline.run(layers_fn, stacked, x_BTD, positions_BT, segment_ids_BT,
                             pipe=self.pipe), {}
+
+    def staged_loss(self, run_group: Callable[..., tuple[jax.Array, dict]], tail: Callable,
+                    stacked: Any, tail_params: Any, x_BTD, positions_BT, segment_ids_BT,
+                    targets_BT, mask_BT) -> jax.Array:
+        """The summed loss through every stacked layer and `tail(tail_params, x, targets,
+        mask)` per microbatch, the layers through a 1F1B pipeline's stages (pipe.explicit):
+        its ticks run each microbatch's loss and backward themselves (one_f_one_b.py)."""
+        layers_fn = lambda *args, **kwargs: run_group(*args, **kwargs)[0]
+        return one_f_one_b.loss(layers_fn, tail, stacked, tail_params, x_BTD, positions_BT,
+                                segment_ids_BT, targets_BT, mask_BT, self.pipe)
 
     def scan_layers(self, body: Callable, x, stacked: Any, names: tuple[str, ...] | None):
         """`jax.lax.scan(body, x, stacked)` over stacked layers; with model.weights_ahead their

@@ -24,7 +24,9 @@ from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
 from jaxtron.parallel import constrain
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+EXPLICIT = ("1f1b", "interleaved_1f1b")  # the loss and backward inside the ticks (one_f_one_b)
+REPEATED = ("circular", "interleaved_1f1b")  # the schedules with `repeats` virtual stages
 GRAD_SUMS = ("sharded", "whole")
 
 
@@ -35,33 +37,47 @@ class Pipeline:
     microbatches: int  # M: per pass through the pipeline
     dtype: str = "float32"  # the layers' compute dtype: stage weights are gathered in it
     grad_sum: str = "sharded"  # sharded | whole: the stage weights' gradient over fsdp (config)
+    schedule: str = "gpipe"
+
+    @property
+    def explicit(self) -> bool:
+        """The 1F1B schedules: forward and backward in one loop of ticks (one_f_one_b.py)."""
+        return self.schedule in EXPLICIT
 
     @property
     def iterations(self) -> int:
+        """The loop's trip count: M*R + S-1 iterations of a stage's forward (gpipe, circular;
+        the backward as many again), or M*R + (R+1)*S - 2 ticks of a forward and a backward."""
+        if self.explicit:
+            return self.microbatches * self.repeats + (self.repeats + 1) * self.stages - 2
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """Fraction of stage-iterations that are idle: (S-1) / (M*R + S-1)."""
-        return (self.stages - 1) / self.iterations
+        """Fraction of each stage's time that is idle: (S-1) / (M*R + S-1), on every schedule
+        (the 1F1B ticks skip the work a stage does not have, so the first and last S-1 forward
+        and backward ticks take a forward or a backward only)."""
+        work = self.microbatches * self.repeats
+        return (self.stages - 1) / (work + self.stages - 1)
 
 
 def describe(pipe: Pipeline, schedule: str, passes: int) -> str:
     """One log line: the schedule and its bubble fraction."""
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     looped = f" x {r} repeats" if r > 1 else ""
+    ticks = f", {pipe.iterations} ticks" if pipe.explicit else ""
     return (f"pipeline: {schedule}, {s} stages{looped}, {m} microbatches per pass x "
-            f"{passes} pass{'es' if passes > 1 else ''}: bubble {pipe.bubble:.4f} = "
-            f"(S-1)/(R*M+S-1) = {s - 1}/{pipe.iterations}")
+            f"{passes} pass{'es' if passes > 1 else ''}{ticks}: bubble {pipe.bubble:.4f} = "
+            f"(S-1)/(R*M+S-1) = {s - 1}/{m * r + s - 1}")
 
 
 def from_config(cfg: Config, stages: int) -> Pipeline | None:
     """The pipeline a config asks for on `stages` stages; None when there is one stage."""
     if stages == 1:
         return None
-    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
+    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule in REPEATED else 1
     return Pipeline(stages, repeats, cfg.train.microbatches // cfg.pipeline.passes,
-                    cfg.model.dtype, cfg.pipeline.grad_sum)
+                    cfg.model.dtype, cfg.pipeline.grad_sum, cfg.pipeline.schedule)
 
 
 def check(cfg: Config, stages: int) -> None:
@@ -73,14 +89,15 @@ def check(cfg: Config, stages: int) -> None:
         raise ConfigError(f"pipeline.grad_sum={p.grad_sum} is not one of {', '.join(GRAD_SUMS)}")
     if p.repeats < 1 or p.passes < 1:
         raise ConfigError("pipeline.repeats and pipeline.passes must be at least 1")
-    if p.schedule == "gpipe" and p.repeats != 1:
-        raise ConfigError(f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular")
+    if p.schedule not in REPEATED and p.repeats != 1:
+        raise ConfigError(f"pipeline.repeats={p.repeats} needs pipeline.schedule=circular or "
+                          "interleaved_1f1b")
     if micro % p.passes:
         raise ConfigError(f"train.microbatches={micro} is not divisible by "
                           f"pipeline.passes={p.passes}")
     if stages == 1:
         return
-    repeats = p.repeats if p.schedule == "circular" else 1
+    repeats = p.repeats if p.schedule in REPEATED else 1
     if layers % (stages * repeats):
         raise ConfigError(f"model.num_layers={layers} is not divisible by mesh.stage={stages} x "
                           f"pipeline.repeats={repeats}; change the stage count or repeats")
@@ -90,6 +107,11 @@ def check(cfg: Config, stages: int) -> None:
             f"the circular schedule needs at least mesh.stage={stages} microbatches per pass, got "
             f"train.microbatches={micro} / pipeline.passes={p.passes} = {per_pass}; raise "
             "train.microbatches")
+    if p.schedule == "interleaved_1f1b" and per_pass % stages:
+        raise ConfigError(
+            f"the interleaved_1f1b schedule runs microbatches in groups of mesh.stage={stages}, "
+            f"got train.microbatches={micro} / pipeline.passes={p.passes} = {per_pass}; make "
+            f"it a multiple of {stages}")
 
 
 def layer_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:

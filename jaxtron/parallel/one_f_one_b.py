@@ -1,0 +1,331 @@
+"""The 1F1B schedules (`1f1b`, `interleaved_1f1b`) over the `stage` mesh axis, inside one SPMD
+program, with the backward written out: each tick every stage runs one item's forward and one
+item's backward, so a microbatch's activations live from its forward on a stage to its backward
+there, never the whole pass. docs/operations.md, "The pipeline", has the schedule and its bubble.
+
+The loop computes the loss, its gradients and the stages' sends itself, and `loss` wraps it as a
+`custom_vjp` (the gradients are its residuals), so the train step differentiates the model as
+before. A stage's forward is `jax.vjp` of its layers; the pullback's residuals (what the remat
+policy saves) wait in a ring of slots until its backward, the weights and the stage input are
+passed again there instead of stored per slot.
+
+Items. With R repeats (virtual stages) per stage the microbatches go in groups of S: item i is
+group i // (S*R), repeat (i // S) % R, microbatch group*S + i % S, as Megatron-Core orders
+interleaved 1F1B. Stage s runs the forward of item t - s at tick t, and the backward of
+backward-item t - D + s, D = (R+1)*S - 2 (backward-items run the repeats last to first). The
+last stage's last repeat computes the loss and runs that microbatch's backward in the same tick.
+An item's residuals live at most 2*R*S - 1 ticks (stage 0, repeat 0): that many slots, each one
+repeat's layers of one microbatch: about 2*S microbatches of a stage's activations, whatever M.
+Ticks: M*R + D; a stage with no forward (or backward) in a tick skips it (`lax.cond`), so the
+bubble is (S-1)/(R*M + S-1) as for 1F1B and interleaved 1F1B.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxtron.parallel import pipeline as gpipe
+
+SCHEDULES = ("1f1b", "interleaved_1f1b")
+STAGE = "stage"
+
+
+@dataclass(frozen=True)
+class Ticks:
+    """The 1F1B tick arithmetic of S stages, R repeats and M microbatches (module docstring)."""
+
+    stages: int
+    repeats: int
+    microbatches: int
+
+    @property
+    def items(self) -> int:
+        return self.microbatches * self.repeats
+
+    @property
+    def delay(self) -> int:  # D: stage s runs backward-item t - D + s at tick t
+        return (self.repeats + 1) * self.stages - 2
+
+    @property
+    def ticks(self) -> int:
+        return self.items + self.delay
+
+    @property
+    def slots(self) -> int:
+        """Items whose residuals are alive at once on a stage, at most (stage 0's repeat 0)."""
+        return min(2 * self.repeats * self.stages - 1, self.items)
+
+    def forward_item(self, i):
+        """Item i's (microbatch, repeat)."""
+        s, r = self.stages, self.repeats
+        return (i // (s * r)) * s + i % s, (i // s) % r
+
+    def backward_item(self, i):
+        """Backward-item i's (microbatch, repeat, its forward item): repeats last to first."""
+        s, r = self.stages, self.repeats
+        group, u = i // (s * r), i % s
+        repeat = r - 1 - (i // s) % r
+        return group * s + u, repeat, group * s * r + repeat * s + u
+
+
+def loss(layers_fn: Callable, tail_fn: Callable, stacked: Any, tail: Any, x_BTD: jax.Array,
+         positions_BT: jax.Array, segment_ids_BT: jax.Array, targets_BT: jax.Array,
+         mask_BT: jax.Array, pipe: gpipe.Pipeline) -> jax.Array:
+    """The summed loss of the batch through every stacked layer (stored in `layer_order`) and
+    `tail_fn(tail, x_bTD, targets_bT, mask_bT)` (final norm, LM head, cross-entropy: a sum over
+    the microbatch), differentiable in `stacked`, `tail` and `x_BTD`. `layers_fn(stacked, x,
+    positions, segment_ids, select=)` runs one stage's layers as in pipeline.run."""
+    return _loss(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, positions_BT, segment_ids_BT,
+                 targets_BT, mask_BT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _loss(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, positions_BT, segment_ids_BT,
+          targets_BT, mask_BT):
+    return _run(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, positions_BT, segment_ids_BT,
+                targets_BT, mask_BT)[0]
+
+
+def _loss_fwd(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, *batch):
+    total, grads = _run(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, *batch)
+    return total, grads
+
+
+def _loss_bwd(layers_fn, tail_fn, pipe, grads, g):
+    del layers_fn, tail_fn, pipe
+    d_stacked, d_tail, d_x = jax.tree.map(lambda a: (a * g).astype(a.dtype), grads)
+    return d_stacked, d_tail, d_x, None, None, None, None
+
+
+_loss.defvjp(_loss_fwd, _loss_bwd)
+
+
+def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, stacked, tail, x_BTD, positions_BT,
+         segment_ids_BT, targets_BT, mask_BT):
+    """(loss sum, (d stacked, d tail, d x)) of the whole batch through the 1F1B ticks."""
+    s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
+    staged = jax.tree.map(
+        lambda w: gpipe._stage_sharded(
+            w.reshape(s, r, w.shape[0] // (s * r), *w.shape[1:]).swapaxes(1, 2)), stacked)
+    copies = gpipe._copy_axes(pipe)
+    leaves, tree = jax.tree.flatten(staged)
+    specs = [spec if copies == ("data",) else gpipe._without_fsdp(spec)
+             for spec in gpipe._layer_specs(stacked)]
+    # One copy of the stage weights per data replica, gathered over fsdp in the compute dtype
+    # once per pass (pipeline._gathered): the ticks read these.
+    whole = [gpipe._gathered(gpipe._copied(w, copies, spec), copies, spec, pipe.dtype)
+             for w, spec in zip(leaves, specs)]
+    k = -(-m // s)  # the inputs and their gradient spread over the stages, K per stage
+    x_MbTD = gpipe._microbatches(x_BTD, m)
+    inputs_SKbTD = jnp.pad(x_MbTD, [(0, s * k - m)] + [(0, 0)] * (x_MbTD.ndim - 1)
+                           ).reshape(s, k, *x_MbTD.shape[1:])
+    rows = [gpipe._microbatches(a, m) for a in (positions_BT, segment_ids_BT, targets_BT,
+                                                 mask_BT)]
+    ticks = Ticks(s, r, m)
+
+    def per_device(whole, tail, inputs_SKbTD, *rows):
+        w = [a[0, 0] for a in whole]
+        out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
+                     inputs_SKbTD[0], rows, specs)
+        total, d_w, d_tail, d_inputs = out
+        axes = (STAGE, *copies) if _meshed() else STAGE
+        total, d_tail = jax.lax.psum((total, d_tail), axes)
+        return total, [a[None, None] for a in jax.tree.leaves(d_w)], d_tail, d_inputs[None]
+
+    if _meshed():
+        per_copy, io = P(STAGE, copies), P(STAGE, None, copies)
+        fn = jax.shard_map(per_device,
+                           in_specs=(per_copy, P(), io, *[P(None, copies)] * 4),
+                           out_specs=(P(), per_copy, P(), io),
+                           axis_names={STAGE, *copies}, check_vma=False)
+    else:  # one device: the stages vmapped, the per-device blocks' [1, ...] axes added
+        fn = _vmapped(per_device)
+    total, d_whole, d_tail, d_inputs = fn(whole, tail, inputs_SKbTD, *rows)
+    # the copies' gradients summed, back to the stacked layout [L, ...] in the weights' dtype
+    d_staged = [d.sum(axis=1).astype(w.dtype) for d, w in zip(d_whole, leaves)]
+    d_stacked = jax.tree.map(
+        lambda d: d.swapaxes(1, 2).reshape(-1, *d.shape[3:]),
+        jax.tree.unflatten(tree, d_staged))
+    d_x = d_inputs.reshape(s * k, *x_MbTD.shape[1:])[:m].swapaxes(0, 1).reshape(x_BTD.shape)
+    d_tail = jax.tree.map(lambda d, a: d.astype(a.dtype), d_tail, tail)
+    return total, (d_stacked, d_tail, d_x.astype(x_BTD.dtype))
+
+
+def _vmapped(per_device):
+    """Without a mesh: the stages vmapped over `stage`, each called with the blocks a device of
+    the mesh would hold (whole [1, 1, ...], inputs [1, K, ...]) and its outputs stacked."""
+
+    def one(whole, tail, inputs_KbTD, *rows):
+        total, d_w, d_tail, d_inputs = per_device([w[None] for w in whole], tail,
+                                                  inputs_KbTD[None], *rows)
+        return total, [d[0] for d in d_w], d_tail, d_inputs[0]
+
+    return jax.vmap(one, in_axes=(0, None, 0, None, None, None, None),
+                    out_axes=(None, 0, None, 0), axis_name=STAGE)
+
+
+def _meshed() -> bool:
+    return not jax.sharding.get_abstract_mesh().empty
+
+
+def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs):
+    """One stage's program: every tick a forward and a backward (each skipped where the stage
+    has none), then the sends. Returns (loss sum, d w summed in float32, d tail, d inputs)."""
+    positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
+    s, r = ticks.stages, ticks.repeats
+    me = jax.lax.axis_index(STAGE)
+    k = inputs_KbTD.shape[0]
+    last = s - 1
+
+    def stage_fn(w, x_bTD, positions_bT, segments_bT, repeat):
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False)
+        select = jax.checkpoint(lambda layer: jax.tree.map(pick, layer),
+                                policy=jax.checkpoint_policies.nothing_saveable)
+        return layers_fn(w, x_bTD, positions_bT, segments_bT, select=select)
+
+    zero_x = jnp.zeros_like(inputs_KbTD[0])
+    primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
+    pullback = _Pullback.of(stage_fn, primals)  # the stage input x is stored, not passed again
+    slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored]
+
+    def forward(t, buffers, x_bTD):
+        """Item t - me's forward: its output, its residuals stored in their slot."""
+        item = t - me
+        micro, repeat = ticks.forward_item(item)
+        args = (w, x_bTD, positions_MbT[micro], segments_MbT[micro], repeat)
+        y_bTD, stored = pullback.forward(stage_fn, args)
+        slot = item % ticks.slots
+        buffers = [jax.lax.dynamic_update_index_in_dim(b, a, slot, 0)
+                   for b, a in zip(buffers, stored)]
+        return y_bTD, buffers
+
+    def loss_of(y_bTD, micro):
+        """The tail's loss of this microbatch, its gradient in the tail and in y."""
+        part, vjp = jax.vjp(lambda p, y: tail_fn(p, y, targets_MbT[micro], mask_MbT[micro]),
+                            tail, y_bTD)
+        d_tail, d_y = vjp(jnp.ones_like(part))
+        return part.astype(jnp.float32), d_tail, d_y
+
+    def backward(t, buffers, ct_bTD):
+        """Backward-item t - D + me: (d w, d x) from its stored residuals."""
+        micro, repeat, item = ticks.backward_item(t - ticks.delay + me)
+        slot = item % ticks.slots
+        stored = [jax.lax.dynamic_index_in_dim(b, slot, 0, False) for b in buffers]
+        args = (w, None, positions_MbT[micro], segments_MbT[micro], repeat)
+        d_w, d_x = pullback.backward(args, stored, ct_bTD)
+        return d_w, d_x
+
+    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+    acc_w = [_constrained(a, spec) for a, spec in zip(jax.tree.leaves(f32(w)), specs)]
+
+    def tick(carry, t):
+        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs = carry
+        # stage 0's fresh microbatch, from the stage that holds it
+        micro0, repeat0 = ticks.forward_item(t)
+        mine = (micro0 // k == me) & (t < ticks.items)
+        fresh = jax.lax.psum(jnp.where(mine, inputs_KbTD[micro0 % k], 0), STAGE)
+        x_bTD = jnp.where((me == 0) & (repeat0 == 0), fresh, recv_f)
+        f_item = t - me
+        do_f = (f_item >= 0) & (f_item < ticks.items)
+        y_bTD, buffers = jax.lax.cond(do_f, forward, lambda t, b, x: (zero_x, b),
+                                      t, buffers, x_bTD)
+        f_micro, f_repeat = ticks.forward_item(f_item)
+        do_loss = do_f & (me == last) & (f_repeat == r - 1)
+        part, d_tail, d_y = jax.lax.cond(
+            do_loss, loss_of,
+            lambda y, m: (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, tail),
+                          jnp.zeros_like(y)), y_bTD, f_micro)
+        total = total + part
+        d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
+        b_item = t - ticks.delay + me
+        do_b = (b_item >= 0) & (b_item < ticks.items)
+        _, b_repeat, _ = ticks.backward_item(b_item)
+        ct_bTD = jnp.where((me == last) & (b_repeat == r - 1), d_y, recv_b)
+        d_w, d_x = jax.lax.cond(do_b, backward,
+                                lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
+                                t, buffers, ct_bTD)
+        acc_w = [a + _constrained(d.astype(jnp.float32), spec)
+                 for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
+        # stage 0's first repeat: d x of the microbatch, back to the stage that holds its input
+        item0 = t - ticks.delay
+        micro0, repeat0, _ = ticks.backward_item(item0)
+        done = (item0 >= 0) & (item0 < ticks.items) & (repeat0 == 0)
+        d_fresh = jax.lax.psum(jnp.where(done & (me == 0), d_x, 0), STAGE)
+        owner = done & (micro0 // k == me)
+        old = jax.lax.dynamic_index_in_dim(d_inputs, micro0 % k, 0, False)
+        d_inputs = jax.lax.dynamic_update_index_in_dim(
+            d_inputs, jnp.where(owner, d_fresh.astype(d_inputs.dtype), old), micro0 % k, 0)
+        ring_up = [(i, (i + 1) % s) for i in range(s)]
+        ring_down = [(i, (i - 1) % s) for i in range(s)]
+        recv_f = jax.lax.ppermute(y_bTD, STAGE, ring_up)
+        recv_b = jax.lax.ppermute(d_x, STAGE, ring_down)
+        return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
+
+    carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
+             jax.tree.map(jnp.zeros_like, tail), jnp.zeros(inputs_KbTD.shape, jnp.float32))
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks.ticks))
+    _, _, _, acc_w, total, d_tail_sum, d_inputs = carry
+    return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs
+
+
+def _constrained(a: jax.Array, spec: P) -> jax.Array:
+    """A stage weight's gradient [L', R, ...] laid out as its weight's `spec` says (split over
+    fsdp for grad_sum=sharded: a reduce-scatter each tick)."""
+    if not _meshed():
+        return a
+    return jax.lax.with_sharding_constraint(a, P(None, None, *spec[1:]))
+
+
+@dataclass
+class _Pullback:
+    """A stage forward's `jax.vjp` split into what is stored per item (`stored`: the residuals,
+    the stage input among them when the pullback reads it) and what is passed again in the
+    backward (the weights, the microbatch's rows, the repeat): the weights are never copied per
+    slot. The primals are (w, x, positions, segment_ids, repeat)."""
+
+    tree: Any  # the treedef of the VJP object, its jaxpr static
+    from_primal: list  # per VJP leaf: the index of the primal leaf it is, or None (stored)
+    stored: list  # the stored leaves' shapes
+
+    @classmethod
+    def of(cls, fn, primals) -> _Pullback:
+        found = {}
+
+        def trace(*primals):
+            out, vjp = jax.vjp(fn, *primals)
+            found["tree"], found["from_primal"], stored = _split(vjp, primals)
+            return stored
+
+        stored = jax.eval_shape(trace, *primals)
+        return cls(found["tree"], found["from_primal"], list(stored))
+
+    def forward(self, fn, args):
+        y, vjp = jax.vjp(fn, *args)
+        tree, from_primal, stored = _split(vjp, args)
+        if from_primal != self.from_primal or [a.shape for a in stored] != [
+                a.shape for a in self.stored]:
+            raise AssertionError("a stage's forward traced two ways")
+        return y, stored
+
+    def backward(self, args, stored, ct):
+        """(d w, d x) of the item whose `stored` leaves these are; args' x is None."""
+        flat, pos = jax.tree.leaves(args), iter(stored)
+        leaves = [next(pos) if i is None else flat[i] for i in self.from_primal]
+        d_w, d_x, *_ = jax.tree.unflatten(self.tree, leaves)(ct)
+        return d_w, d_x
+
+
+def _split(vjp, primals):
+    """(treedef, per leaf the index of the passed-again primal leaf it is or None, the leaves
+    stored: all others, the stage input x (primals[1]) too)."""
+    leaves, tree = jax.tree.flatten(vjp)
+    flat = jax.tree.leaves((primals[0], None, *primals[2:]))
+    ids = {id(p): i for i, p in enumerate(flat)}
+    from_primal = [ids.get(id(leaf)) for leaf in leaves]
+    return tree, from_primal, [a for a, i in zip(leaves, from_primal) if i is None]
