@@ -143,7 +143,8 @@ class LayerOps:
         its ticks run each microbatch's loss and backward themselves (one_f_one_b.py)."""
         layers_fn = lambda *args, **kwargs: run_group(*args, **kwargs)[0]
         return one_f_one_b.loss(layers_fn, tail, stacked, tail_params, x_BTD, positions_BT,
-                                segment_ids_BT, targets_BT, mask_BT, self.pipe)
+                                segment_ids_BT, targets_BT, mask_BT, self.pipe,
+                                permutes=self.overlapped)
 
     def scan_layers(self, body: Callable, x, stacked: Any, names: tuple[str, ...] | None):
         """`jax.lax.scan(body, x, stacked)` over stacked layers; with model.weights_ahead their

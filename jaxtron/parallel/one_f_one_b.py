@@ -76,29 +76,39 @@ class Ticks:
 
 def loss(layers_fn: Callable, tail_fn: Callable, stacked: Any, tail: Any, x_BTD: jax.Array,
          positions_BT: jax.Array, segment_ids_BT: jax.Array, targets_BT: jax.Array,
-         mask_BT: jax.Array, pipe: gpipe.Pipeline) -> jax.Array:
+         mask_BT: jax.Array, pipe: gpipe.Pipeline, permutes: bool = False) -> jax.Array:
     """The summed loss of the batch through every stacked layer (stored in `layer_order`) and
     `tail_fn(tail, x_bTD, targets_bT, mask_bT)` (final norm, LM head, cross-entropy: a sum over
     the microbatch), differentiable in `stacked`, `tail` and `x_BTD`. `layers_fn(stacked, x,
-    positions, segment_ids, select=)` runs one stage's layers as in pipeline.run."""
-    return _loss(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, positions_BT, segment_ids_BT,
-                 targets_BT, mask_BT)
+    positions, segment_ids, select=)` runs one stage's layers as in pipeline.run. `permutes`:
+    the layers hold collective permutes over the stage's devices (collective matmuls; see
+    `skips`)."""
+    return _loss(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
+                 segment_ids_BT, targets_BT, mask_BT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _loss(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, positions_BT, segment_ids_BT,
-          targets_BT, mask_BT):
-    return _run(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, positions_BT, segment_ids_BT,
-                targets_BT, mask_BT)[0]
+def skips(permutes: bool) -> bool:
+    """Whether a stage skips the work it has none of in a tick (`lax.cond`), as it does on
+    GPUs. Not on CPU devices when its layers hold collective permutes: a CPU collective permute
+    waits for every device its pairs name, the other stages' too, which skipped it."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    return not (permutes and platform == "cpu")
 
 
-def _loss_fwd(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, *batch):
-    total, grads = _run(layers_fn, tail_fn, pipe, stacked, tail, x_BTD, *batch)
-    return total, grads
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _loss(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
+          segment_ids_BT, targets_BT, mask_BT):
+    return _run(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
+                segment_ids_BT, targets_BT, mask_BT)[0]
 
 
-def _loss_bwd(layers_fn, tail_fn, pipe, grads, g):
-    del layers_fn, tail_fn, pipe
+def _loss_fwd(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, *batch):
+    return _run(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, *batch)
+
+
+def _loss_bwd(layers_fn, tail_fn, pipe, permutes, grads, g):
+    del layers_fn, tail_fn, pipe, permutes
     d_stacked, d_tail, d_x = jax.tree.map(lambda a: (a * g).astype(a.dtype), grads)
     return d_stacked, d_tail, d_x, None, None, None, None
 
@@ -106,9 +116,10 @@ def _loss_bwd(layers_fn, tail_fn, pipe, grads, g):
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
-def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, stacked, tail, x_BTD, positions_BT,
-         segment_ids_BT, targets_BT, mask_BT):
+def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail, x_BTD,
+         positions_BT, segment_ids_BT, targets_BT, mask_BT):
     """(loss sum, (d stacked, d tail, d x)) of the whole batch through the 1F1B ticks."""
+    skip = skips(permutes)
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     staged = jax.tree.map(
         lambda w: gpipe._stage_sharded(
@@ -132,7 +143,7 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, stacked, tail, x_BTD, positio
     def per_device(whole, tail, inputs_SKbTD, *rows):
         w = [a[0, 0] for a in whole]
         out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
-                     inputs_SKbTD[0], rows, specs)
+                     inputs_SKbTD[0], rows, specs, skip)
         total, d_w, d_tail, d_inputs = out
         axes = (STAGE, *copies) if _meshed() else STAGE
         total, d_tail = jax.lax.psum((total, d_tail), axes)
@@ -174,14 +185,21 @@ def _meshed() -> bool:
     return not jax.sharding.get_abstract_mesh().empty
 
 
-def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs):
+def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, skip: bool):
     """One stage's program: every tick a forward and a backward (each skipped where the stage
-    has none), then the sends. Returns (loss sum, d w summed in float32, d tail, d inputs)."""
+    has none, with `skip`; else computed and dropped), then the sends. Returns (loss sum, d w
+    summed in float32, d tail, d inputs)."""
     positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
     s, r = ticks.stages, ticks.repeats
     me = jax.lax.axis_index(STAGE)
     k = inputs_KbTD.shape[0]
     last = s - 1
+
+    def when(pred, f, g, *args):
+        """f(*args) where pred holds, else g(*args): only the one taken runs, with `skip`."""
+        if skip:
+            return jax.lax.cond(pred, f, g, *args)
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(*args), g(*args))
 
     def stage_fn(w, x_bTD, positions_bT, segments_bT, repeat):
         pick = lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False)
@@ -224,20 +242,14 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs):
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
     acc_w = [_constrained(a, spec) for a, spec in zip(jax.tree.leaves(f32(w)), specs)]
 
-    def tick(carry, t):
-        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs = carry
-        # stage 0's fresh microbatch, from the stage that holds it
-        micro0, repeat0 = ticks.forward_item(t)
-        mine = (micro0 // k == me) & (t < ticks.items)
-        fresh = jax.lax.psum(jnp.where(mine, inputs_KbTD[micro0 % k], 0), STAGE)
-        x_bTD = jnp.where((me == 0) & (repeat0 == 0), fresh, recv_f)
+    def work(t, x_bTD, recv_b, buffers, acc_w, total, d_tail_sum):
+        """This stage's forward, loss and backward of tick t (each where it has one)."""
         f_item = t - me
         do_f = (f_item >= 0) & (f_item < ticks.items)
-        y_bTD, buffers = jax.lax.cond(do_f, forward, lambda t, b, x: (zero_x, b),
-                                      t, buffers, x_bTD)
+        y_bTD, buffers = when(do_f, forward, lambda t, b, x: (zero_x, b), t, buffers, x_bTD)
         f_micro, f_repeat = ticks.forward_item(f_item)
         do_loss = do_f & (me == last) & (f_repeat == r - 1)
-        part, d_tail, d_y = jax.lax.cond(
+        part, d_tail, d_y = when(
             do_loss, loss_of,
             lambda y, m: (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, tail),
                           jnp.zeros_like(y)), y_bTD, f_micro)
@@ -247,11 +259,27 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs):
         do_b = (b_item >= 0) & (b_item < ticks.items)
         _, b_repeat, _ = ticks.backward_item(b_item)
         ct_bTD = jnp.where((me == last) & (b_repeat == r - 1), d_y, recv_b)
-        d_w, d_x = jax.lax.cond(do_b, backward,
-                                lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
-                                t, buffers, ct_bTD)
+        d_w, d_x = when(do_b, backward,
+                        lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
+                        t, buffers, ct_bTD)
         acc_w = [a + _constrained(d.astype(jnp.float32), spec)
                  for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
+        return y_bTD, d_x, buffers, acc_w, total, d_tail_sum
+
+    def idle(t, x_bTD, recv_b, buffers, acc_w, total, d_tail_sum):
+        return zero_x, zero_x, buffers, acc_w, total, d_tail_sum
+
+    def tick(carry, t):
+        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs = carry
+        # stage 0's fresh microbatch, from the stage that holds it
+        micro0, repeat0 = ticks.forward_item(t)
+        mine = (micro0 // k == me) & (t < ticks.items)
+        fresh = jax.lax.psum(jnp.where(mine, inputs_KbTD[micro0 % k], 0), STAGE)
+        x_bTD = jnp.where((me == 0) & (repeat0 == 0), fresh, recv_f)
+        busy = ((t - me >= 0) & (t - me < ticks.items)) | (
+            (t - ticks.delay + me >= 0) & (t - ticks.delay + me < ticks.items))
+        y_bTD, d_x, buffers, acc_w, total, d_tail_sum = when(
+            busy, work, idle, t, x_bTD, recv_b, buffers, acc_w, total, d_tail_sum)
         # stage 0's first repeat: d x of the microbatch, back to the stage that holds its input
         item0 = t - ticks.delay
         micro0, repeat0, _ = ticks.backward_item(item0)
@@ -261,10 +289,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs):
         old = jax.lax.dynamic_index_in_dim(d_inputs, micro0 % k, 0, False)
         d_inputs = jax.lax.dynamic_update_index_in_dim(
             d_inputs, jnp.where(owner, d_fresh.astype(d_inputs.dtype), old), micro0 % k, 0)
-        ring_up = [(i, (i + 1) % s) for i in range(s)]
-        ring_down = [(i, (i - 1) % s) for i in range(s)]
-        recv_f = jax.lax.ppermute(y_bTD, STAGE, ring_up)
-        recv_b = jax.lax.ppermute(d_x, STAGE, ring_down)
+        recv_f = jax.lax.ppermute(y_bTD, STAGE, [(i, (i + 1) % s) for i in range(s)])
+        recv_b = jax.lax.ppermute(d_x, STAGE, [(i, (i - 1) % s) for i in range(s)])
         return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
 
     carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
