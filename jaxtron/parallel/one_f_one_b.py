@@ -14,8 +14,10 @@ group i // (S*R), repeat (i // S) % R, microbatch group*S + i % S, as Megatron-C
 interleaved 1F1B. Stage s runs the forward of item t - s at tick t, and the backward of
 backward-item t - D + s, D = (R+1)*S - 2 (backward-items run the repeats last to first). The
 last stage's last repeat computes the loss and runs that microbatch's backward in the same tick.
-An item's residuals live at most 2*R*S - 1 ticks (stage 0, repeat 0): that many slots, each one
-repeat's layers of one microbatch: about 2*S microbatches of a stage's activations, whatever M.
+At most (R+1)*S - 1 items are alive on a stage at once (stage 0): that many slots, each one
+repeat's layers of one microbatch, (1 + 1/R)*S microbatches of a stage's activations whatever M
+(Megatron-Core's interleaved count; its 1F1B keeps S, stage s entering the steady state after
+S - s forwards, which lockstep ticks of one forward and one backward cannot).
 Ticks: M*R + D; a stage with no forward (or backward) in a tick skips it (`lax.cond`), so the
 bubble is (S-1)/(R*M + S-1) as for 1F1B and interleaved 1F1B.
 """
@@ -28,6 +30,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.parallel import pipeline as gpipe
@@ -58,8 +61,27 @@ class Ticks:
 
     @property
     def slots(self) -> int:
-        """Items whose residuals are alive at once on a stage, at most (stage 0's repeat 0)."""
-        return min(2 * self.repeats * self.stages - 1, self.items)
+        """The most items whose residuals are alive at once on a stage: (R+1)*S - 1 once M >=
+        S, stage 0's (Megatron-Core's interleaved count, S*R*(1 + (S-1)/(S*R)) items)."""
+        return int(self.slot_table().max()) + 1
+
+    @functools.cache  # noqa: B019 (a frozen dataclass of three ints)
+    def slot_table(self) -> np.ndarray:
+        """[S, items]: the slot each item's residuals take on each stage, from its forward to
+        its backward tick (both included). The lifetimes are intervals, so taking the lowest
+        slot free at each forward in tick order uses as few slots as are ever alive at once."""
+        table = np.zeros((self.stages, self.items), np.int32)
+        backward_tick = np.zeros(self.items, np.int64)
+        for stage in range(self.stages):
+            for b in range(self.items):
+                backward_tick[self.backward_item(b)[2]] = b + self.delay - stage
+            free_at: list[int] = []  # per slot: the first tick it is free again
+            for item in range(self.items):  # forwards in tick order: item + stage
+                start = item + stage
+                slot = next((i for i, t in enumerate(free_at) if t <= start), len(free_at))
+                free_at[slot:slot + 1] = [int(backward_tick[item]) + 1]
+                table[stage, item] = slot
+        return table
 
     def forward_item(self, i):
         """Item i's (microbatch, repeat)."""
@@ -211,6 +233,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
     primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
     pullback = _Pullback.of(stage_fn, primals)  # the stage input x is stored, not passed again
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored]
+    slots_of = jnp.asarray(ticks.slot_table())  # [S, items]
 
     def forward(t, buffers, x_bTD):
         """Item t - me's forward: its output, its residuals stored in their slot."""
@@ -218,7 +241,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         micro, repeat = ticks.forward_item(item)
         args = (w, x_bTD, positions_MbT[micro], segments_MbT[micro], repeat)
         y_bTD, stored = pullback.forward(stage_fn, args)
-        slot = item % ticks.slots
+        slot = slots_of[me, item]
         buffers = [jax.lax.dynamic_update_index_in_dim(b, a, slot, 0)
                    for b, a in zip(buffers, stored)]
         return y_bTD, buffers
@@ -233,7 +256,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
     def backward(t, buffers, ct_bTD):
         """Backward-item t - D + me: (d w, d x) from its stored residuals."""
         micro, repeat, item = ticks.backward_item(t - ticks.delay + me)
-        slot = item % ticks.slots
+        slot = slots_of[me, item]
         stored = [jax.lax.dynamic_index_in_dim(b, slot, 0, False) for b in buffers]
         args = (w, None, positions_MbT[micro], segments_MbT[micro], repeat)
         d_w, d_x = pullback.backward(args, stored, ct_bTD)
@@ -294,7 +317,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
 
     carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
-             jax.tree.map(jnp.zeros_like, tail), jnp.zeros(inputs_KbTD.shape, jnp.float32))
+             jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_KbTD))
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks.ticks))
     _, _, _, acc_w, total, d_tail_sum, d_inputs = carry
     return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs

@@ -58,7 +58,7 @@ from jaxtron.config import Config, ConfigError
 from jaxtron.model import windows
 from jaxtron.ops import ahead, attention
 from jaxtron.ops.vocab import chunks as loss_chunks
-from jaxtron.parallel import pipeline
+from jaxtron.parallel import one_f_one_b, pipeline
 
 WORKSPACE = 16 * 2**20  # cuBLAS / cuDNN scratch and small buffers: what a tiny model's step holds
 # Context parallelism's K and V per key position (of one kv head's H): gathered (2 x 2 bytes),
@@ -321,11 +321,15 @@ def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
     """Layer applications one device keeps activations of: its layers (and model.mtp_depth's
     modules, one layer each), or with a pipeline every iteration's L/(S*R) layers (all M*R +
-    S - 1 iterations are alive at the backward's start)."""
+    S - 1 iterations are alive at the backward's start; under 1F1B the 2*R*S - 1 items of the
+    ring of slots)."""
     pipe = pipeline.from_config(cfg, sizes["stage"])
     if pipe is None:
         return cfg.model.num_layers + cfg.model.mtp_depth
-    return pipe.iterations * (cfg.model.num_layers // (pipe.stages * pipe.repeats))
+    per_item = cfg.model.num_layers // (pipe.stages * pipe.repeats)
+    if pipe.explicit:  # 1F1B: the items alive in the ring of slots, whatever M
+        return one_f_one_b.Ticks(pipe.stages, pipe.repeats, pipe.microbatches).slots * per_item
+    return pipe.iterations * per_item
 
 
 def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
@@ -348,7 +352,10 @@ def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:
         grads = layers * fsdp + int(layers * fsdp * compute)
     else:  # With passes (accumulation around the pipeline) the pass's sum is grad_accumulation's.
         grads = 2 * layers if plan.accumulation == 1 else 0
-    return {"pipeline_buffers": (pipe.microbatches + 2 + spread) * slab,
+    # gpipe and circular: the outputs [M, ...], the inputs spread, the moving state; 1F1B: the
+    # inputs and their gradients spread, and the tick's input, output, cotangent and sends
+    buffers = (2 * spread + 6 if pipe.explicit else pipe.microbatches + 2 + spread) * slab
+    return {"pipeline_buffers": buffers,
             "pipeline_weight_grads": grads,
             # the stage's weights gathered over fsdp once per pass, in the compute dtype
             "pipeline_gathered_weights": int(layers * fsdp * compute) if fsdp > 1 else 0}
