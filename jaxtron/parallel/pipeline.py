@@ -107,6 +107,10 @@ def check(cfg: Config, stages: int) -> None:
             f"the circular schedule needs at least mesh.stage={stages} microbatches per pass, got "
             f"train.microbatches={micro} / pipeline.passes={p.passes} = {per_pass}; raise "
             "train.microbatches")
+    if p.schedule in EXPLICIT and cfg.train.seq_len % stages:
+        raise ConfigError(f"the {p.schedule} schedule shares each microbatch's loss out over "
+                          f"the stages by positions: train.seq_len={cfg.train.seq_len} must be "
+                          f"a multiple of mesh.stage={stages}")
     if p.schedule == "interleaved_1f1b" and per_pass % stages:
         raise ConfigError(
             f"the interleaved_1f1b schedule runs microbatches in groups of mesh.stage={stages}, "

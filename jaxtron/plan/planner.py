@@ -12,7 +12,8 @@ estimates one step's time as
   them (costs.expected_attention) per GPU, at ACHIEVABLE_TFLOPS; with model.fp8 the layers'
   projections FP8_SPEEDUP times faster.
 - bubble: the pipeline's idle share, (S-1) / (M*R + S-1) for S stages, M microbatches per pass,
-  R circular repeats (jaxtron.parallel.pipeline).
+  R repeats (circular, interleaved_1f1b) on every schedule (jaxtron.parallel.pipeline); 1F1B
+  changes the memory (parallel/one_f_one_b.py), not the bubble.
 - communication, per collective, bytes on the wire per GPU over the axis's link (NVLink inside a
   node, the inter-node network across; parallel.crossing_axes says which), by nccl-tests' bus
   bandwidth definitions:
@@ -28,7 +29,8 @@ estimates one step's time as
     fsdp (the router is small). model.weights_ahead gathers the dense weights
     once per microbatch, a layer ahead beside the layer before, and keeps them for the backward.
   - data: the gradients' all-reduce, once per step, exposed.
-  - stage: each microbatch's activations between neighbouring stages, forward and backward.
+  - stage: each microbatch's activations between neighbouring stages, forward and backward;
+    under 1F1B each tick also all-reduces stage 0's input and its gradient over the stages.
   - context (context parallelism, sequences of LONG_CONTEXT positions or more): each layer's
     K and V all-gathered over it in the forward and backward and their gradients
     reduce-scattered, overlapped like fsdp's; its weights' ZeRO-3 gathers count with fsdp's.
@@ -56,6 +58,7 @@ from dataclasses import dataclass
 from jaxtron import parallel
 from jaxtron.config import Config, ConfigError, MeshConfig, PipelineConfig
 from jaxtron.ops import ahead
+from jaxtron.parallel import pipeline
 from jaxtron.parallel.pipeline import SCHEDULES
 from jaxtron.plan import costs, memory
 from jaxtron.plan.autofit import SPARE
@@ -200,7 +203,9 @@ def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
     schedules = [("gpipe", 1)]
     if mesh["stage"] > 1:
         per_stage = cfg.model.num_layers // mesh["stage"]
-        schedules += [("circular", r) for r in (2, 4, 5, 8, 10) if per_stage % r == 0]
+        repeated = [r for r in (2, 4, 5, 8, 10) if per_stage % r == 0]
+        schedules += [("circular", r) for r in repeated] + [("1f1b", 1)]
+        schedules += [("interleaved_1f1b", r) for r in repeated]
     sums = ["sharded", "whole"] if mesh["stage"] > 1 and mesh["fsdp"] > 1 else ["sharded"]
     for (schedule, repeats), micro, remat, grad_sum in itertools.product(schedules, counts, remats,
                                                                          sums):
@@ -254,8 +259,9 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
         work -= projections * (1 - 1 / FP8_SPEEDUP)
     compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
     stages, tp = mesh["stage"], mesh["tensor"]
-    repeats = cfg.pipeline.repeats if cfg.pipeline.schedule == "circular" else 1
-    iterations = t.microbatches * repeats + stages - 1 if stages > 1 else t.microbatches
+    pipe = pipeline.from_config(cfg, stages)
+    repeats = pipe.repeats if pipe else 1
+    iterations = pipe.iterations if pipe else t.microbatches  # 1F1B: ticks, forward + backward
     bubble = compute * (stages - 1) / (t.microbatches * repeats) if stages > 1 else 0.0
     layers = m.num_layers // stages  # layers each GPU runs per sequence
     ep, cp = mesh.get("expert", 1), mesh.get("context", 1)
@@ -293,7 +299,10 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     held = m.num_layers * (dense / ep + local_experts) + m.d_model * m.vocab_size
     grads = held * 4 / (tp * stages * f)  # float32 gradients per GPU
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
-    stage_bytes = 2 * iterations * seqs / t.microbatches * slab / tp if stages > 1 else 0.0
+    # a microbatch forward and one backward per iteration; 1F1B's ticks also all-reduce stage
+    # 0's input and its gradient over the stages (parallel/one_f_one_b.py)
+    per_tick = 2 + (4 * (stages - 1) / stages if pipe and pipe.explicit else 0)
+    stage_bytes = per_tick * iterations * seqs / t.microbatches * slab / tp if pipe else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
     # context: each layer's K and V gathered forward and backward, their gradients scattered
     kv_bytes = 3 * passes / 2 * layers * seqs * t.seq_len * 2 * m.num_kv_heads * m.head_size \
