@@ -37,6 +37,9 @@ from jaxtron.parallel import pipeline as gpipe
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
 STAGE = "stage"
+# The named scopes of a tick's forward, loss and backward: the compiled program's conditionals
+# run each on some ticks only, and flops.compiled weighs their matmuls by `shares`.
+SCOPES = ("1f1b_forward", "1f1b_loss", "1f1b_backward")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,12 @@ class Ticks:
                 free_at[slot:slot + 1] = [int(backward_tick[item]) + 1]
                 table[stage, item] = slot
         return table
+
+    def shares(self) -> dict[str, float]:
+        """Per named scope (SCOPES), the share of the ticks on which a stage runs it: the
+        forward and backward on M*R, its share of the loss on M."""
+        work = self.items / self.ticks
+        return dict(zip(SCOPES, (work, self.microbatches / self.ticks, work)))
 
     def forward_item(self, i):
         """Item i's (microbatch, repeat)."""
@@ -169,19 +178,21 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
         total, d_w, d_tail, d_inputs = out
         axes = (STAGE, *copies) if _meshed() else STAGE
         total, d_tail = jax.lax.psum((total, d_tail), axes)
-        return total, [a[None, None] for a in jax.tree.leaves(d_w)], d_tail, d_inputs[None]
+        # the copies' gradients summed here, into the running sum's own buffers
+        d_w = jax.lax.psum(jax.tree.leaves(d_w), copies) if _meshed() else jax.tree.leaves(d_w)
+        return total, [a[None] for a in d_w], d_tail, d_inputs[None]
 
     if _meshed():
         per_copy, io = P(STAGE, copies), P(STAGE, None, copies)
         fn = jax.shard_map(per_device,
                            in_specs=(per_copy, P(), io, *[P(None, copies)] * 4),
-                           out_specs=(P(), per_copy, P(), io),
+                           out_specs=(P(), P(STAGE), P(), io),
                            axis_names={STAGE, *copies}, check_vma=False)
     else:  # one device: the stages vmapped, the per-device blocks' [1, ...] axes added
         fn = _vmapped(per_device)
     total, d_whole, d_tail, d_inputs = fn(whole, tail, inputs_SKbTD, *rows)
-    # the copies' gradients summed, back to the stacked layout [L, ...] in the weights' dtype
-    d_staged = [d.sum(axis=1).astype(w.dtype) for d, w in zip(d_whole, leaves)]
+    # back to the stacked layout [L, ...] in the weights' dtype
+    d_staged = [d.astype(w.dtype) for d, w in zip(d_whole, leaves)]
     d_stacked = jax.tree.map(
         lambda d: d.swapaxes(1, 2).reshape(-1, *d.shape[3:]),
         jax.tree.unflatten(tree, d_staged))
@@ -197,7 +208,7 @@ def _vmapped(per_device):
     def one(whole, tail, inputs_KbTD, *rows):
         total, d_w, d_tail, d_inputs = per_device([w[None] for w in whole], tail,
                                                   inputs_KbTD[None], *rows)
-        return total, [d[0] for d in d_w], d_tail, d_inputs[0]
+        return total, [d[0, 0] for d in d_w], d_tail, d_inputs[0]
 
     return jax.vmap(one, in_axes=(0, None, 0, None, None, None, None),
                     out_axes=(None, 0, None, 0), axis_name=STAGE)
@@ -279,17 +290,20 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         x_bTD = jnp.where((me == 0) & (repeat0 == 0), fresh, recv_f)
         f_item = t - me
         do_f = (f_item >= 0) & (f_item < ticks.items)
-        y_bTD, buffers = when(do_f, forward, lambda t, b, x: (zero_x, b), t, buffers, x_bTD)
+        with jax.named_scope(SCOPES[0]):
+            y_bTD, buffers = when(do_f, forward, lambda t, b, x: (zero_x, b), t, buffers,
+                                  x_bTD)
         # The loss of the microbatch leaving the last stage, shared out: every stage computes
         # the head and loss of T/S of its positions, so the last stage's ticks are no longer
         # than the others' (the head alone is 12% of a 70B stage's matmuls on 8 stages).
         l_micro, l_repeat = ticks.forward_item(t - last)
         do_loss = (t - last >= 0) & (t - last < ticks.items) & (l_repeat == r - 1)
         y_last = jax.lax.psum(jnp.where(me == last, y_bTD, 0), STAGE)
-        part, d_tail, d_piece = when(
-            do_loss, loss_of,
-            lambda y, m: (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, tail),
-                          jnp.zeros_like(y[:, :piece])), y_last, l_micro)
+        with jax.named_scope(SCOPES[1]):
+            part, d_tail, d_piece = when(
+                do_loss, loss_of,
+                lambda y, m: (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, tail),
+                              jnp.zeros_like(y[:, :piece])), y_last, l_micro)
         total = total + part
         d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
         d_y = jax.lax.all_gather(d_piece, STAGE, axis=1, tiled=True)
@@ -297,9 +311,10 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         do_b = (b_item >= 0) & (b_item < ticks.items)
         _, b_repeat, _ = ticks.backward_item(b_item)
         ct_bTD = jnp.where((me == last) & (b_repeat == r - 1), d_y, recv_b)
-        d_w, d_x = when(do_b, backward,
-                        lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
-                        t, buffers, ct_bTD)
+        with jax.named_scope(SCOPES[2]):
+            d_w, d_x = when(do_b, backward,
+                            lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
+                            t, buffers, ct_bTD)
         acc_w = [a + _constrained(d.astype(jnp.float32), spec)
                  for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
         # stage 0's first repeat: d x of the microbatch, back to the stage that holds its input

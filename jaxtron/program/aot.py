@@ -26,6 +26,7 @@ from jaxtron import parallel
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import windows
+from jaxtron.parallel import one_f_one_b, pipeline
 from jaxtron.ops import attention, experts
 from jaxtron.plan import autofit, costs, memory
 from jaxtron.plan.setup import Setup, set_up
@@ -177,7 +178,10 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     estimate = memory.estimate(cfg, plan)
     tokens = cfg.train.batch_size * cfg.train.seq_len / num_devices  # per device
-    counted = flops.compiled(module, windows.shares(cfg.model))
+    pipe = pipeline.from_config(cfg, plan.mesh_sizes.get("stage", 1))
+    ticks = (one_f_one_b.Ticks(pipe.stages, pipe.repeats, pipe.microbatches)
+             if pipe and pipe.explicit else None)
+    counted = flops.compiled(module, windows.shares(cfg.model), ticks and ticks.shares())
     # the experts' kernels: each pair of the expert group's buffer runs on one of its devices
     ragged = counted["ragged"] // plan.mesh_sizes.get("expert", 1)
     counted["matmul"] += ragged

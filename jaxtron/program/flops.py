@@ -22,7 +22,8 @@ from jaxtron.program import hlo
 from jaxtron.program.hlo import Instruction, Module
 
 
-def compiled(module: Module, window_shares: dict[int, float] | None = None) -> dict[str, int]:
+def compiled(module: Module, window_shares: dict[int, float] | None = None,
+             scope_shares: dict[str, float] | None = None) -> dict[str, int]:
     """FLOPs per device per step of the matmuls and of the cuDNN attention kernels, apart; of
     the matmuls, those with FP8 operands (`fp8`: an FP8 GEMM, model.fp8) and of those, the ones
     with an e5m2 operand (`fp8_e5m2`: the backward's, against a gradient).
@@ -32,7 +33,9 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None) -> d
     a branch is weighed by `window_shares`: window (0: global) -> the share of the layers that
     attend with it (windows.shares). A cuDNN kernel's window is its own; the XLA kernels'
     matmuls (gpt-oss's sinks) take their branch's: 1 windowed (attention.either's true
-    branch), 0 global."""
+    branch), 0 global. `scope_shares`: named scope -> the share of its loop's iterations on which
+    a conditional under it runs (the 1F1B ticks' forward, loss and backward,
+    one_f_one_b.Ticks.shares); what runs under one, in its loops too, is weighed by it."""
     totals = {"matmul": 0, "attention": 0, "ragged": 0, "fp8": 0, "fp8_e5m2": 0}
     shares = window_shares or {}
     by_branch = {0: shares.get(0, 1.0), 1: sum(v for w, v in shares.items() if w) or 1.0}
@@ -46,18 +49,28 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None) -> d
             if hlo._target(inst).startswith("__cudnn$fmha"):
                 share = shares.get(_window(inst), 1.0)
                 runs_here = module.executions.get(comp, 0)
-                totals["attention"] += round(runs_here * flops * (share if comp in module.branches
-                                                                  else 1.0))
+                totals["attention"] += round(runs_here * flops * _scope_share(inst, scope_shares)
+                                             * (share if comp in module.branches else 1.0))
                 continue
+            scoped = _scope_share(inst, scope_shares)
             if _ragged(inst):
-                totals["ragged"] += round(runs * flops)
+                totals["ragged"] += round(runs * flops * scoped)
                 continue
-            totals["matmul"] += round(runs * flops)
+            totals["matmul"] += round(runs * flops * scoped)
             dtypes = [dtype for dtype, _ in _operand_shapes(inst, module)[:2]]
             if all(dtype.startswith("f8") for dtype in dtypes):
                 totals["fp8"] += round(runs * flops)
                 totals["fp8_e5m2"] += round(runs * flops) * ("f8e5m2" in dtypes)
     return totals
+
+
+def _scope_share(inst: Instruction, scope_shares: dict[str, float] | None) -> float:
+    """The share of the named scope in the instruction's op_name (1 for none)."""
+    if not scope_shares:
+        return 1.0
+    name = re.search(r'op_name="([^"]*)"', inst.rest)
+    return next((share for scope, share in scope_shares.items()
+                 if name and f"/{scope}/" in f"{name.group(1)}/"), 1.0)
 
 
 def _flops(inst: Instruction, module: Module) -> int:
