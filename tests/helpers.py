@@ -2,7 +2,7 @@
 process and the one-line refusal check (every command's tests); and what one module's tests
 built and others build on: prepared datasets, the small run and its TensorBoard scalars, the
 Hugging Face parity models, two-process runs, the sharding-parity gradients, runs stopped by a
-signal and their processes, byte-level BPE tokenizer files.
+signal and their processes, byte-level BPE tokenizer files, the pipelines' parity runs.
 
 Test modules import it as `from helpers import ...` (pytest puts tests/ on the path, as for
 conftest.py); none imports another test module or conftest.py (tests/test_layout.py checks).
@@ -549,3 +549,97 @@ def run_attention(kernel, q, k, v, segments, cotangent):
 
     loss = lambda q, k, v: jnp.sum(kernel(q, k, v, segments) * cotangent)
     return (kernel(q, k, v, segments), *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+
+
+# ------------------------------------------- pipeline parity (test_pipeline, test_one_f_one_b)
+PIPE_MODEL = ["model.num_layers=8", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
+         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32"]
+PIPE_TRAIN = ["train.batch_size=16", "train.seq_len=32", "train.microbatches=4", "train.steps=3",
+         "optim.warmup_steps=1", "optim.lr=1e-2"]
+PIPE_STEPS = 3
+
+
+def pipeline_cfg(*overrides: str) -> config.Config:
+    """tests/test_pipeline.py's small 8-layer model and batch, with `overrides`."""
+    from jaxtron import config
+
+    return config.load(["configs/tiny.yaml"], [*PIPE_MODEL, *PIPE_TRAIN, *overrides])
+
+
+def pipeline_batch(cfg: config.Config) -> dict:
+    """A fixed random batch, two packed documents per row (segments 1 and 2), the last 3 tokens
+    padding; every step trains on it, so the loss must fall."""
+    rng = np.random.default_rng(0)
+    b, t = cfg.train.batch_size, cfg.train.seq_len
+    tokens = rng.integers(1, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
+    cut, pad = t // 3, t - 3
+    segments = np.select([np.arange(t) < cut, np.arange(t) < pad], [1, 2], 0)
+    positions = np.where(np.arange(t) < cut, np.arange(t), np.arange(t) - cut)
+    ones = np.ones((b, 1), np.int32)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": (segments * ones).astype(np.int32),
+            "positions": (positions * ones).astype(np.int32)}
+
+
+def pipeline_run(cfg: config.Config, num_devices: int, apart: bool = False
+                 ) -> tuple[np.ndarray, dict, dict]:
+    """Losses of PIPE_STEPS train steps, and the gradients (in model layer order) at the initial
+    and at the last step's parameters. `apart`: the step and the gradient as two programs (two
+    1F1B loops side by side in one let a CPU device enter their collectives in another order
+    than its peers; on GPUs the order is the program's); else one, sharing the gradient."""
+    import jax
+
+    from jaxtron import parallel
+    from jaxtron.parallel import pipeline
+    from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
+    from jaxtron.step.optim import make_optimizer
+    from jaxtron.step.state import init_state, make_plan
+
+    devices = jax.devices()[:num_devices]
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, num_devices)
+    mesh = parallel.make_mesh(cfg.mesh, devices)
+    sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
+    step_fn = compile_step(cfg, plan, tx, mesh)
+    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=plan.graphdef,
+                                        microbatches=plan.accumulation, pipe=plan.pipe))
+
+    def one_program(state, batch):  # XLA shares the gradient with the step
+        return step_fn(state, batch), grad_fn(state["params"], batch=batch)[1]
+
+    def two_programs(state, batch):
+        grads = jax.block_until_ready(grad_fn(state["params"], batch=batch)[1])
+        return jax.block_until_ready(step_fn(state, batch)), grads
+
+    run = two_programs if apart else jax.jit(one_program)
+    with jax.set_mesh(mesh):
+        state = init_state(cfg, plan, tx, mesh)
+        local = pipeline_batch(cfg)
+        batch = {k: jax.device_put(local[k], sharding) for k in BATCH_KEYS}
+        losses, grads = [], []
+        for _ in range(PIPE_STEPS + 1):
+            (new_state, metrics), g = run(state, batch)
+            losses.append(float(metrics["loss"]))
+            grads.append(g)
+            state = new_state
+    first, last = jax.device_get((grads[0], grads[-1]))
+    model_order = np.arange(cfg.model.num_layers)
+    for g in (first, last):
+        g["layers"] = pipeline.reorder(g["layers"], plan.layer_order, model_order)
+    return np.array(losses), first, last
+
+
+def assert_close_grads(grads: dict, ref: dict, rtol: float) -> None:
+    """Each gradient array within `rtol` of the reference, relative to its norm."""
+    import jax
+
+    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                          jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        err = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert err < rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
+
+
+@functools.cache
+def pipeline_reference(remat: str, *overrides: str) -> tuple[np.ndarray, dict, dict]:
+    """One device's pipeline_run, once per session for each remat policy and overrides."""
+    return pipeline_run(pipeline_cfg("mesh.fsdp=1", f"model.remat={remat}", *overrides), 1)

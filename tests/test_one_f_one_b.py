@@ -1,30 +1,21 @@
 """The 1F1B schedules (parallel/one_f_one_b.py): the tick arithmetic, and every layout giving the
 one-device losses and gradients.
 
-The model and batch are test_pipeline's (8 layers, 3 AdamW steps on a fixed batch), with the
-same tolerances: losses within 2e-6 relative, each gradient array within 1e-5 of the reference's
-norm at the start and 2.5e-4 after 3 steps. The step and the gradient run as two programs: in one
-program, two 1F1B loops side by side let a CPU device enter their collectives in another order
-than its peers (on GPUs the order is the program's).
+The model and batch are test_pipeline's (helpers.pipeline_run: 8 layers, 3 AdamW steps on a
+fixed batch), with the same tolerances: losses within 2e-6 relative, each gradient array within
+1e-5 of the reference's norm at the start and 2.5e-4 after 3 steps. The step and the gradient
+run as two programs (`apart`).
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import numpy as np
 import pytest
-from test_pipeline import _assert_close_grads, _batch, _cfg, _reference
+from helpers import assert_close_grads, pipeline_cfg, pipeline_reference, pipeline_run
 
-from jaxtron import config, parallel
+from jaxtron import config
 from jaxtron.parallel import one_f_one_b, pipeline
 from jaxtron.plan import memory
-from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
-from jaxtron.step.optim import make_optimizer
-from jaxtron.step.state import init_state, make_plan
-
-STEPS = 3
 
 
 def _simulate(s: int, r: int, m: int) -> dict:
@@ -80,32 +71,6 @@ def test_items_alive_do_not_grow_with_microbatches():
     assert {_simulate(4, 1, m)["alive"] for m in (8, 16, 32)} == {7}
 
 
-def _run(cfg: config.Config, num_devices: int) -> tuple[np.ndarray, dict, dict]:
-    """test_pipeline._run with the step and the gradient as separate programs."""
-    devices = jax.devices()[:num_devices]
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, num_devices)
-    mesh = parallel.make_mesh(cfg.mesh, devices)
-    sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
-    step_fn = compile_step(cfg, plan, tx, mesh)
-    grad_fn = jax.jit(functools.partial(loss_and_grads, graphdef=plan.graphdef,
-                                        microbatches=plan.accumulation, pipe=plan.pipe))
-    with jax.set_mesh(mesh):
-        state = init_state(cfg, plan, tx, mesh)
-        local = _batch(cfg)
-        batch = {k: jax.device_put(local[k], sharding) for k in BATCH_KEYS}
-        losses, grads = [], []
-        for _ in range(STEPS + 1):
-            grads.append(jax.block_until_ready(grad_fn(state["params"], batch=batch)[1]))
-            state, metrics = jax.block_until_ready(step_fn(state, batch))
-            losses.append(float(metrics["loss"]))
-    first, last = jax.device_get((grads[0], grads[-1]))
-    model_order = np.arange(cfg.model.num_layers)
-    for g in (first, last):
-        g["layers"] = pipeline.reorder(g["layers"], plan.layer_order, model_order)
-    return np.array(losses), first, last
-
-
 CASES = [  # (overrides, devices, remat); stage4 x fsdp2 and stage2 x tensor2 x data2 left out
     (("mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.schedule=1f1b"), 8, "none"),
     (("mesh.stage=4", "mesh.tensor=2", "mesh.fsdp=1", "pipeline.schedule=1f1b"), 8, "full"),
@@ -123,21 +88,14 @@ CASES = [  # (overrides, devices, remat); stage4 x fsdp2 and stage2 x tensor2 x 
                          ids=[",".join(o).replace("mesh.", "").replace("pipeline.", "")
                               for o, _, _ in CASES])
 def test_1f1b_matches_one_device(overrides, devices, remat):
-    cfg = _cfg(*overrides, f"model.remat={remat}")
-    losses, first, last = _run(cfg, devices)
-    batch = dict(o.split("=") for o in overrides).get("train.batch_size")
-    ref_losses, ref_first, ref_last = (_reference(remat) if batch is None else
-                                       _reference_at(remat, int(batch)))
+    losses, first, last = pipeline_run(pipeline_cfg(*overrides, f"model.remat={remat}"),
+                                       devices, apart=True)
+    batch = [o for o in overrides if o.startswith("train.batch_size=")]
+    ref_losses, ref_first, ref_last = pipeline_reference(remat, *batch)
     assert losses[-1] < losses[0] - 0.1
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-    _assert_close_grads(first, ref_first, 1e-5)
-    _assert_close_grads(last, ref_last, 2.5e-4)
-
-
-@functools.cache
-def _reference_at(remat: str, batch: int):
-    from test_pipeline import _run as run_one
-    return run_one(_cfg("mesh.fsdp=1", f"model.remat={remat}", f"train.batch_size={batch}"), 1)
+    assert_close_grads(first, ref_first, 1e-5)
+    assert_close_grads(last, ref_last, 2.5e-4)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -147,7 +105,7 @@ def _reference_at(remat: str, batch: int):
      "pipeline.repeats=2 needs pipeline.schedule=circular or interleaved_1f1b"),
 ])
 def test_1f1b_layouts_it_cannot_run_are_refused(overrides, message):
-    cfg = _cfg("mesh.stage=4", "mesh.fsdp=1", *overrides)
+    cfg = pipeline_cfg("mesh.stage=4", "mesh.fsdp=1", *overrides)
     with pytest.raises(config.ConfigError, match=message):
         pipeline.check(cfg, 4)
 
@@ -155,7 +113,7 @@ def test_1f1b_layouts_it_cannot_run_are_refused(overrides, message):
 def test_the_estimate_keeps_1f1b_activations_flat_in_microbatches():
     """The dry run's activations: gpipe's grow with M, 1F1B's ring of 2*S-1 items does not."""
     def layer_runs(schedule, m):
-        cfg = _cfg("mesh.stage=4", "mesh.fsdp=1", f"pipeline.schedule={schedule}",
+        cfg = pipeline_cfg("mesh.stage=4", "mesh.fsdp=1", f"pipeline.schedule={schedule}",
                    f"train.microbatches={m}", f"train.batch_size={4 * m}")
         return memory._layer_runs(cfg, {"stage": 4})
     assert [layer_runs("1f1b", m) for m in (4, 16, 64)] == [2 * 4, 7 * 2, 7 * 2]

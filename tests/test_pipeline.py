@@ -13,90 +13,29 @@ after 3 steps (stage=2, data=2, fsdp=2).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    PIPE_MODEL,
+    PIPE_STEPS,
+    PIPE_TRAIN,
+    assert_close_grads,
+    pipeline_batch,
+    pipeline_cfg,
+    pipeline_reference,
+    pipeline_run,
+)
 
-from jaxtron import config, parallel
+from jaxtron import config
 from jaxtron.ops import attention
 from jaxtron.parallel import pipeline
-from jaxtron.step import BATCH_KEYS, compile_step, loss_and_grads
-from jaxtron.step.optim import make_optimizer
-from jaxtron.step.state import init_state, make_plan
 
-MODEL = ["model.num_layers=8", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
-         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32"]
-TRAIN = ["train.batch_size=16", "train.seq_len=32", "train.microbatches=4", "train.steps=3",
-         "optim.warmup_steps=1", "optim.lr=1e-2"]
-STEPS = 3
-
-
-def _cfg(*overrides: str) -> config.Config:
-    return config.load(["configs/tiny.yaml"], [*MODEL, *TRAIN, *overrides])
-
-
-def _batch(cfg: config.Config) -> dict:
-    """A fixed random batch, two packed documents per row (segments 1 and 2), the last 3 tokens
-    padding; every step trains on it, so the loss must fall."""
-    rng = np.random.default_rng(0)
-    b, t = cfg.train.batch_size, cfg.train.seq_len
-    tokens = rng.integers(1, cfg.model.vocab_size, (b, t + 1), dtype=np.int32)
-    cut, pad = t // 3, t - 3
-    segments = np.select([np.arange(t) < cut, np.arange(t) < pad], [1, 2], 0)
-    positions = np.where(np.arange(t) < cut, np.arange(t), np.arange(t) - cut)
-    ones = np.ones((b, 1), np.int32)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-            "segment_ids": (segments * ones).astype(np.int32),
-            "positions": (positions * ones).astype(np.int32)}
-
-
-def _run(cfg: config.Config, num_devices: int) -> tuple[np.ndarray, dict, dict]:
-    """Losses of STEPS train steps, and the gradients (in model layer order) at the initial and
-    at the last step's parameters."""
-    devices = jax.devices()[:num_devices]
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    plan = make_plan(cfg, tx, num_devices)
-    mesh = parallel.make_mesh(cfg.mesh, devices)
-    sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
-    step_fn = compile_step(cfg, plan, tx, mesh)
-    grad_fn = functools.partial(loss_and_grads, graphdef=plan.graphdef,
-                                microbatches=plan.accumulation, pipe=plan.pipe)
-
-    @jax.jit
-    def step_and_grads(state, batch):  # one compile: XLA shares the gradient with the step
-        return step_fn(state, batch), grad_fn(state["params"], batch=batch)[1]
-
-    with jax.set_mesh(mesh):
-        state = init_state(cfg, plan, tx, mesh)
-        local = _batch(cfg)
-        batch = {k: jax.device_put(local[k], sharding) for k in BATCH_KEYS}
-        losses, grads = [], []
-        for _ in range(STEPS + 1):
-            (new_state, metrics), g = step_and_grads(state, batch)
-            losses.append(float(metrics["loss"]))
-            grads.append(g)
-            state = new_state
-    first, last = jax.device_get((grads[0], grads[-1]))
-    model_order = np.arange(cfg.model.num_layers)
-    for g in (first, last):
-        g["layers"] = pipeline.reorder(g["layers"], plan.layer_order, model_order)
-    return np.array(losses), first, last
-
-
-def _assert_close_grads(grads: dict, ref: dict, rtol: float) -> None:
-    """Each gradient array within `rtol` of the reference, relative to its norm."""
-    for path, a, b in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
-                          jax.tree.leaves(grads), jax.tree.leaves(ref)):
-        err = np.linalg.norm(a - b) / np.linalg.norm(b)
-        assert err < rtol, f"{jax.tree_util.keystr(path[0])}: relative error {err:.2e}"
-
-
-@functools.cache
-def _reference(remat: str) -> tuple[np.ndarray, dict, dict]:
-    return _run(_cfg("mesh.fsdp=1", f"model.remat={remat}"), 1)
+MODEL, TRAIN, STEPS = PIPE_MODEL, PIPE_TRAIN, PIPE_STEPS
+_cfg, _batch, _run, _reference = pipeline_cfg, pipeline_batch, pipeline_run, pipeline_reference
+_assert_close_grads = assert_close_grads
 
 
 def _check(cfg: config.Config, devices: int, remat: str) -> None:
@@ -172,7 +111,7 @@ def test_circular_storage_order_puts_each_stage_groups_side_by_side():
     (("mesh.stage=4", "pipeline.schedule=circular", "pipeline.repeats=2", "train.microbatches=2"),
      "needs at least mesh.stage=4 microbatches per pass"),
     (("mesh.stage=2", "pipeline.repeats=2"), "pipeline.repeats=2 needs pipeline.schedule=circular"),
-    (("mesh.stage=2", "pipeline.schedule=1f1b"), "pipeline.schedule=1f1b is not one of"),
+    (("mesh.stage=2", "pipeline.schedule=dualpipe"), "pipeline.schedule=dualpipe is not one of"),
     (("mesh.stage=2", "pipeline.passes=3"), "not divisible by pipeline.passes=3"),
 ])
 def test_invalid_pipeline_layouts_fail_before_compiling(capsys, overrides, message):

@@ -87,7 +87,9 @@ class TrainConfig:
 class PipelineConfig:
     """How microbatches flow through the mesh.stage pipeline stages (see docs/parallelism.md)."""
 
-    schedule: str = "gpipe"  # gpipe | circular (interleaved: `repeats` layer groups per stage)
+    # gpipe | circular (`repeats` layer groups per stage) | 1f1b | interleaved_1f1b (repeats too):
+    # the 1F1B schedules keep (R+1)*S - 1 items' activations per stage whatever M (one_f_one_b)
+    schedule: str = "gpipe"
     repeats: int = 1  # circular: layer groups per stage; bubble (S-1)/(repeats*M+S-1)
     passes: int = 1  # microbatches go through the pipeline in this many sequential passes
     # (gradient accumulation around the pipeline): activation memory ~ microbatches / passes

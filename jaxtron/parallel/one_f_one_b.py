@@ -1,7 +1,9 @@
 """The 1F1B schedules (`1f1b`, `interleaved_1f1b`) over the `stage` mesh axis, inside one SPMD
-program, with the backward written out: each tick every stage runs one item's forward and one
-item's backward, so a microbatch's activations live from its forward on a stage to its backward
-there, never the whole pass. docs/operations.md, "The pipeline", has the schedule and its bubble.
+program, with the backward written out.
+
+Each tick every stage runs one item's forward and one item's backward, so a microbatch's
+activations live from its forward on a stage to its backward there, never the whole pass.
+docs/operations.md, "The pipeline", has the schedule and its bubble.
 
 The loop computes the loss, its gradients and the stages' sends itself, and `loss` wraps it as a
 `custom_vjp` (the gradients are its residuals), so the train step differentiates the model as

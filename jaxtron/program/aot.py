@@ -26,8 +26,8 @@ from jaxtron import parallel
 from jaxtron.cli import plural
 from jaxtron.config import Config, ConfigError
 from jaxtron.model import windows
-from jaxtron.parallel import one_f_one_b, pipeline
 from jaxtron.ops import attention, experts
+from jaxtron.parallel import one_f_one_b, pipeline
 from jaxtron.plan import autofit, costs, memory
 from jaxtron.plan.setup import Setup, set_up
 from jaxtron.program import flops, hlo, xla_flags
