@@ -27,6 +27,7 @@ bubble is (S-1)/(R*M + S-1) as for 1F1B and interleaved 1F1B.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxtron import parallel
 from jaxtron.parallel import pipeline as gpipe
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
@@ -259,12 +261,26 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
                    for b, a in zip(buffers, stored)]
         return y_bTD, buffers
 
-    piece = inputs_KbTD.shape[2] // s  # the positions of the loss each stage computes
+    seq = inputs_KbTD.shape[2]
+    piece = seq // s  # the positions of the loss each stage computes
+    ways = _seq_ways(seq, s)  # the devices the activations' positions are split over
+
+    def take(a):
+        """This stage's positions of a [b, T, ...] array: the S-th part of each of the `ways`
+        runs of positions a device holds, so that no device sends another its positions."""
+        runs = a.reshape(a.shape[0], ways, s, seq // (ways * s), *a.shape[2:])
+        return jax.lax.dynamic_index_in_dim(runs, me, 2, False).reshape(
+            a.shape[0], piece, *a.shape[2:])
+
+    def put_back(d_piece):
+        """The stages' pieces [b, T/S, ...] of `take`, gathered into [b, T, ...]."""
+        runs = d_piece.reshape(d_piece.shape[0], ways, 1, seq // (ways * s), *d_piece.shape[2:])
+        whole = jax.lax.all_gather(runs, STAGE, axis=2, tiled=True)
+        return whole.reshape(d_piece.shape[0], seq, *d_piece.shape[2:])
 
     def loss_of(y_bTD, micro):
         """This stage's share of the tail's loss of the microbatch leaving the last stage (its
-        positions me*T/S ...), the share's gradient in the tail and in y."""
-        take = lambda a: jax.lax.dynamic_slice_in_dim(a, me * piece, piece, 1)
+        positions `take`), the share's gradient in the tail and in y."""
         part, vjp = jax.vjp(
             lambda p, y: tail_fn(p, y, take(targets_MbT[micro]), take(mask_MbT[micro])),
             tail, take(y_bTD))
@@ -295,6 +311,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         with jax.named_scope(SCOPES[0]):
             y_bTD, buffers = when(do_f, forward, lambda t, b, x: (zero_x, b), t, buffers,
                                   x_bTD)
+        # the output on to the next stage, behind the loss and backward below on GPUs
+        recv_f = jax.lax.ppermute(y_bTD, STAGE, [(i, (i + 1) % s) for i in range(s)])
         # The loss of the microbatch leaving the last stage, shared out: every stage computes
         # the head and loss of T/S of its positions, so the last stage's ticks are no longer
         # than the others' (the head alone is 12% of a 70B stage's matmuls on 8 stages).
@@ -308,7 +326,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
                               jnp.zeros_like(y[:, :piece])), y_last, l_micro)
         total = total + part
         d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
-        d_y = jax.lax.all_gather(d_piece, STAGE, axis=1, tiled=True)
+        d_y = put_back(d_piece)
         b_item = t - ticks.delay + me
         do_b = (b_item >= 0) & (b_item < ticks.items)
         _, b_repeat, _ = ticks.backward_item(b_item)
@@ -323,19 +341,12 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         item0 = t - ticks.delay
         micro0, repeat0, _ = ticks.backward_item(item0)
         done = (item0 >= 0) & (item0 < ticks.items) & (repeat0 == 0)
-        d_fresh = jax.lax.psum(jnp.where(done & (me == 0), _after(d_x, acc_w[0]), 0), STAGE)
+        d_fresh = jax.lax.psum(jnp.where(done & (me == 0), d_x, 0), STAGE)
         owner = done & (micro0 // k == me)
         old = jax.lax.dynamic_index_in_dim(d_inputs, micro0 % k, 0, False)
         d_inputs = jax.lax.dynamic_update_index_in_dim(
             d_inputs, jnp.where(owner, d_fresh.astype(d_inputs.dtype), old), micro0 % k, 0)
-        # Each collective reads what the one before it made (`_after`): one order on every
-        # device. A CPU device runs the operations it is free to in any order, and two devices
-        # entering two collectives in opposite orders wait for each other for ever; on GPUs the
-        # order is the program's anyway.
-        recv_f = jax.lax.ppermute(_after(y_bTD, d_fresh), STAGE,
-                                  [(i, (i + 1) % s) for i in range(s)])
-        recv_b = jax.lax.ppermute(_after(d_x, recv_f), STAGE,
-                                  [(i, (i - 1) % s) for i in range(s)])
+        recv_b = jax.lax.ppermute(d_x, STAGE, [(i, (i - 1) % s) for i in range(s)])
         return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
 
     carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
@@ -345,11 +356,16 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
     return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs
 
 
-def _after(a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a`, read only once `b` exists: a select on a test of b's first element that always
-    holds (x == x, or x is NaN), which the compiler cannot fold away."""
-    b0 = b.reshape(-1)[0]
-    return jnp.where((b0 == b0) | jnp.isnan(b0), a, jnp.zeros_like(a))
+def _seq_ways(seq: int, stages: int) -> int:
+    """How many devices the activations' positions are split over between layers (act_seq:
+    context and tensor), where T splits into that many runs of S pieces; else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    entry = parallel.spec(("act_seq",))[0]
+    axes = (entry,) if isinstance(entry, str) else entry or ()
+    ways = math.prod(mesh.shape.get(a, 1) for a in axes)
+    return ways if seq % (ways * stages) == 0 else 1
 
 
 def _constrained(a: jax.Array, spec: P) -> jax.Array:
