@@ -118,3 +118,42 @@ def test_the_estimate_keeps_1f1b_activations_flat_in_microbatches():
         return memory._layer_runs(cfg, {"stage": 4})
     assert [layer_runs("1f1b", m) for m in (4, 16, 64)] == [2 * 4, 7 * 2, 7 * 2]
     assert [layer_runs("gpipe", m) for m in (4, 16, 64)] == [7 * 2, 19 * 2, 67 * 2]
+
+
+def test_the_evaluation_runs_the_forwards_alone_and_matches_one_device():
+    """compile_eval's loss through 1F1B is the loss's value outside autodiff: the ticks run
+    forwards and the loss only (M*R + S - 1 of them, not M*R + (R+1)*S - 2), as one device
+    computes it."""
+    import jax
+    from helpers import pipeline_batch
+
+    from jaxtron import parallel
+    from jaxtron.program import hlo
+    from jaxtron.step import BATCH_KEYS, compile_eval
+    from jaxtron.step.optim import make_optimizer
+    from jaxtron.step.state import init_state, make_plan
+
+    def evaluate(cfg, devices):
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        plan = make_plan(cfg, tx, devices)
+        mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:devices])
+        sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
+        with jax.set_mesh(mesh):
+            state = init_state(cfg, plan, tx, mesh)
+            batch = {k: jax.device_put(v, sharding) for k, v in pipeline_batch(cfg).items()
+                     if k in BATCH_KEYS}
+            fn = compile_eval(plan, mesh)
+            text = fn.lower(state["params"], batch).compile().as_text()
+            total, count = jax.device_get(fn(state["params"], batch))
+        return float(total), int(count), text
+
+    total, count, text = evaluate(pipeline_cfg("mesh.stage=4", "mesh.fsdp=2",
+                                               "pipeline.schedule=interleaved_1f1b",
+                                               "pipeline.repeats=2"), 8)
+    ref_total, ref_count, _ = evaluate(pipeline_cfg("mesh.fsdp=1"), 1)
+    assert count == ref_count and total == pytest.approx(ref_total, rel=2e-6)
+    module = hlo.parse(text)
+    trips = {hlo.trip_count(module, inst) for insts in module.computations.values()
+             for inst in insts if inst.opcode == "while"}
+    ticks = one_f_one_b.Ticks(4, 2, 4)
+    assert ticks.items + 4 - 1 in trips and ticks.ticks not in trips, trips

@@ -135,7 +135,7 @@ def skips(permutes: bool) -> bool:
 def _loss(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
           segment_ids_BT, targets_BT, mask_BT):
     return _run(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
-                segment_ids_BT, targets_BT, mask_BT)[0]
+                segment_ids_BT, targets_BT, mask_BT, grads=False)[0]
 
 
 def _loss_fwd(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, *batch):
@@ -152,8 +152,9 @@ _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
 def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail, x_BTD,
-         positions_BT, segment_ids_BT, targets_BT, mask_BT):
-    """(loss sum, (d stacked, d tail, d x)) of the whole batch through the 1F1B ticks."""
+         positions_BT, segment_ids_BT, targets_BT, mask_BT, grads: bool = True):
+    """(loss sum, (d stacked, d tail, d x)) of the whole batch through the 1F1B ticks; without
+    `grads` the forwards alone, the gradients zeros."""
     skip = skips(permutes)
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     staged = jax.tree.map(
@@ -178,7 +179,7 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
     def per_device(whole, tail, inputs_SKbTD, *rows):
         w = [a[0, 0] for a in whole]
         out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
-                     inputs_SKbTD[0], rows, specs, skip)
+                     inputs_SKbTD[0], rows, specs, skip, grads)
         total, d_w, d_tail, d_inputs = out
         axes = (STAGE, *copies) if _meshed() else STAGE
         total, d_tail = jax.lax.psum((total, d_tail), axes)
@@ -222,10 +223,12 @@ def _meshed() -> bool:
     return not jax.sharding.get_abstract_mesh().empty
 
 
-def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, skip: bool):
+def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, skip: bool,
+           grads: bool = True):
     """One stage's program: every tick a forward and a backward (each skipped where the stage
     has none, with `skip`; else computed and dropped), then the sends. Returns (loss sum, d w
-    summed in float32, d tail, d inputs)."""
+    summed in float32, d tail, d inputs). Without `grads` the forwards and the loss only (the
+    loss's value outside autodiff: an evaluation), M*R + S - 1 ticks, nothing stored."""
     positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
     s, r = ticks.stages, ticks.repeats
     me = jax.lax.axis_index(STAGE)
@@ -246,8 +249,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
 
     zero_x = jnp.zeros_like(inputs_KbTD[0])
     primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
-    pullback = _Pullback.of(stage_fn, primals)  # the stage input x is stored, not passed again
-    slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored]
+    pullback = _Pullback.of(stage_fn, primals) if grads else None  # x stored, w passed again
+    slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []
     slots_of = jnp.asarray(ticks.slot_table())  # [S, items]
 
     def forward(t, buffers, x_bTD):
@@ -255,6 +258,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         item = t - me
         micro, repeat = ticks.forward_item(item)
         args = (w, x_bTD, positions_MbT[micro], segments_MbT[micro], repeat)
+        if not grads:
+            return stage_fn(*args), buffers
         y_bTD, stored = pullback.forward(stage_fn, args)
         slot = slots_of[me, item]
         buffers = [jax.lax.dynamic_update_index_in_dim(b, a, slot, 0)
@@ -281,9 +286,11 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
     def loss_of(y_bTD, micro):
         """This stage's share of the tail's loss of the microbatch leaving the last stage (its
         positions `take`), the share's gradient in the tail and in y."""
-        part, vjp = jax.vjp(
-            lambda p, y: tail_fn(p, y, take(targets_MbT[micro]), take(mask_MbT[micro])),
-            tail, take(y_bTD))
+        fn = lambda p, y: tail_fn(p, y, take(targets_MbT[micro]), take(mask_MbT[micro]))
+        if not grads:
+            part = fn(tail, take(y_bTD))
+            return part.astype(jnp.float32), jax.tree.map(jnp.zeros_like, tail), take(y_bTD)
+        part, vjp = jax.vjp(fn, tail, take(y_bTD))
         d_tail, d_y = vjp(jnp.ones_like(part))
         return part.astype(jnp.float32), d_tail, d_y
 
@@ -326,6 +333,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
                               jnp.zeros_like(y[:, :piece])), y_last, l_micro)
         total = total + part
         d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
+        if not grads:
+            return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
         d_y = put_back(d_piece)
         b_item = t - ticks.delay + me
         do_b = (b_item >= 0) & (b_item < ticks.items)
@@ -351,7 +360,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
 
     carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
              jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_KbTD))
-    carry, _ = jax.lax.scan(tick, carry, jnp.arange(ticks.ticks))
+    length = ticks.ticks if grads else ticks.items + s - 1
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(length))
     _, _, _, acc_w, total, d_tail_sum, d_inputs = carry
     return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs
 
