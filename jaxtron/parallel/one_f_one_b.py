@@ -8,14 +8,15 @@ docs/operations.md, "The pipeline", has the schedule and its bubble.
 The loop computes the loss, its gradients and the stages' sends itself, and `loss` wraps it as a
 `custom_vjp` (the gradients are its residuals), so the train step differentiates the model as
 before. A stage's forward is `jax.vjp` of its layers; the pullback's residuals (what the remat
-policy saves) wait in a ring of slots until its backward, the weights and the stage input are
-passed again there instead of stored per slot.
+policy saves, the stage input among them) wait in a ring of slots until its backward, where the
+weights and the microbatch's rows are passed again instead of stored per slot.
 
 Items. With R repeats (virtual stages) per stage the microbatches go in groups of S: item i is
 group i // (S*R), repeat (i // S) % R, microbatch group*S + i % S, as Megatron-Core orders
 interleaved 1F1B. Stage s runs the forward of item t - s at tick t, and the backward of
-backward-item t - D + s, D = (R+1)*S - 2 (backward-items run the repeats last to first). The
-last stage's last repeat computes the loss and runs that microbatch's backward in the same tick.
+backward-item t - D + s, D = (R+1)*S - 2 (backward-items run the repeats last to first). When
+a microbatch leaves the last stage's last repeat, every stage computes the loss of S-th of its
+positions, and the microbatch's backward starts on the last stage in the same tick.
 At most (R+1)*S - 1 items are alive on a stage at once (stage 0): that many slots, each one
 repeat's layers of one microbatch, (1 + 1/R)*S microbatches of a stage's activations whatever M
 (Megatron-Core's interleaved count; its 1F1B keeps S, stage s entering the steady state after
@@ -39,7 +40,6 @@ from jax.sharding import PartitionSpec as P
 from jaxtron import parallel
 from jaxtron.parallel import pipeline as gpipe
 
-SCHEDULES = ("1f1b", "interleaved_1f1b")
 STAGE = "stage"
 # The named scopes of a tick's forward, loss and backward: the compiled program's conditionals
 # run each on some ticks only, and flops.compiled weighs their matmuls by `shares`.
