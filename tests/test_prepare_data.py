@@ -35,7 +35,7 @@ UNICODE = "héllo — 世界 🐍 naïve\tcafé\r\n"
 def run_tool(*args, check: bool = True) -> subprocess.CompletedProcess:
     """The tool as a subprocess, as users run it."""
     done = subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=300)
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -679,6 +679,41 @@ def test_the_workers_end_with_a_parent_killed_by_sigkill(tmp_path, tokenizer, co
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert workers and left == [] and sorted(cut.iterdir()) == written
+    run_tool(*args, "--out", cut)
+    run_tool(*args, "--out", tmp_path / "ref")
+    assert snapshot(cut) == snapshot(tmp_path / "ref")
+
+
+def test_a_worker_killed_midway_is_one_line_not_a_wait(tmp_path, tokenizer, corpus):
+    """A worker killed mid-unit (the out-of-memory killer) left the parent waiting for the unit's
+    end for ever; now it is one line naming the unit, exit 1, and the rerun finishes."""
+    from helpers import child_pids
+
+    _, texts = corpus
+    big = tmp_path / "big.jsonl"  # one unit of some seconds' work: shards appear as it goes
+    with big.open("w") as f:
+        for i in range(40):
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts[next(iter(texts))] * 20)
+    args = [big, "--tokenizer", tokenizer, "--part-tokens", 3000, "--workers", 1]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and not list(cut.glob("train-*.arrayrecord")):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        workers = [pid for pid in child_pids(proc.pid)  # not multiprocessing's resource tracker
+                   if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and err.endswith(
+        f"prepare_data.py: error: a worker process died (killed, or out of memory?) with unit 0 "
+        f"({big}) not tokenized; fewer --workers use less memory; nothing was written\n"), err
+    assert "Traceback" not in err and not cut.exists()
     run_tool(*args, "--out", cut)
     run_tool(*args, "--out", tmp_path / "ref")
     assert snapshot(cut) == snapshot(tmp_path / "ref")

@@ -24,11 +24,14 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import signal
 import sys
 import time
 from collections import Counter
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +101,13 @@ class Stopped(Exception):
     """SIGINT or SIGTERM stopped the run; the message says what --out keeps."""
 
 
+class WorkerLost(Exception):
+    """A worker process died; the message says which unit, and what --out keeps (exit 1)."""
+
+
+WATCH_S = 1.0  # with no message for this long, look whether a worker died
+
+
 def obtain_tokenizer(args: argparse.Namespace, sources: list[Source], out: Path) -> Tokenizer:
     """The --tokenizer (either kind), or a SentencePiece model trained on a sample (reused from an
     earlier run)."""
@@ -134,41 +144,45 @@ def write_tokenizer(out: Path, tok: Tokenizer) -> None:
 
 
 def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> dict[int, dict]:
-    """Tokenize units in a process pool, streaming progress and bad-input lines to stderr."""
+    """Tokenize units in a process pool, streaming progress and bad-input lines to stderr. A
+    worker that dies (the out-of-memory killer, kill -9) is an error, not a wait for its unit."""
     if not todo:
         return {}
     context = mp.get_context("spawn")  # never fork a parent that may hold threads
     messages, stop, strict_stop = context.Queue(), context.Event(), None
     threads = max(1, workers // len(todo))  # fewer units than workers: encode with more threads
     started, documents, tokens, done, printed = time.monotonic(), 0, 0, 0, 0
-    initargs = (settings, messages, stop, threads)
-    # Ctrl-C is the parent's, which ends the pool: the workers start with SIGINT blocked (the mask
-    # survives their exec), so one while a worker imports (jax: a second) is no traceback there.
-    # Here a stop while the pool starts is only recorded (raised inside a worker's launch, it
-    # left that worker reading nothing: an EOFError traceback), and raised once the pool's exit,
-    # which terminates the workers, is in place.
+    # Ctrl-C is the parent's: the workers start with SIGINT blocked (the mask survives their
+    # exec), so one while a worker imports (jax: a second) is no traceback there. Here a stop
+    # while the workers start is only recorded (raised inside a worker's launch, it left that
+    # worker reading nothing: an EOFError traceback), and raised once the pool's end is in place.
+    # The pool ends by `stop`, which every unit reads at its next document, and a wait: killing
+    # workers mid-task (multiprocessing.Pool.terminate) could hang the parent.
     with contextlib.ExitStack() as stack:
+        pool = ProcessPoolExecutor(min(workers, len(todo)), context, init_worker,
+                                   (settings, messages, stop, threads))
+        stack.callback(end_pool, pool, stop)
         working = _working.copy()
         _working.clear()
         try:
-            with lifecycle.signals_held(signal.SIGINT):
-                pool = stack.enter_context(context.Pool(min(workers, len(todo)), init_worker,
-                                                        initargs))
+            with lifecycle.signals_held(signal.SIGINT):  # the workers start at submit
+                results = {unit.index: pool.submit(process_unit, unit)
+                           for unit in sorted(todo, key=lambda unit: -unit.size)}  # biggest first
         finally:
             _working.extend(working)
         if _signalled and _working:
             _working.clear()
             raise KeyboardInterrupt
-        results = {unit.index: pool.apply_async(process_unit, (unit,))
-                   for unit in sorted(todo, key=lambda unit: -unit.size)}  # biggest first
         while done < len(results):
-            kind, *payload = messages.get()
+            try:
+                kind, *payload = messages.get(timeout=WATCH_S)
+            except queue.Empty:
+                check_workers(results, todo)
+                continue
             if _signalled and not strict_stop:  # its KeyboardInterrupt was lost in a destructor
                 raise KeyboardInterrupt
             done += kind == "done"
-            if kind == "bad" and settings.strict:
-                # Stop every unit at its next document and let them all end before leaving the
-                # pool: terminating workers mid-task can deadlock Pool.terminate().
+            if kind == "bad" and settings.strict:  # every unit stops at its next document
                 strict_stop = strict_stop or StrictStop(payload[0])
                 stop.set()
             elif kind == "bad" and printed <= MAX_PRINTED:  # a wrong --text-field is one line
@@ -184,7 +198,25 @@ def run_units(todo: list[Unit], settings: Settings, workers: int, bar: tqdm) -> 
                 bar.update(payload[2])
         if strict_stop is not None:
             raise strict_stop
-        return {i: result.get() for i, result in results.items()}
+        return {i: result.result() for i, result in results.items()}
+
+
+def end_pool(pool: ProcessPoolExecutor, stop: Any) -> None:
+    """Every unit still running ends at its next document, those not started never start; wait
+    for the workers to exit."""
+    stop.set()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def check_workers(results: dict[int, Future], todo: list[Unit]) -> None:
+    """Raise WorkerLost if a worker process died: its unit's "done" would never come."""
+    for index, result in results.items():
+        if result.done() and isinstance(result.exception(), BrokenProcessPool):
+            unit = next(unit for unit in todo if unit.index == index)
+            more = f" and {counted(len(unit.sources) - 1, 'more file')}" if unit.sources[1:] else ""
+            raise WorkerLost(f"a worker process died (killed, or out of memory?) with unit {index} "
+                             f"({unit.sources[0].path}{more}) not tokenized; fewer --workers use "
+                             "less memory")
 
 
 def summary(manifest: dict, records: list[dict], new_tokens: int, seconds: float) -> str:
@@ -217,6 +249,8 @@ def prepare(args: argparse.Namespace) -> int:
         _working.clear()  # a second Ctrl-C: no half-done clean-up
         if isinstance(e, KeyboardInterrupt):
             raise Stopped(left_behind(out, fresh)) from None
+        if isinstance(e, WorkerLost):
+            raise WorkerLost(f"{e}; {left_behind(out, fresh)}") from None
         if fresh and out.is_dir():
             shutil.rmtree(out, ignore_errors=True)
         raise
@@ -331,9 +365,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool; exit status 0, 2 (bad input: usage, or a bad document under --strict) or
-    130 (stopped by SIGINT or SIGTERM before the dataset was complete; the line says what --out
-    keeps)."""
+    """Run the tool; exit status 0, 1 (a worker process died), 2 (bad input: usage, or a bad
+    document under --strict) or 130 (stopped by SIGINT or SIGTERM before the dataset was
+    complete; the line says what --out keeps)."""
     args = parse_args(argv)
     stopped_early = lifecycle.take_over_signals()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -345,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if stopped_early or _signalled:  # one came while the modules imported
             _working.clear()
             raise KeyboardInterrupt
-        return one_line_errors(lambda: prepare(args))
+        return one_line_errors(lambda: prepare(args), {WorkerLost: 1})
     except (Stopped, KeyboardInterrupt) as e:
         print(f"{lifecycle.script_name()}: stopped by a signal; {str(e) or 'nothing was written'}",
               file=sys.stderr)
