@@ -253,18 +253,24 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []
     slots_of = jnp.asarray(ticks.slot_table())  # [S, items]
 
-    def forward(t, buffers, x_bTD):
-        """Item t - me's forward: its output, its residuals stored in their slot."""
-        item = t - me
-        micro, repeat = ticks.forward_item(item)
+    def forward(t, x_bTD):
+        """Item t - me's forward: its output and the residuals its slot is to hold."""
+        micro, repeat = ticks.forward_item(t - me)
         args = (w, x_bTD, positions_MbT[micro], segments_MbT[micro], repeat)
         if not grads:
-            return stage_fn(*args), buffers
-        y_bTD, stored = pullback.forward(stage_fn, args)
-        slot = slots_of[me, item]
-        buffers = [jax.lax.dynamic_update_index_in_dim(b, a, slot, 0)
-                   for b, a in zip(buffers, stored)]
-        return y_bTD, buffers
+            return stage_fn(*args), []
+        return pullback.forward(stage_fn, args)
+
+    def store(buffers, stored, t, do_f):
+        """The new item's residuals into its slot, outside the conditional (a ring passed
+        through one is held twice: its operand and its result); where the stage had no
+        forward, the slot is written back as it was."""
+        slot = slots_of[me, jnp.clip(t - me, 0, ticks.items - 1)]
+        out = []
+        for b, a in zip(buffers, stored):
+            old = jax.lax.dynamic_index_in_dim(b, slot, 0, False)
+            out.append(jax.lax.dynamic_update_index_in_dim(b, jnp.where(do_f, a, old), slot, 0))
+        return out
 
     seq = inputs_KbTD.shape[2]
     piece = seq // s  # the positions of the loss each stage computes
@@ -294,11 +300,14 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         d_tail, d_y = vjp(jnp.ones_like(part))
         return part.astype(jnp.float32), d_tail, d_y
 
-    def backward(t, buffers, ct_bTD):
+    def slot_of_backward(buffers, t):
+        """The residuals of backward-item t - D + me, read out of their slot."""
+        item = ticks.backward_item(jnp.clip(t - ticks.delay + me, 0, ticks.items - 1))[2]
+        return [jax.lax.dynamic_index_in_dim(b, slots_of[me, item], 0, False) for b in buffers]
+
+    def backward(t, stored, ct_bTD):
         """Backward-item t - D + me: (d w, d x) from its stored residuals."""
-        micro, repeat, item = ticks.backward_item(t - ticks.delay + me)
-        slot = slots_of[me, item]
-        stored = [jax.lax.dynamic_index_in_dim(b, slot, 0, False) for b in buffers]
+        micro, repeat, _ = ticks.backward_item(t - ticks.delay + me)
         args = (w, None, positions_MbT[micro], segments_MbT[micro], repeat)
         d_w, d_x = pullback.backward(args, stored, ct_bTD)
         return d_w, d_x
@@ -316,8 +325,11 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         f_item = t - me
         do_f = (f_item >= 0) & (f_item < ticks.items)
         with jax.named_scope(SCOPES[0]):
-            y_bTD, buffers = when(do_f, forward, lambda t, b, x: (zero_x, b), t, buffers,
-                                  x_bTD)
+            y_bTD, stored = when(do_f, forward,
+                                 lambda t, x: (zero_x, [jnp.zeros(a.shape, a.dtype)
+                                                        for a in (pullback.stored if grads
+                                                                  else [])]), t, x_bTD)
+        buffers = store(buffers, stored, t, do_f)
         # the output on to the next stage, behind the loss and backward below on GPUs
         recv_f = jax.lax.ppermute(y_bTD, STAGE, [(i, (i + 1) % s) for i in range(s)])
         # The loss of the microbatch leaving the last stage, shared out: every stage computes
@@ -343,7 +355,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         with jax.named_scope(SCOPES[2]):
             d_w, d_x = when(do_b, backward,
                             lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
-                            t, buffers, ct_bTD)
+                            t, slot_of_backward(buffers, t), ct_bTD)
         acc_w = [a + _constrained(d.astype(jnp.float32), spec)
                  for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
         # stage 0's first repeat: d x of the microbatch, back to the stage that holds its input
