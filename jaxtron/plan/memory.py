@@ -321,8 +321,8 @@ def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
     """Layer applications one device keeps activations of: its layers (and model.mtp_depth's
     modules, one layer each), or with a pipeline every iteration's L/(S*R) layers (all M*R +
-    S - 1 iterations are alive at the backward's start; under 1F1B the 2*R*S - 1 items of the
-    ring of slots)."""
+    S - 1 iterations are alive at the backward's start; under 1F1B the (R+1)*S - 1 items of
+    the ring of slots)."""
     pipe = pipeline.from_config(cfg, sizes["stage"])
     if pipe is None:
         return cfg.model.num_layers + cfg.model.mtp_depth

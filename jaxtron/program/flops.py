@@ -59,8 +59,8 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None,
             totals["matmul"] += round(runs * flops * scoped)
             dtypes = [dtype for dtype, _ in _operand_shapes(inst, module)[:2]]
             if all(dtype.startswith("f8") for dtype in dtypes):
-                totals["fp8"] += round(runs * flops)
-                totals["fp8_e5m2"] += round(runs * flops) * ("f8e5m2" in dtypes)
+                totals["fp8"] += round(runs * flops * scoped)
+                totals["fp8_e5m2"] += round(runs * flops * scoped) * ("f8e5m2" in dtypes)
     return totals
 
 
