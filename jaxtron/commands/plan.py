@@ -11,7 +11,8 @@ with its constants and their sources): the dry run's per-GPU memory against what
 (XLA_PYTHON_CLIENT_MEM_FRACTION if set, else xla.mem_fraction), and a step time from compute, the
 pipeline bubble and the communication each axis implies over NVLink or the network. The best few
 are printed with the terms that cost each most against the one above; `--find PARTS` shows where
-the best layout named by those parts ranks, and why; `--json FILE` writes the whole ranked list.
+the best layout named by those parts ranks, and why; `--only PARTS` ranks only the layouts named
+by those parts (a cluster whose mesh is fixed); `--json FILE` writes the whole ranked list.
 `--verify N` compiles the best N for the real GPU topology (as `jaxtron train --compile-for` does,
 with the GPU flag preset; a few minutes for a large model), prints each estimate beside the
 compiled peak and the step time from what the program does, and recommends the fastest whose
@@ -54,6 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where the best layout whose name has all these parts ranks, and why "
                              "it loses to the one above it, e.g. --find 'TP8 PP2' --find 'TP8 "
                              "PP8 DP2' (repeatable)")
+    parser.add_argument("--only", metavar="PARTS",
+                        help="rank only the layouts whose name has all these parts: a cluster's "
+                             "fixed mesh, e.g. --only 'TP8 PP8 DP2' (--verify then compiles the "
+                             "best of these)")
     parser.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return parser.parse_args(argv)
 
@@ -109,12 +114,12 @@ def _line(layout: planner.Layout) -> str:
             f"{layout.peak_bytes / 2**30:.1f} GiB per GPU ({parts}){crossing}")
 
 
-def check_find(queries: list[str]) -> None:
-    """Each --find part is one a layout's name can have (planner.NAME_PART: every part the
-    ranking prints)."""
+def check_find(queries: list[str], flag: str = "--find") -> None:
+    """Each --find (--only) part is one a layout's name can have (planner.NAME_PART: every part
+    the ranking prints)."""
     for query in queries:
         if bad := [p for p in query.split() if not re.fullmatch(planner.NAME_PART, p)]:
-            raise ConfigError(f"--find {query}: '{bad[0]}' is not a layout part (TP8, PP2, "
+            raise ConfigError(f"{flag} {query}: '{bad[0]}' is not a layout part (TP8, PP2, "
                               "gpipe, circular, R2, EP2, CP2, FSDP16, DP2, M8, remat=full, "
                               "grad_sum=whole)")
 
@@ -185,6 +190,7 @@ def verify(cfg, ranked: list[planner.Layout], count: int, args: argparse.Namespa
 def run(args: argparse.Namespace) -> None:
     _check(args)
     check_find(args.find)
+    check_find([args.only] if args.only else [], "--only")
     jax.config.update("jax_platforms", "cpu")  # as run as a command (see the top): in-process too
     if args.json:
         cli.writable_file(args.json, "--json")
@@ -199,6 +205,11 @@ def run(args: argparse.Namespace) -> None:
     if not ranked:
         raise ConfigError(f"no layout of this model divides {args.devices} GPUs; check "
                           "train.batch_size and the model's heads and layers")
+    if args.only:
+        ranked = [x for x in ranked if set(args.only.split()) <= set(x.name().split())]
+        if not ranked:
+            raise ConfigError(f"--only {args.only}: no layout of this model on {args.devices} "
+                              "GPUs has all of these parts; drop one, or see the ranking without")
     print_ranking(ranked, args.top, usable)
     print_found(ranked, args.find, usable)
     if args.json:
