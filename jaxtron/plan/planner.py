@@ -79,8 +79,9 @@ NETWORK_GBPS = 40.0
 LATENCY_S = 25e-6
 # The share of each axis's collective bytes that XLA schedules with a matmul between start and
 # done, as the `--compile-for h100` report counts it ("overlapped"): llama3_8b, fsdp=8, seq 8192
-# (`--devices 8 train.batch_size=8 mesh.fsdp=8`): 36.7 of 42.9 GiB over fsdp; the llama3_70b_pp8
-# preset (`--devices 128`): 955 of 2309 GiB over tensor. The rest is taken as exposed.
+# (`--devices 8 train.batch_size=8 mesh.fsdp=8`): 36.7 of 42.9 GiB over fsdp; llama3_70b_pp8
+# under gpipe with full recompute (`--devices 128`): 955 of 2309 GiB over tensor. The rest is
+# taken as exposed.
 FSDP_OVERLAP = 0.85
 # Context parallelism is planned for sequences this long and longer (shorter ones fit a GPU's
 # attention as they are; the planner then keeps to the other axes)
