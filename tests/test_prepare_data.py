@@ -647,25 +647,35 @@ def test_a_stop_midway_keeps_the_finished_units_and_says_so(tmp_path, tokenizer,
     assert snapshot(cut) == snapshot(tmp_path / "ref")
 
 
-def test_the_workers_end_with_a_parent_killed_by_sigkill(tmp_path, tokenizer, corpus):
-    """kill -9 of prepare_data left its worker tokenizing into --out (41 files 5 s after the
-    kill); now the workers die with it: nothing more is written, and the rerun finishes."""
-    from helpers import alive_pids, child_pids
-
+def start_on_one_big_unit(tmp_path, tokenizer, corpus, **popen) -> tuple[list, Path, subprocess.Popen]:
+    """One unit of some seconds' work for one worker (shards appear as it goes): the tool's
+    arguments, its --out, and the tool started on them once its first shard is written."""
     _, texts = corpus
-    big = tmp_path / "big.jsonl"  # one unit of some seconds' work: shards appear as it goes
+    big = tmp_path / "big.jsonl"
     with big.open("w") as f:
         for i in range(40):
             f.writelines(json.dumps({"text": t}) + "\n" for t in texts[next(iter(texts))] * 20)
     args = [big, "--tokenizer", tokenizer, "--part-tokens", 3000, "--workers", 1]
     cut = tmp_path / "cut"
     proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut)],
-                            stderr=subprocess.DEVNULL)
+                            **popen)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not list(cut.glob("train-*.arrayrecord")):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("no shard written in 60 s")
+        time.sleep(0.01)
+    return args, cut, proc
+
+
+def test_the_workers_end_with_a_parent_killed_by_sigkill(tmp_path, tokenizer, corpus):
+    """kill -9 of prepare_data left its worker tokenizing into --out (41 files 5 s after the
+    kill); now the workers die with it: nothing more is written, and the rerun finishes."""
+    from helpers import alive_pids, child_pids
+
+    args, cut, proc = start_on_one_big_unit(tmp_path, tokenizer, corpus,
+                                            stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while proc.poll() is None and not list(cut.glob("train-*.arrayrecord")):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
         workers = child_pids(proc.pid)
     finally:
         proc.kill()
@@ -689,20 +699,10 @@ def test_a_worker_killed_midway_is_one_line_not_a_wait(tmp_path, tokenizer, corp
     end for ever; now it is one line naming the unit, exit 1, and the rerun finishes."""
     from helpers import child_pids
 
-    _, texts = corpus
-    big = tmp_path / "big.jsonl"  # one unit of some seconds' work: shards appear as it goes
-    with big.open("w") as f:
-        for i in range(40):
-            f.writelines(json.dumps({"text": t}) + "\n" for t in texts[next(iter(texts))] * 20)
-    args = [big, "--tokenizer", tokenizer, "--part-tokens", 3000, "--workers", 1]
-    cut = tmp_path / "cut"
-    proc = subprocess.Popen([sys.executable, str(TOOL), *map(str, args), "--out", str(cut)],
-                            stderr=subprocess.PIPE, text=True)
+    args, cut, proc = start_on_one_big_unit(tmp_path, tokenizer, corpus, stderr=subprocess.PIPE,
+                                            text=True)
+    big = args[0]
     try:
-        deadline = time.monotonic() + 60
-        while proc.poll() is None and not list(cut.glob("train-*.arrayrecord")):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
         workers = [pid for pid in child_pids(proc.pid)  # not multiprocessing's resource tracker
                    if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(workers) == 1
