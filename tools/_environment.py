@@ -33,7 +33,7 @@ def _record(signum, frame) -> None:
 _record.signalled = []
 _record.startup_recorder = True  # what jaxtron.lifecycle.take_over_signals looks for
 # A worker of prepare-data's pool starting: spawn runs this script again as __mp_main__, beside
-# the worker's own __main__. Its signals stay the pool's: SIGTERM ends it (Pool.terminate).
+# the worker's own __main__. Its signals stay the pool's.
 _worker = sys.modules.get("__mp_main__", sys.modules["__main__"]) is not sys.modules["__main__"]
 for _sig in (signal.SIGINT, signal.SIGTERM):
     if signal.getsignal(_sig) in (signal.SIG_DFL, signal.default_int_handler) and not _worker:
