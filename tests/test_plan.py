@@ -258,12 +258,13 @@ def test_only_ranks_the_layouts_with_its_parts(capsys):
     """A cluster whose mesh is fixed: --only 'PP2 DP2' ranks (and would verify) only layouts
     with both parts; best first, as without it; parts no layout has are one line, exit 2."""
     rc = plan_tool.main(["--config", str(TINY), "--devices", "8", "--top", "50", *SMALL,
-                         "--only", "PP2 DP2"])
+                         "--remat", "full", "--only", "PP2 DP2"])
     text = capsys.readouterr().out
     assert rc == 0, text
     ranked = [x for x in text.splitlines() if re.match(r" *\d+\. TP", x)]
     assert ranked and all(" PP2 " in x and " DP2 " in x for x in ranked), text
-    rc = plan_tool.main(["--config", str(TINY), "--devices", "8", *SMALL, "--only", "TP16"])
+    rc = plan_tool.main(["--config", str(TINY), "--devices", "8", *SMALL, "--remat", "full",
+                         "--only", "TP16"])
     out, err = capsys.readouterr()
     assert_refused(rc, err, "--only TP16: no layout of this model on 8 GPUs has all of these "
                    "parts")
