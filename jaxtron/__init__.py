@@ -33,9 +33,13 @@ def _record_stops_while_training_starts() -> None:
         return
     import signal
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in stops:
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(sig, _record)  # nohup's SIG_IGN stays, as does a shim's recorder
+    # A mask inherited across exec (a parent thread that blocked them) held a batch system's stop
+    # pending for ever: the run went on and exited 0. One pending arrives now, and is recorded.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
 
 
 _record_stops_while_training_starts()  # first: what follows imports jax

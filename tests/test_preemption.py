@@ -311,10 +311,31 @@ def test_a_signal_in_the_first_second_stops_with_75(tmp_path, sig, entry):
         time.sleep(delay)
         proc.send_signal(sig)
         err = proc.communicate(timeout=300)[1]
-        assert proc.returncode == 75, err[-2000:]
+        # what the child inherited beside the code's own start-up: the signal's disposition and
+        # this thread's mask (a CI run once saw SIGHUP lost: exit 0, nothing on stderr)
+        inherited = (signal.getsignal(sig), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        assert proc.returncode == 75, (delay, inherited, err[-2000:])
         assert err.strip().splitlines() == ["stopped by a signal before training started (nothing "
                                             "to save); run the same command to start"]
         assert not (run_dir / "checkpoints").exists()
+
+
+def test_a_stop_blocked_by_the_parent_still_stops_the_start(tmp_path):
+    """A parent thread with SIGHUP blocked (the mask survives exec): the run's handler never saw
+    the signal, trained to the end and exited 0 with nothing on stderr. Start-up unblocks the
+    signals it stops on, so the pending one stops it with 75."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGHUP])
+    try:
+        proc = subprocess.Popen(_cmd(tmp_path / "run"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    time.sleep(0.8)
+    proc.send_signal(signal.SIGHUP)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 75, err[-2000:]
+    assert err.strip().splitlines() == ["stopped by a signal before training started (nothing "
+                                        "to save); run the same command to start"]
 
 
 # A batch script's way to start a run: `cmd &` in a non-interactive shell starts it with SIGINT
