@@ -433,6 +433,18 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+def task_children(pid: int) -> list[int]:
+    """The children of `pid`'s threads, as the kernel lists them (/proc/PID/task/TID/children): a
+    second way to child_pids' scan of every process."""
+    found = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.extend(map(int, children.read_text().split()))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def alive_pids(pids: list[int]) -> list[int]:
     """Those of `pids` still running (not gone, not a zombie waiting to be reaped)."""
     alive = []

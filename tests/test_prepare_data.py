@@ -700,16 +700,25 @@ def test_a_worker_killed_midway_is_one_line_not_a_wait(tmp_path, tokenizer, corp
     """A worker killed mid-unit (the out-of-memory killer) left the parent waiting for the unit's
     end for ever; now it is one line naming the unit, exit 1, and --out is removed (no unit
     finished), so the rerun starts afresh. The unit is 5x the other kill tests' so that the
-    worker is still at it when looked for (CI once found none at 1x)."""
-    from helpers import alive_pids, child_pids
+    worker is still at it when looked for; it is looked for until seen (CI twice saw none at
+    once: the message lists the children then seen)."""
+    from helpers import alive_pids, child_pids, task_children
 
     args, cut, proc = start_on_one_big_unit(tmp_path, tokenizer, corpus, repeats=200,
                                             stderr=subprocess.PIPE, text=True)
     big = args[0]
     try:
-        workers = [pid for pid in alive_pids(child_pids(proc.pid))  # not the resource tracker
-                   if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert proc.poll() is None and len(workers) == 1, (proc.poll(), workers)
+        deadline, seen, workers = time.monotonic() + 30, [], []
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen = [(pid, Path(f"/proc/{pid}/stat").read_text()[:60],
+                     Path(f"/proc/{pid}/cmdline").read_bytes()[:100])
+                    for pid in alive_pids(sorted({*child_pids(proc.pid), *task_children(proc.pid)}))
+                    if Path(f"/proc/{pid}/cmdline").exists()]
+            workers = [pid for pid, _, cmdline in seen if b"resource_tracker" not in cmdline]
+            if workers:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None and len(workers) == 1, (proc.poll(), seen)
         os.kill(workers[0], signal.SIGKILL)
         err = proc.communicate(timeout=60)[1]
     finally:
