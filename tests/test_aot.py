@@ -666,10 +666,13 @@ def test_1f1b_memory_on_128_gpus_does_not_grow_with_microbatches(tmp_path):
 def test_the_pipelined_70b_as_shipped_leaves_no_more_exposed_than_jax_0_10_2(tmp_path):
     """llama3_70b_pp8 on 128 H100s, as shipped (1f1b, save_dots): its traffic with no matmul
     beside it within 10% of what jax 0.10.2's program leaves (the collective matmuls' rings, the
-    pipeline's stage traffic). Stage 0's next microbatch, the last stage's output for the loss
-    and stage 0's input gradient are each a masked sum over `stage` in bf16: three all-reduces
-    of one microbatch per tick (M + 2S - 2 = 270 ticks). It fits with a tenth spare and its
-    matmuls are the policy's, 1.01x 6*N*tokens (gpipe needed full recompute: 1.28x)."""
+    pipeline's stage traffic). Each tick (M + 2S - 2 = 270) moves four microbatches' worth over
+    `stage` in bf16, each an all-gather or reduce-scatter of [b, T/tensor, D] per device: stage
+    0's next input gathered from its pieces, the last stage's output scattered for the loss,
+    the loss's gradient gathered, stage 0's input gradient scattered. (As masked all-reduces,
+    and with the partitioner gathering whole sequences over tensor first, they were 28.4 GiB
+    exposed; now 14.1.) It fits with a tenth spare and its matmuls are the policy's, 1.01x
+    6*N*tokens (gpipe needed full recompute: 1.28x)."""
     report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128, shipped=True)
     assert report["memory"]["peak_bytes"] <= 0.9 * report["memory"]["usable_bytes"]
     counts = report["flops"]
@@ -680,9 +683,10 @@ def test_the_pipelined_70b_as_shipped_leaves_no_more_exposed_than_jax_0_10_2(tmp
     assert exposed <= NEWEST_OVER_0_10_2 * EXPOSED_ON_JAX_0_10_2["llama3_70b_pp8.yaml"], (
         exposed / GiB)
     microbatch = 1 * (4096 // 8) * 8192 * 2  # [b, T/tensor, D] bf16
-    over_stage = sum(r["bytes"] for r in report["collectives"]
-                     if r["op"] == "all-reduce" and r["axes"] == ["stage"])
-    assert over_stage <= 1.01 * 3 * 270 * microbatch, over_stage / (3 * 270 * microbatch)
+    over_stage = {r["op"]: r["bytes"] for r in report["collectives"] if r["axes"] == ["stage"]}
+    moved = over_stage["all-gather"] + over_stage["reduce-scatter"]
+    assert moved <= 1.15 * 4 * 270 * microbatch, moved / (4 * 270 * microbatch)
+    assert over_stage.get("all-reduce", 0) < 2**20, over_stage  # no microbatch all-reduced
 
 
 @pytest.mark.parametrize("remat", ["none", "save_dots"])
@@ -766,7 +770,7 @@ def exposed_share(report: dict) -> float:
 # Traffic exposed per GPU per step by presets as shipped on their clusters, compiled with jax
 # 0.10.2 (docs/performance.md, "jax 0.12 against 0.10.2": jax 0.12.0.1 left 43.1 GiB (-60%),
 # 556.1 (+8.2%) and 161.8 (-21.7%)); the newest jax may leave at most 10% more
-EXPOSED_ON_JAX_0_10_2 = {"mixtral_8x7b.yaml": 78.09 * GiB, "llama3_70b_pp8.yaml": 513.91 * GiB,
+EXPOSED_ON_JAX_0_10_2 = {"mixtral_8x7b.yaml": 78.09 * GiB, "llama3_70b_pp8.yaml": 497.52 * GiB,
                          "llama3_70b_128k.yaml": 206.74 * GiB}
 NEWEST_OVER_0_10_2 = 1.10
 

@@ -168,18 +168,19 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
     # once per pass (pipeline._gathered): the ticks read these.
     whole = [gpipe._gathered(gpipe._copied(w, copies, spec), copies, spec, pipe.dtype)
              for w, spec in zip(leaves, specs)]
-    k = -(-m // s)  # the inputs and their gradient spread over the stages, K per stage
+    # the inputs and their gradient spread over the stages by positions: stage s holds its
+    # piece (`_Pieces.take`) of every microbatch, gathered for stage 0 at the microbatch's tick
     x_MbTD = gpipe._microbatches(x_BTD, m)
-    inputs_SKbTD = jnp.pad(x_MbTD, [(0, s * k - m)] + [(0, 0)] * (x_MbTD.ndim - 1)
-                           ).reshape(s, k, *x_MbTD.shape[1:])
+    cut = _Pieces(x_BTD.shape[1], s)
+    inputs_SMbPD = cut.stacked(x_MbTD)
     rows = [gpipe._microbatches(a, m) for a in (positions_BT, segment_ids_BT, targets_BT,
                                                  mask_BT)]
     ticks = Ticks(s, r, m)
 
-    def per_device(whole, tail, inputs_SKbTD, *rows):
+    def per_device(whole, tail, inputs_SMbPD, *rows):
         w = [a[0, 0] for a in whole]
         out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
-                     inputs_SKbTD[0], rows, specs, skip, grads)
+                     inputs_SMbPD[0], rows, specs, skip, grads)
         total, d_w, d_tail, d_inputs = out
         axes = (STAGE, *copies) if _meshed() else STAGE
         total, d_tail = jax.lax.psum((total, d_tail), axes)
@@ -195,24 +196,24 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
                            axis_names={STAGE, *copies}, check_vma=False)
     else:  # one device: the stages vmapped, the per-device blocks' [1, ...] axes added
         fn = _vmapped(per_device)
-    total, d_whole, d_tail, d_inputs = fn(whole, tail, inputs_SKbTD, *rows)
+    total, d_whole, d_tail, d_inputs = fn(whole, tail, inputs_SMbPD, *rows)
     # back to the stacked layout [L, ...] in the weights' dtype
     d_staged = [d.astype(w.dtype) for d, w in zip(d_whole, leaves)]
     d_stacked = jax.tree.map(
         lambda d: d.swapaxes(1, 2).reshape(-1, *d.shape[3:]),
         jax.tree.unflatten(tree, d_staged))
-    d_x = d_inputs.reshape(s * k, *x_MbTD.shape[1:])[:m].swapaxes(0, 1).reshape(x_BTD.shape)
+    d_x = cut.unstacked(d_inputs).swapaxes(0, 1).reshape(x_BTD.shape)
     d_tail = jax.tree.map(lambda d, a: d.astype(a.dtype), d_tail, tail)
     return total, (d_stacked, d_tail, d_x.astype(x_BTD.dtype))
 
 
 def _vmapped(per_device):
     """Without a mesh: the stages vmapped over `stage`, each called with the blocks a device of
-    the mesh would hold (whole [1, 1, ...], inputs [1, K, ...]) and its outputs stacked."""
+    the mesh would hold (whole [1, 1, ...], inputs [1, M, ...]) and its outputs stacked."""
 
-    def one(whole, tail, inputs_KbTD, *rows):
+    def one(whole, tail, inputs_MbPD, *rows):
         total, d_w, d_tail, d_inputs = per_device([w[None] for w in whole], tail,
-                                                  inputs_KbTD[None], *rows)
+                                                  inputs_MbPD[None], *rows)
         return total, [d[0, 0] for d in d_w], d_tail, d_inputs[0]
 
     return jax.vmap(one, in_axes=(0, None, 0, None, None, None, None),
@@ -223,7 +224,7 @@ def _meshed() -> bool:
     return not jax.sharding.get_abstract_mesh().empty
 
 
-def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, skip: bool,
+def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, skip: bool,
            grads: bool = True):
     """One stage's program: every tick a forward and a backward (each skipped where the stage
     has none, with `skip`; else computed and dropped), then the sends. Returns (loss sum, d w
@@ -232,8 +233,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
     positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
     s, r = ticks.stages, ticks.repeats
     me = jax.lax.axis_index(STAGE)
-    k = inputs_KbTD.shape[0]
     last = s - 1
+    cut = _Pieces(targets_MbT.shape[2], s)
 
     def when(pred, f, g, *args):
         """f(*args) where pred holds, else g(*args): only the one taken runs, with `skip`."""
@@ -247,7 +248,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
                                 policy=jax.checkpoint_policies.nothing_saveable)
         return layers_fn(w, x_bTD, positions_bT, segments_bT, select=select)
 
-    zero_x = jnp.zeros_like(inputs_KbTD[0])
+    zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
+                       inputs_MbPD.dtype)
     primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
     pullback = _Pullback.of(stage_fn, primals) if grads else None  # x stored, w passed again
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []
@@ -272,31 +274,17 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
             out.append(jax.lax.dynamic_update_index_in_dim(b, jnp.where(do_f, a, old), slot, 0))
         return out
 
-    seq = inputs_KbTD.shape[2]
-    piece = seq // s  # the positions of the loss each stage computes
-    ways = _seq_ways(seq, s)  # the devices the activations' positions are split over
+    piece = cut.seq // s  # the positions of the loss each stage computes
+    take = lambda a: cut.take(a, me)
 
-    def take(a):
-        """This stage's positions of a [b, T, ...] array: the S-th part of each of the `ways`
-        runs of positions a device holds, so that no device sends another its positions."""
-        runs = a.reshape(a.shape[0], ways, s, seq // (ways * s), *a.shape[2:])
-        return jax.lax.dynamic_index_in_dim(runs, me, 2, False).reshape(
-            a.shape[0], piece, *a.shape[2:])
-
-    def put_back(d_piece):
-        """The stages' pieces [b, T/S, ...] of `take`, gathered into [b, T, ...]."""
-        runs = d_piece.reshape(d_piece.shape[0], ways, 1, seq // (ways * s), *d_piece.shape[2:])
-        whole = jax.lax.all_gather(runs, STAGE, axis=2, tiled=True)
-        return whole.reshape(d_piece.shape[0], seq, *d_piece.shape[2:])
-
-    def loss_of(y_bTD, micro):
+    def loss_of(y_bPD, micro):
         """This stage's share of the tail's loss of the microbatch leaving the last stage (its
-        positions `take`), the share's gradient in the tail and in y."""
+        piece of the positions, `take`), the share's gradient in the tail and in y."""
         fn = lambda p, y: tail_fn(p, y, take(targets_MbT[micro]), take(mask_MbT[micro]))
         if not grads:
-            part = fn(tail, take(y_bTD))
-            return part.astype(jnp.float32), jax.tree.map(jnp.zeros_like, tail), take(y_bTD)
-        part, vjp = jax.vjp(fn, tail, take(y_bTD))
+            part = fn(tail, y_bPD)
+            return part.astype(jnp.float32), jax.tree.map(jnp.zeros_like, tail), y_bPD
+        part, vjp = jax.vjp(fn, tail, y_bPD)
         d_tail, d_y = vjp(jnp.ones_like(part))
         return part.astype(jnp.float32), d_tail, d_y
 
@@ -317,11 +305,10 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
 
     def tick(carry, t):
         recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs = carry
-        # stage 0's fresh microbatch, from the stage that holds it
-        micro0, repeat0 = ticks.forward_item(t)
-        mine = (micro0 // k == me) & (t < ticks.items)
-        fresh = jax.lax.psum(jnp.where(mine, inputs_KbTD[micro0 % k], 0), STAGE)
-        x_bTD = jnp.where((me == 0) & (repeat0 == 0), fresh, recv_f)
+        # stage 0's fresh microbatch, its pieces gathered from every stage
+        micro0, repeat0 = ticks.forward_item(jnp.minimum(t, ticks.items - 1))
+        fresh = cut.gathered(inputs_MbPD[micro0])
+        x_bTD = jnp.where((me == 0) & (repeat0 == 0) & (t < ticks.items), fresh, recv_f)
         f_item = t - me
         do_f = (f_item >= 0) & (f_item < ticks.items)
         with jax.named_scope(SCOPES[0]):
@@ -337,7 +324,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         # than the others' (the head alone is 12% of a 70B stage's matmuls on 8 stages).
         l_micro, l_repeat = ticks.forward_item(t - last)
         do_loss = (t - last >= 0) & (t - last < ticks.items) & (l_repeat == r - 1)
-        y_last = jax.lax.psum(jnp.where(me == last, y_bTD, 0), STAGE)
+        y_last = cut.scattered(jnp.where(me == last, y_bTD, 0))  # this stage's piece
         with jax.named_scope(SCOPES[1]):
             part, d_tail, d_piece = when(
                 do_loss, loss_of,
@@ -347,7 +334,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
         d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
         if not grads:
             return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
-        d_y = put_back(d_piece)
+        d_y = cut.gathered(d_piece)
         b_item = t - ticks.delay + me
         do_b = (b_item >= 0) & (b_item < ticks.items)
         _, b_repeat, _ = ticks.backward_item(b_item)
@@ -358,24 +345,84 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_KbTD, rows, specs, 
                             t, slot_of_backward(buffers, t), ct_bTD)
         acc_w = [a + _constrained(d.astype(jnp.float32), spec)
                  for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
-        # stage 0's first repeat: d x of the microbatch, back to the stage that holds its input
+        # stage 0's first repeat: d x of the microbatch, its pieces back to the stages
         item0 = t - ticks.delay
-        micro0, repeat0, _ = ticks.backward_item(item0)
+        micro0, repeat0, _ = ticks.backward_item(jnp.clip(item0, 0, ticks.items - 1))
         done = (item0 >= 0) & (item0 < ticks.items) & (repeat0 == 0)
-        d_fresh = jax.lax.psum(jnp.where(done & (me == 0), d_x, 0), STAGE)
-        owner = done & (micro0 // k == me)
-        old = jax.lax.dynamic_index_in_dim(d_inputs, micro0 % k, 0, False)
+        d_fresh = cut.scattered(jnp.where(done & (me == 0), d_x, 0))
+        old = jax.lax.dynamic_index_in_dim(d_inputs, micro0, 0, False)
         d_inputs = jax.lax.dynamic_update_index_in_dim(
-            d_inputs, jnp.where(owner, d_fresh.astype(d_inputs.dtype), old), micro0 % k, 0)
+            d_inputs, jnp.where(done, d_fresh.astype(d_inputs.dtype), old), micro0, 0)
         recv_b = jax.lax.ppermute(d_x, STAGE, [(i, (i - 1) % s) for i in range(s)])
         return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
 
     carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
-             jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_KbTD))
+             jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_MbPD))
     length = ticks.ticks if grads else ticks.items + s - 1
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(length))
     _, _, _, acc_w, total, d_tail_sum, d_inputs = carry
     return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """A microbatch's positions cut into S pieces, stage s's piece the s-th part of each of the
+    `ways` runs of positions a device holds (act_seq), so that no device sends another its
+    positions. Stage 0's fresh input and the loss's output gradient are the pieces gathered
+    (an all-gather), the last stage's output and stage 0's input gradient scattered (a
+    reduce-scatter of a masked sum): half an all-reduce's traffic each."""
+
+    seq: int
+    stages: int
+
+    @property
+    def ways(self) -> int:
+        return _seq_ways(self.seq, self.stages)
+
+    def _runs(self, a: jax.Array, axis: int, pieces: int) -> jax.Array:
+        """a[..., T, ...] (T at `axis`) -> [..., ways, pieces, T/(ways*S), ...]."""
+        run = self.seq // (self.ways * self.stages)
+        return a.reshape(*a.shape[:axis], self.ways, pieces, run, *a.shape[axis + 1:])
+
+    def _joined(self, runs: jax.Array, axis: int) -> jax.Array:
+        return runs.reshape(*runs.shape[:axis], -1, *runs.shape[axis + 3:])
+
+    def _per_run(self, fn: Callable, runs_bWSRD: jax.Array) -> jax.Array:
+        """fn (a collective over `stage`) on each device's own runs: left to the partitioner,
+        it gathered the runs over the act_seq axes first and moved whole sequences (8x the
+        bytes at tensor 8)."""
+        if self.ways == 1 or not _meshed():
+            return fn(runs_bWSRD)
+        entry = parallel.spec(("act_seq",))[0]
+        spec = P(None, entry)
+        return jax.shard_map(fn, in_specs=spec, out_specs=spec,
+                             axis_names={entry} if isinstance(entry, str) else set(entry),
+                             check_vma=False)(runs_bWSRD)
+
+    def take(self, a: jax.Array, me: jax.Array) -> jax.Array:
+        """Stage `me`'s piece [b, T/S, ...] of a [b, T, ...] array."""
+        runs = self._runs(a, 1, self.stages)
+        return self._joined(jax.lax.dynamic_slice_in_dim(runs, me, 1, 2), 1)
+
+    def gathered(self, piece: jax.Array) -> jax.Array:
+        """Every stage's piece [b, T/S, ...] gathered into [b, T, ...] (an all-gather)."""
+        gather = lambda runs: jax.lax.all_gather(runs, STAGE, axis=2, tiled=True)
+        return self._joined(self._per_run(gather, self._runs(piece, 1, 1)), 1)
+
+    def scattered(self, a: jax.Array) -> jax.Array:
+        """This stage's piece of the sum over the stages of a[b, T, ...] (a reduce-scatter)."""
+        scatter = lambda runs: jax.lax.psum_scatter(runs, STAGE, scatter_dimension=2, tiled=True)
+        return self._joined(self._per_run(scatter, self._runs(a, 1, self.stages)), 1)
+
+    def stacked(self, x_MbTD: jax.Array) -> jax.Array:
+        """[M, b, T, ...] -> [S, M, b, T/S, ...]: every stage's pieces, stage-sharded."""
+        runs = self._runs(x_MbTD, 2, self.stages)
+        return gpipe._stage_sharded(self._joined(jnp.moveaxis(runs, 3, 0)[:, :, :, :, None], 3))
+
+    def unstacked(self, pieces_SMbPD: jax.Array) -> jax.Array:
+        """The inverse of `stacked`."""
+        runs = self._runs(pieces_SMbPD, 3, 1)[:, :, :, :, 0]
+        return self._joined(jnp.moveaxis(runs, 0, 3), 2)
 
 
 def _seq_ways(seq: int, stages: int) -> int:

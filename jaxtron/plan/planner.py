@@ -30,7 +30,9 @@ estimates one step's time as
     once per microbatch, a layer ahead beside the layer before, and keeps them for the backward.
   - data: the gradients' all-reduce, once per step, exposed.
   - stage: each microbatch's activations between neighbouring stages, forward and backward;
-    under 1F1B each tick also all-reduces stage 0's input and its gradient over the stages.
+    under 1F1B each tick also moves four microbatches' worth over the stages (stage 0's input
+    and the loss's gradient gathered from their pieces, the last stage's output and stage 0's
+    input gradient scattered).
   - context (context parallelism, sequences of LONG_CONTEXT positions or more): each layer's
     K and V all-gathered over it in the forward and backward and their gradients
     reduce-scattered, overlapped like fsdp's; its weights' ZeRO-3 gathers count with fsdp's.
@@ -300,8 +302,9 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     held = m.num_layers * (dense / ep + local_experts) + m.d_model * m.vocab_size
     grads = held * 4 / (tp * stages * f)  # float32 gradients per GPU
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
-    # a microbatch forward and one backward per iteration; 1F1B's ticks also all-reduce stage
-    # 0's input and its gradient over the stages (parallel/one_f_one_b.py)
+    # a microbatch forward and one backward per iteration; 1F1B's ticks also gather stage 0's
+    # input and the loss's output gradient from their pieces and scatter the last stage's
+    # output and stage 0's input gradient: four (S-1)/S of a microbatch (parallel/one_f_one_b.py)
     per_tick = 2 + (4 * (stages - 1) / stages if pipe and pipe.explicit else 0)
     stage_bytes = per_tick * iterations * seqs / t.microbatches * slab / tp if pipe else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
