@@ -10,6 +10,7 @@ from jaxtron.config import ConfigError, ModelConfig
 from jaxtron.model import families, windows
 from jaxtron.ops import attention as attention_lib
 from jaxtron.ops import experts, fp8
+from jaxtron.parallel import collective_matmul
 
 _policies = jax.checkpoint_policies
 _names = _policies.save_only_these_names
@@ -17,7 +18,9 @@ _names = _policies.save_only_these_names
 # most memory to least; docs/parallelism.md says when to use which.
 REMAT_POLICIES = {
     "none": None,  # no remat: keep every activation (fastest, most memory)
-    "save_dots": _policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    # keep matmul outputs, and the collective matmuls' reduce-scattered sums of them
+    "save_dots": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
+                                                   _names(collective_matmul.SCATTERED)),
     "save_qkv_out": _names("query_proj", "key_proj", "value_proj", "attn_out"),
     "save_attn_out": _names("attn_out"),  # keep the attention output only
     "full": _policies.nothing_saveable,  # keep only each layer's input

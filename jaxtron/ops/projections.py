@@ -87,7 +87,8 @@ def project_in(cfg: ModelConfig, overlapped: bool, x_BTD: jax.Array, params,
     weights, scales = _weights(cfg, params, sites)
     dots = _dots(cfg, x_BTD, scales, sites)
     if overlapped:
-        outputs = collective_matmul.gather_matmuls(x_BTD, *weights, dots=dots)
+        outputs = collective_matmul.gather_matmuls(
+            x_BTD, *weights, dots=dots, regather=cfg.remat in collective_matmul.REGATHER)
     else:
         outputs = tuple(dot(x_BTD, w, 1) for dot, w in zip(dots, weights))
     return fp8.observe_outputs(sites, outputs)

@@ -292,20 +292,19 @@ def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many:
         return slab + q
     if m.remat == "save_qkv_out":
         return slab + 2 * q + kv
-    # Collective matmuls (tensor > 1) keep the sequence chunks their permutes brought, t-1
-    # [b, T/t, D] per gather, for the weight gradients: one gather's under save_dots, both under
-    # none (compiled: 8B TP8 8 x 8192 rows save_dots +14.0 GiB, 70B TP8 2 x 8192 +17.4; 8B TP8
-    # 8 x 4096 none +14.0), none under the policies that recompute the projections.
-    chunks = (tp - 1) * slab if m.collective_matmul and tp > 1 else 0
+    # Collective matmuls (tensor > 1) keep no sequence chunks for the weight gradients: their
+    # backward gathers them again under the policies that keep the matmuls' outputs
+    # (collective_matmul.REGATHER; before, t-1 [b, T/t, D] per gather: compiled 8B TP8 8 x 8192
+    # rows save_dots +14.0 GiB), and under the others the recomputed forward brings them.
     if m.remat in ("save_dots", "offload_dots"):  # the projections' and MLP's matmul outputs
         kept = q + kv + 2 * slab + 2 * mlp if kernel == "xla" or many else q + mlp
-        return slab if m.remat == "offload_dots" else slab + kept + chunks
+        return slab if m.remat == "offload_dots" else slab + kept
     everything = 4 * slab + 3 * q + kv + 4 * mlp  # none: every intermediate
     if kernel == "cudnn":  # float32 norms and activations besides; no scores (softmax stats)
-        return (3 * everything // 2 if many else 2 * everything) + 2 * chunks
+        return 3 * everything // 2 if many else 2 * everything
     # the XLA attention's float32 scores, bf16 probabilities and mask are kept too
     keys = sum(windows.scored_keys(m, cfg.train.seq_len)) // m.num_layers  # windows: fewer
-    return (everything + b * m.num_heads * seq * keys * (4 + act + 1) // tp + 2 * chunks)
+    return everything + b * m.num_heads * seq * keys * (4 + act + 1) // tp
 
 
 def _ahead_bytes(cfg: Config, sizes: dict[str, int]) -> int:
