@@ -711,10 +711,11 @@ def test_a_worker_killed_midway_is_one_line_not_a_wait(tmp_path, tokenizer, corp
         deadline, seen, workers = time.monotonic() + 30, [], []
         while proc.poll() is None and time.monotonic() < deadline:
             seen = [(pid, Path(f"/proc/{pid}/stat").read_text()[:60],
-                     Path(f"/proc/{pid}/cmdline").read_bytes()[:100])
+                     Path(f"/proc/{pid}/cmdline").read_bytes())
                     for pid in alive_pids(sorted({*child_pids(proc.pid), *task_children(proc.pid)}))
                     if Path(f"/proc/{pid}/cmdline").exists()]
-            workers = [pid for pid, _, cmdline in seen if b"resource_tracker" not in cmdline]
+            workers = [pid for pid, _, cmdline in seen  # not the tracker: its -c imports it
+                       if b"multiprocessing.resource_tracker import" not in cmdline]
             if workers:
                 break
             time.sleep(0.05)
