@@ -18,9 +18,10 @@ _names = _policies.save_only_these_names
 # most memory to least; docs/parallelism.md says when to use which.
 REMAT_POLICIES = {
     "none": None,  # no remat: keep every activation (fastest, most memory)
-    # keep matmul outputs, and the collective matmuls' reduce-scattered sums of them
+    # keep matmul outputs, and the collective matmuls' outputs (gathered, reduce-scattered)
     "save_dots": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
-                                                   _names(collective_matmul.SCATTERED)),
+                                                   _names(collective_matmul.SCATTERED,
+                                                          collective_matmul.GATHERED)),
     "save_qkv_out": _names("query_proj", "key_proj", "value_proj", "attn_out"),
     "save_attn_out": _names("attn_out"),  # keep the attention output only
     "full": _policies.nothing_saveable,  # keep only each layer's input

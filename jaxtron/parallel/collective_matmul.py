@@ -19,10 +19,12 @@ from jax.tree_util import Partial
 
 AXIS = "tensor"
 SCATTERED = "scattered"  # the name of matmul_scatter's output, for the remat policies
+GATHERED = "gathered"  # the name of gather_matmuls' outputs, for the remat policies
 # The remat policies under which gather_matmuls' backward gathers x again: those that keep the
 # matmuls' outputs (measured on 8 H100s, llama3_8b TP8, 8 x 8192 rows, save_dots: peak 53.1 ->
-# 38.7 GiB, tensor traffic exposed 42.8 -> 6.1 GiB). Under the others the recomputed forward's
-# ring brings the chunks, and a second ring cost the 128k preset 79 GiB more traffic exposed.
+# 38.7 GiB, tensor traffic exposed 42.8 -> 6.1 GiB; 2.1 with the outputs kept too, GATHERED).
+# Under the others the recomputed forward's ring brings the chunks, and a second ring cost the
+# 128k preset 79 GiB more traffic exposed.
 REGATHER = ("none", "save_dots", "offload_dots")
 # dot(x, w, contract) -> x's last `contract` dimensions against w's first (jnp.tensordot's), as
 # a pytree (a `Partial`): the arrays it holds (FP8 scales) enter the shard_map as its arguments
@@ -134,26 +136,31 @@ def _gather_forward(regather, dots, x_BtD, *weights):
 def _gather_backward(regather, residuals, g_outs):
     """dx: sum_w g_w W_w^T reduce-scattered over the sequence by `_ring_scatter`; each weight's
     gradient summed over the chunks on the way, the chunks the forward's, or with `regather`
-    gathered again beside it."""
+    gathered again beside it: this device's own first, as in the forward, so that every permute
+    has a step's matmuls beside it (dw pairs chunk c of x with chunk c of g, in any order)."""
     dots, x, weights, me = residuals
     n = jax.lax.axis_size(AXIS)
     t = (x if regather else x[0]).shape[1]
 
     def inputs(step):  # the sum in hand at step s is for chunk (me + 1 + s) % n
-        return [_chunk(g, (me + 1 + step) % n, t) for g in g_outs]
+        for_dx = [_chunk(g, (me + 1 + step) % n, t) for g in g_outs]
+        return for_dx, [_chunk(g, (me + step) % n, t) for g in g_outs] if regather else for_dx
 
     def part(step, g_cs, state):
-        sums, chunks = state
-        if regather:  # x's chunk (me + 1 + step) % n in hand, the next one in flight meanwhile
-            x_c, following = chunks, _shift_left(chunks, n) if step < n - 2 else x
+        (for_dx, for_dw), (sums, chunks) = g_cs, state
+        if regather:  # x's chunk (me + step) % n in hand, the next one in flight meanwhile
+            x_c, following = chunks, _shift_left(chunks, n) if step < n - 1 else None
         else:  # the forward's step s held chunk (me + s) % n
             x_c, following = chunks[(1 + step) % n], chunks
-        pulled = [_pullback(dot, x_c, w, 1, g) for dot, w, g in zip(dots, weights, g_cs)]
-        dx = functools.reduce(jnp.add, [d_x for _, d_x, _ in pulled])
+        pulled = [_pullback(dot, x_c, w, 1, g) for dot, w, g in zip(dots, weights, for_dw)]
+        if for_dx is not for_dw:  # dx of a dot does not read x: only its g . w^T is kept
+            dx_pulled = [_pullback(dot, x_c, w, 1, g) for dot, w, g in zip(dots, weights, for_dx)]
+        else:
+            dx_pulled = pulled
+        dx = functools.reduce(jnp.add, [d_x for _, d_x, _ in dx_pulled])
         return dx, (_add(sums, [(d_dot, d_w) for d_dot, _, d_w in pulled]), following)
 
-    first = x if not regather or n == 1 else _shift_left(x, n)
-    dx, (sums, _) = _ring_scatter(inputs, part, (None, first))
+    dx, (sums, _) = _ring_scatter(inputs, part, (None, x))
     return ([d_dot for d_dot, _ in sums], dx, *[d_w for _, d_w in sums])
 
 
@@ -212,7 +219,9 @@ def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | 
     run = jax.shard_map(functools.partial(_gather_local, regather),
                         in_specs=(P(), P(None, seq, None), *w_specs),
                         out_specs=out_specs, axis_names={AXIS, *(ctx or ())}, check_vma=False)
-    return run(list(dots), x_BTD, *weights)
+    # named for model.remat=save_dots, which keeps them: recomputed, the ring's permutes ran
+    # again (its barriers tie each step's products to the chunk received)
+    return tuple(checkpoint_name(y, GATHERED) for y in run(list(dots), x_BTD, *weights))
 
 
 def matmul_scatter(h: jax.Array, w: jax.Array, dot: Dot = Partial(jnp.tensordot)) -> jax.Array:

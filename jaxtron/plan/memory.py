@@ -305,7 +305,7 @@ def _saved_per_layer(cfg: Config, kernel: str, b: int, tp: int, slab: int, many:
         kept = q + kv + 2 * slab + 2 * mlp if kernel == "xla" or many else q + mlp
         if m.collective_matmul and tp > 1 and many:  # read off the compiled programs: three
             kept -= 3 * slab  # [b, T/t, D] fewer (8B TP8 8 x 8192 rows 38.7 GiB, the count
-            # without this 45.3; llama3_70b_pp8 37.0 and 39.7)
+            # without this 45.3; llama3_70b_pp8 37.2 and 39.7)
         return slab if m.remat == "offload_dots" else slab + kept
     everything = 4 * slab + 3 * q + kv + 4 * mlp  # none: every intermediate
     if kernel == "cudnn":  # float32 norms and activations besides; no scores (softmax stats)
