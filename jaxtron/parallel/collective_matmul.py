@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import Partial
 
 AXIS = "tensor"
+BATCH = ("data", "fsdp", "expert")  # the batch's splits: act_batch in parallel.mesh.RULES
 SCATTERED = "scattered"  # the name of matmul_scatter's output, for the remat policies
 GATHERED = "gathered"  # the name of gather_matmuls' outputs, for the remat policies
 # The remat policies under which gather_matmuls' backward gathers x again: those that keep the
@@ -40,6 +41,22 @@ def _context() -> tuple[tuple[str, ...] | None, str | tuple[str, ...]]:
     if mesh.shape.get("context", 1) == 1 or kinds["context"] == jax.sharding.AxisType.Manual:
         return None, AXIS
     return ("context",), ("context", AXIS)
+
+
+def _batch(rows: int) -> tuple[str, ...] | None:
+    """("fsdp",) where the shard_maps take the batch's fsdp split over as well: each step's
+    weight-gradient sum is then this device's own, added up over fsdp once per weight, where the
+    partitioner had reduced each step's (an all-reduce per step: llama3_70b TP8 x FSDP8, 127.5
+    GiB per step where the gradient's one reduce-scatter is 16.4). Only where fsdp is the batch's
+    one split (data and expert 1): where data splits it too the sum over data waits until the
+    step's last microbatch, which a manual axis would bring into every call. None: the rows stay
+    the partitioner's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes, kinds = mesh.shape, dict(zip(mesh.axis_names, mesh.axis_types))
+    fsdp = sizes.get("fsdp", 1)
+    if fsdp == 1 or kinds["fsdp"] == jax.sharding.AxisType.Manual or rows % fsdp:
+        return None
+    return None if any(sizes.get(a, 1) > 1 for a in BATCH if a != "fsdp") else ("fsdp",)
 
 
 def _shift_left(x: jax.Array, n: int) -> jax.Array:
@@ -212,13 +229,13 @@ def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | 
     matmuls, instead of keeping the forward's (the whole sequence per gather; under a remat
     policy that saves the matmuls, recomputed: the forward's ring again with no matmul beside
     its permutes). Kept where the forward is recomputed anyway (REGATHER says where not)."""
-    ctx, seq = _context()
+    (ctx, seq), rows = _context(), _batch(x_BTD.shape[0])
     w_specs = tuple(P(None, AXIS, *[None] * (w.ndim - 2)) for w in weights)
-    out_specs = tuple(P(None, ctx, AXIS, *[None] * (w.ndim - 2)) for w in weights)
+    out_specs = tuple(P(rows, ctx, AXIS, *[None] * (w.ndim - 2)) for w in weights)
     dots = dots or [Partial(jnp.tensordot)] * len(weights)
     run = jax.shard_map(functools.partial(_gather_local, regather),
-                        in_specs=(P(), P(None, seq, None), *w_specs),
-                        out_specs=out_specs, axis_names={AXIS, *(ctx or ())}, check_vma=False)
+                        in_specs=(P(), P(rows, seq, None), *w_specs), out_specs=out_specs,
+                        axis_names={AXIS, *(ctx or ()), *(rows or ())}, check_vma=False)
     # named for model.remat=save_dots, which keeps them: recomputed, the ring's permutes ran
     # again (its barriers tie each step's products to the chunk received)
     return tuple(checkpoint_name(y, GATHERED) for y in run(list(dots), x_BTD, *weights))
@@ -227,12 +244,12 @@ def gather_matmuls(x_BTD: jax.Array, *weights: jax.Array, dots: Sequence[Dot] | 
 def matmul_scatter(h: jax.Array, w: jax.Array, dot: Dot = Partial(jnp.tensordot)) -> jax.Array:
     """h[B, T, X_tensor, ...] times w[X_tensor, ..., D] summed over X -> out[B, T_tensor, D], the
     reduce-scatter over the sequence overlapped with the matmuls (chunk products by `dot`)."""
-    ctx, seq = _context()
-    h_spec = P(None, ctx, AXIS, *[None] * (h.ndim - 3))
+    (ctx, seq), rows = _context(), _batch(h.shape[0])
+    h_spec = P(rows, ctx, AXIS, *[None] * (h.ndim - 3))
     w_spec = P(AXIS, *[None] * (w.ndim - 1))
     run = jax.shard_map(_scatter_local, in_specs=(P(), h_spec, w_spec),
-                        out_specs=P(None, seq, None), axis_names={AXIS, *(ctx or ())},
-                        check_vma=False)
+                        out_specs=P(rows, seq, None),
+                        axis_names={AXIS, *(ctx or ()), *(rows or ())}, check_vma=False)
     # named for model.remat=save_dots, which keeps it: recomputed, it ran the ring's permutes
     # again with the matmuls' saved outputs, nothing beside them
     return checkpoint_name(run(dot, h, w), SCATTERED)
