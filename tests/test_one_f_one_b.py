@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_close_grads, pipeline_cfg, pipeline_reference, pipeline_run
+from helpers import (
+    assert_close_grads,
+    pipeline_batch,
+    pipeline_cfg,
+    pipeline_reference,
+    pipeline_run,
+)
 
 from jaxtron import config
 from jaxtron.parallel import one_f_one_b, pipeline
@@ -159,3 +165,33 @@ def test_the_evaluation_runs_the_forwards_alone_and_matches_one_device():
              for inst in insts if inst.opcode == "while"}
     ticks = one_f_one_b.Ticks(4, 2, 4)
     assert ticks.items + 4 - 1 in trips and ticks.ticks not in trips, trips
+
+
+def test_1f1b_gradients_follow_the_loss_cotangent():
+    """The 1F1B loss is a custom VJP whose ticks compute the gradients of the summed loss; its
+    backward scales them by the cotangent it is given. The train step differentiates the sum
+    itself (cotangent 1): a loss scaled by c has c times every gradient, the embedding's (which
+    comes through the pipeline's input) included."""
+    import jax
+
+    from jaxtron import parallel
+    from jaxtron.step import BATCH_KEYS
+    from jaxtron.step.optim import make_optimizer
+    from jaxtron.step.state import init_state, make_plan
+    from jaxtron.step.train_step import loss_sums
+
+    cfg = pipeline_cfg("mesh.stage=2", "mesh.fsdp=1", "pipeline.schedule=1f1b",
+                       "model.remat=none")
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    plan = make_plan(cfg, tx, 2)
+    mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:2])
+    sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
+    scaled = jax.jit(jax.grad(lambda p, batch, c: c * loss_sums(p, plan.graphdef, batch,
+                                                                pipe=plan.pipe)[0]))
+    with jax.set_mesh(mesh):
+        params = init_state(cfg, plan, tx, mesh)["params"]
+        local = pipeline_batch(cfg)
+        batch = {k: jax.device_put(local[k], sharding) for k in BATCH_KEYS}
+        once, c_times = jax.device_get((scaled(params, batch, 1.0), scaled(params, batch, 0.375)))
+    # each array against its own norm (an all-zero one would fail: its error is nan)
+    assert_close_grads(c_times, jax.tree.map(lambda g: 0.375 * g, once), 1e-6)
