@@ -103,21 +103,26 @@ def _fp8_dots(x, *weights):
     return [Partial(fp8.dot, x_scale=fp8.scale(x), w_scale=fp8.scale(w)) for w in weights]
 
 
-def _blockwise(g, n):
-    """g[B, T, F] as gather_matmuls' steps round it: each (sequence chunk, column shard) block,
-    one device's step, at its own scale."""
+def _blockwise(g, n, rows, columns=True):
+    """g[B, T, F] as the collective matmuls' steps round it: each block of one device's step,
+    at its own scale. The rows split `rows` ways (fsdp: the shard_maps take the batch's split),
+    the sequence n ways, and with `columns` F n ways (the gather's column shards)."""
     out = np.empty(g.shape, np.float32)
-    t, f = g.shape[1] // n, g.shape[2] // n
-    for i in range(n):
-        for j in range(n):
-            block = (slice(None), slice(i * t, (i + 1) * t), slice(j * f, (j + 1) * f))
-            out[block] = _rounded(g[block], E5M2)
+    b, t = g.shape[0] // rows, g.shape[1] // n
+    f = g.shape[2] // n if columns else g.shape[2]
+    for r in range(rows):
+        for i in range(n):
+            for j in range(n if columns else 1):
+                block = (slice(r * b, (r + 1) * b), slice(i * t, (i + 1) * t),
+                         slice(j * f, (j + 1) * f))
+                out[block] = _rounded(g[block], E5M2)
     return out
 
 
 def test_collective_fp8_steps_equal_their_blockwise_emulation():
-    """gather_matmuls and matmul_scatter with FP8 dots on tensor=4: forward at the whole
-    tensors' scales, the backward's gradient per (chunk, shard) block at its own."""
+    """gather_matmuls and matmul_scatter with FP8 dots on tensor=4 x fsdp=2: forward at the
+    whole tensors' scales, the backward's gradient per device's block at its own (rows over
+    fsdp, then sequence chunk, and the gather's column shard)."""
     n = 4
     keys = jax.random.split(jax.random.key(3), 4)
     b, t, d, f = 2, 32, 16, 32
@@ -143,11 +148,11 @@ def test_collective_fp8_steps_equal_their_blockwise_emulation():
     xr, wr, hr, wor = (_rounded(a, E4M3) for a in (x, w, h, wo))
     assert _rel(y, np.tensordot(xr, wr, 1)) < TOL
     assert _rel(z, np.tensordot(hr, wor, 1)) < TOL
-    gyr = _blockwise(np.asarray(gy), n)
+    gyr = _blockwise(np.asarray(gy), n, 8 // n)
     assert _rel(dx, np.tensordot(gyr, wr, ([2], [1]))) < TOL
     assert _rel(dw, np.tensordot(xr, gyr, ([0, 1], [0, 1]))) < TOL
-    # matmul_scatter: each step's gradient is the output chunk its sum was for, whole
-    gzr = np.concatenate([_rounded(c, E5M2) for c in np.split(np.asarray(gz), n, axis=1)], axis=1)
+    # matmul_scatter: each step's gradient is the output chunk its sum was for, all its columns
+    gzr = _blockwise(np.asarray(gz), n, 8 // n, columns=False)
     assert _rel(dh, np.tensordot(gzr, wor, ([2], [1]))) < TOL
     assert _rel(dwo, np.tensordot(hr, gzr, ([0, 1], [0, 1]))) < TOL
 
