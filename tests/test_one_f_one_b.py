@@ -89,6 +89,9 @@ CASES = [  # (overrides, devices, remat); stage4 x fsdp2 and stage2 x tensor2 x 
       "train.batch_size=32"), 8, "none"),
     (("mesh.stage=4", "mesh.fsdp=1", "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2",
       "pipeline.passes=2", "train.microbatches=8", "train.batch_size=32"), 4, "none"),
+    (("mesh.stage=4", "mesh.tensor=2", "mesh.fsdp=1", "pipeline.schedule=zb_h1"), 8, "full"),
+    (("mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.schedule=zb_h1",
+      "train.microbatches=8", "train.batch_size=32"), 8, "save_dots"),
 ]
 
 
@@ -195,3 +198,84 @@ def test_1f1b_gradients_follow_the_loss_cotangent():
         once, c_times = jax.device_get((scaled(params, batch, 1.0), scaled(params, batch, 0.375)))
     # each array against its own norm (an all-zero one would fail: its error is nan)
     assert_close_grads(c_times, jax.tree.map(lambda g: 0.375 * g, once), 1e-6)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "none"])
+def test_zb_h1_runs_the_weight_gradients_apart_and_no_matmul_twice(remat):
+    """zb_h1's W (one_f_one_b.SCOPES[3]) holds every layer weight's gradient matmul, 2 * rows *
+    fan-in * fan-out each (x^T g), and the step runs the same matmuls as 1f1b's: none is
+    recomputed to cut the backward in two, none lost. Under save_dots W also recomputes the
+    attention's output (probabilities times values, a batched matmul the policy does not keep):
+    only the output projection's weight gradient reads it."""
+    import jax
+
+    from jaxtron import parallel
+    from jaxtron.program import flops, hlo
+    from jaxtron.step import compile_step
+    from jaxtron.step.optim import make_optimizer
+    from jaxtron.step.state import init_state, make_plan
+
+    def matmuls(schedule):
+        cfg = pipeline_cfg("mesh.stage=2", "mesh.fsdp=1", f"pipeline.schedule={schedule}",
+                           f"model.remat={remat}")
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        plan = make_plan(cfg, tx, 2)
+        mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:2])
+        sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
+        with jax.set_mesh(mesh):
+            state = init_state(cfg, plan, tx, mesh)
+            batch = {k: jax.device_put(v, sharding) for k, v in pipeline_batch(cfg).items()}
+            text = compile_step(cfg, plan, tx, mesh).lower(state, batch).compile().as_text()
+        module = hlo.parse(text)
+        shares = one_f_one_b.Ticks(2, 1, plan.pipe.microbatches).shares()
+        total = flops.compiled(module, scope_shares=shares)["matmul"]
+        rest = flops.compiled(module, scope_shares={**shares, "1f1b_weights": 0.0})["matmul"]
+        layers = state["params"]["layers"]
+        fans = sum(a.size for a in jax.tree.leaves(layers) if a.ndim >= 3)  # [L, in, out]
+        return total, total - rest, fans, cfg
+
+    total, weights, fans, cfg = matmuls("zb_h1")
+    rows = cfg.train.batch_size * cfg.train.seq_len
+    layers = cfg.model.num_layers // 2  # stage 2: each device's half of the layers
+    recomputed = 2 * rows * cfg.train.seq_len * cfg.model.d_model * layers
+    assert weights == 2 * rows * fans // 2 + (recomputed if remat == "save_dots" else 0)
+    assert total == matmuls("1f1b")[0]
+
+
+def _play_zb_h1(s: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> dict:
+    """Play zb_h1's ticks as `_ticks` runs them, each tick as long as its slowest stage: a
+    stage's W waits where its backward comes before stage 0's first (t < D) in queue slot
+    b_item, and runs in its tick t >= ticks - s, for item t - (ticks - s)."""
+    ticks = one_f_one_b.Ticks(s, 1, m, zero_bubble=True)
+    queue, done, total = {}, {}, 0.0
+    for t in range(ticks.ticks):
+        longest = 0.0
+        for stage in range(s):
+            work = f if 0 <= t - stage < ticks.items else 0.0
+            item = t - ticks.delay + stage
+            if 0 <= item < ticks.items:
+                work += b
+                if t < ticks.delay:
+                    assert item < stage and (stage, item) not in queue and item <= s - 2
+                    queue[stage, item] = t
+                else:
+                    done[stage, item] = t
+                    work += w
+            late = t - (ticks.ticks - stage)
+            if 0 <= late < stage:
+                assert queue.pop((stage, late)) < t
+                done[stage, late] = t
+                work += w
+            longest = max(longest, work)
+        total += longest
+    assert not queue and len(done) == s * m  # every W once, after its B
+    return {"bubble": 1 - m * (f + b + w) / total}
+
+
+@pytest.mark.parametrize("s,m", [(2, 4), (4, 8), (8, 16), (8, 256)])
+def test_zb_h1_bubble_is_the_warm_up_without_its_weight_gradients(s, m):
+    """Every W runs once after its B, the queue's S-1 slots suffice, and the bubble played is
+    Pipeline.bubble's 2(S-1)/(3M+2(S-1)) (F = B = W), below 1F1B's (S-1)/(M+S-1)."""
+    zb = pipeline.Pipeline(s, 1, m, schedule="zb_h1").bubble
+    assert _play_zb_h1(s, m)["bubble"] == pytest.approx(zb, rel=1e-12)
+    assert zb < pipeline.Pipeline(s, 1, m, schedule="1f1b").bubble

@@ -87,8 +87,9 @@ class TrainConfig:
 class PipelineConfig:
     """How microbatches flow through the mesh.stage pipeline stages (see docs/parallelism.md)."""
 
-    # gpipe | circular (`repeats` layer groups per stage) | 1f1b | interleaved_1f1b (repeats too):
-    # the 1F1B schedules keep (R+1)*S - 1 items' activations per stage whatever M (one_f_one_b)
+    # gpipe | circular (`repeats` layer groups per stage) | 1f1b | interleaved_1f1b (repeats too)
+    # | zb_h1 (1f1b with the weight gradients filling the bubble): the 1F1B schedules keep
+    # (R+1)*S - 1 items' activations per stage whatever M (one_f_one_b)
     schedule: str = "gpipe"
     repeats: int = 1  # circular: layer groups per stage; bubble (S-1)/(repeats*M+S-1)
     passes: int = 1  # microbatches go through the pipeline in this many sequential passes
@@ -377,6 +378,12 @@ def check_warnings(cfg: Config) -> list[str]:
     if p.schedule == "circular" and p.repeats > 1 and stages == 1:
         found.append(f"pipeline.repeats={p.repeats} does nothing with mesh.stage=1 (no pipeline); "
                      "set mesh.stage > 1, or drop it")
+    if p.schedule == "zb_h1" and stages > 1 and cfg.mesh.tensor != 1 and (
+            cfg.model.collective_matmul):
+        found.append(f"pipeline.schedule=zb_h1 with mesh.tensor={cfg.mesh.tensor}: the "
+                     "collective matmuls compute the weight gradients inside their rings, "
+                     "so none waits to fill the bubble and it runs as 1f1b; "
+                     "model.collective_matmul=false frees them (at their exposed traffic)")
     if 1 < stages and per_pass < stages:  # the circular schedule refuses this outright
         found.append(f"{per_pass} microbatch{'es' if per_pass > 1 else ''} per pass through "
                      f"mesh.stage={stages} stages: they idle "

@@ -1,5 +1,5 @@
-"""The 1F1B schedules (`1f1b`, `interleaved_1f1b`) over the `stage` mesh axis, inside one SPMD
-program, with the backward written out.
+"""The 1F1B schedules (`1f1b`, `interleaved_1f1b`, `zb_h1`) over the `stage` mesh axis, inside
+one SPMD program, with the backward written out.
 
 Each tick every stage runs one item's forward and one item's backward, so a microbatch's
 activations live from its forward on a stage to its backward there, never the whole pass.
@@ -23,6 +23,11 @@ repeat's layers of one microbatch, (1 + 1/R)*S microbatches of a stage's activat
 S - s forwards, which lockstep ticks of one forward and one backward cannot).
 Ticks: M*R + D; a stage with no forward (or backward) in a tick skips it (`lax.cond`), so the
 bubble is (S-1)/(R*M + S-1) as for 1F1B and interleaved 1F1B.
+
+zb_h1 (R = 1): the backward cut into B, the input gradient, and W, the weight gradients
+(zero_bubble.split). Stage s's first s backward-items come before stage 0's first backward
+(t < D); their W waits in a queue of S-1 items and runs in the stage's last s ticks, where it
+has no backward, so the warm-up ticks last F + B instead of F + B + W (pipeline.Pipeline.bubble).
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtron import parallel
 from jaxtron.parallel import pipeline as gpipe
+from jaxtron.parallel import zero_bubble
 
 STAGE = "stage"
 # The named scopes of a tick's forward, loss and backward: the compiled program's conditionals
 # run each on some ticks only, and flops.compiled weighs their matmuls by `shares`.
-SCOPES = ("1f1b_forward", "1f1b_loss", "1f1b_backward")
+SCOPES = ("1f1b_forward", "1f1b_loss", "1f1b_backward", "1f1b_weights")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ class Ticks:
     stages: int
     repeats: int
     microbatches: int
+    zero_bubble: bool = False  # zb_h1: the backward's weight gradients apart (module docstring)
+
+    @classmethod
+    def of(cls, pipe: gpipe.Pipeline) -> Ticks:
+        return cls(pipe.stages, pipe.repeats, pipe.microbatches, pipe.schedule == "zb_h1")
 
     @property
     def items(self) -> int:
@@ -94,7 +105,7 @@ class Ticks:
         """Per named scope (SCOPES), the share of the ticks on which a stage runs it: the
         forward and backward on M*R, its share of the loss on M."""
         work = self.items / self.ticks
-        return dict(zip(SCOPES, (work, self.microbatches / self.ticks, work)))
+        return dict(zip(SCOPES, (work, self.microbatches / self.ticks, work, work)))
 
     def forward_item(self, i):
         """Item i's (microbatch, repeat)."""
@@ -175,7 +186,7 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
     inputs_SMbPD = cut.stacked(x_MbTD)
     rows = [gpipe._microbatches(a, m) for a in (positions_BT, segment_ids_BT, targets_BT,
                                                  mask_BT)]
-    ticks = Ticks(s, r, m)
+    ticks = Ticks.of(pipe)
 
     def per_device(whole, tail, inputs_SMbPD, *rows):
         w = [a[0, 0] for a in whole]
@@ -300,11 +311,47 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         d_w, d_x = pullback.backward(args, stored, ct_bTD)
         return d_w, d_x
 
+    def item_args(item):
+        """The passed-again arguments of backward-item `item`, x None."""
+        micro, repeat, _ = ticks.backward_item(item)
+        return (w, None, positions_MbT[micro], segments_MbT[micro], repeat)
+
+    # zb_h1: the backward cut into B (d x) and W (d w); W of the backward-items a stage runs
+    # before stage 0's first backward waits in `queue` for the stage's idle last ticks
+    cut_w = pullback.split(item_args(0), zero_x) if grads and ticks.zero_bubble else None
+    queue = ([jnp.zeros((s - 1, *a.shape), a.dtype) for a in cut_w.found] if cut_w else [])
+
+    def split_backward(t, b_item, do_b, buffers, ct_bTD, queue):
+        """B of backward-item b_item, and W of it or, in the stage's last idle ticks, of one
+        that waited: (d w, d x, queue)."""
+        zeros_w = lambda *_: jax.tree.map(jnp.zeros_like, w)
+        with jax.named_scope(SCOPES[2]):
+            d_x, early, found = when(
+                do_b, lambda t, b, c: pullback.input_grad(cut_w, item_args(t - ticks.delay + me),
+                                                         b, c),
+                lambda t, b, c: (zero_x, zeros_w(),
+                                 [jnp.zeros(a.shape, a.dtype) for a in cut_w.found]),
+                t, slot_of_backward(buffers, t), ct_bTD)
+        wait = do_b & (t < ticks.delay)  # b_item < me
+        late = t - (ticks.ticks - me)  # the stage's idle last ticks: W of item `late`
+        do_late = (late >= 0) & (late < me)
+        at = lambda i: jnp.clip(i, 0, s - 2)
+        queue = [jax.lax.dynamic_update_index_in_dim(
+            q, jnp.where(wait, f, jax.lax.dynamic_index_in_dim(q, at(b_item), 0, False)),
+            at(b_item), 0) for q, f in zip(queue, found)]
+        found = [jnp.where(do_late, jax.lax.dynamic_index_in_dim(q, at(late), 0, False), f)
+                 for q, f in zip(queue, found)]
+        with jax.named_scope(SCOPES[3]):
+            d_w = when((do_b & ~wait) | do_late,
+                       lambda i, f: pullback.weight_grad(cut_w, item_args(i), f), zeros_w,
+                       jnp.where(do_late, late, b_item), found)
+        return jax.tree.map(jnp.add, early, d_w), d_x, queue
+
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
     acc_w = [_constrained(a, spec) for a, spec in zip(jax.tree.leaves(f32(w)), specs)]
 
     def tick(carry, t):
-        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs = carry
+        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue = carry
         # stage 0's fresh microbatch, its pieces gathered from every stage
         micro0, repeat0 = ticks.forward_item(jnp.minimum(t, ticks.items - 1))
         fresh = cut.gathered(inputs_MbPD[micro0])
@@ -333,16 +380,19 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         total = total + part
         d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
         if not grads:
-            return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
+            return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue), None
         d_y = cut.gathered(d_piece)
         b_item = t - ticks.delay + me
         do_b = (b_item >= 0) & (b_item < ticks.items)
         _, b_repeat, _ = ticks.backward_item(b_item)
         ct_bTD = jnp.where((me == last) & (b_repeat == r - 1), d_y, recv_b)
-        with jax.named_scope(SCOPES[2]):
-            d_w, d_x = when(do_b, backward,
-                            lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
-                            t, slot_of_backward(buffers, t), ct_bTD)
+        if cut_w is None:
+            with jax.named_scope(SCOPES[2]):
+                d_w, d_x = when(do_b, backward,
+                                lambda t, b, c: (jax.tree.map(jnp.zeros_like, w), zero_x),
+                                t, slot_of_backward(buffers, t), ct_bTD)
+        else:
+            d_w, d_x, queue = split_backward(t, b_item, do_b, buffers, ct_bTD, queue)
         acc_w = [a + _constrained(d.astype(jnp.float32), spec)
                  for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
         # stage 0's first repeat: d x of the microbatch, its pieces back to the stages
@@ -354,13 +404,13 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         d_inputs = jax.lax.dynamic_update_index_in_dim(
             d_inputs, jnp.where(done, d_fresh.astype(d_inputs.dtype), old), micro0, 0)
         recv_b = jax.lax.ppermute(d_x, STAGE, [(i, (i - 1) % s) for i in range(s)])
-        return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs), None
+        return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue), None
 
     carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
-             jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_MbPD))
+             jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_MbPD), queue)
     length = ticks.ticks if grads else ticks.items + s - 1
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(length))
-    _, _, _, acc_w, total, d_tail_sum, d_inputs = carry
+    _, _, _, acc_w, total, d_tail_sum, d_inputs, _ = carry
     return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs
 
 
@@ -482,6 +532,39 @@ class _Pullback:
         leaves = [next(pos) if i is None else flat[i] for i in self.from_primal]
         d_w, d_x, *_ = jax.tree.unflatten(self.tree, leaves)(ct)
         return d_w, d_x
+
+
+    def split(self, args, ct) -> zero_bubble.Split:
+        """The backward cut into B (d x) and W (d w): `input_grad`, `weight_grad`."""
+        flat, tree = jax.tree.flatten(args)
+        n_w = len(jax.tree.leaves(args[0]))
+
+        def fn(*a):
+            d_w, d_x = self.backward(jax.tree.unflatten(tree, a[:len(flat)]),
+                                     a[len(flat):-1], a[-1])
+            return [*jax.tree.leaves(d_w), d_x]
+
+        stored = [jnp.zeros(a.shape, a.dtype) for a in self.stored]
+        return zero_bubble.split(fn, [*flat, *stored, ct], [n_w], list(range(len(flat))))
+
+    @staticmethod
+    def input_grad(cut: zero_bubble.Split, args, stored, ct):
+        """B: (d x, the weight gradients B computes whole (the others zeros), what W reads)."""
+        (d_x,), early, found = cut.b(*jax.tree.leaves(args), *stored, ct)
+        return d_x, _placed(args[0], cut.early, early), found
+
+    @staticmethod
+    def weight_grad(cut: zero_bubble.Split, args, found):
+        """W: the weight gradients B left (the others zeros), in args[0]'s tree."""
+        return _placed(args[0], cut.late, cut.w(jax.tree.leaves(args), found))
+
+
+def _placed(w, indices, values):
+    """w's tree of zeros with `values` at leaves `indices`."""
+    leaves = [jnp.zeros_like(a) for a in jax.tree.leaves(w)]
+    for i, v in zip(indices, values):
+        leaves[i] = v
+    return jax.tree.unflatten(jax.tree.structure(w), leaves)
 
 
 def _split(vjp, primals):

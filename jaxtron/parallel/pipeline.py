@@ -24,8 +24,8 @@ from jaxtron import parallel
 from jaxtron.config import Config, ConfigError
 from jaxtron.parallel import constrain
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
-EXPLICIT = ("1f1b", "interleaved_1f1b")  # the loss and backward inside the ticks (one_f_one_b)
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
+EXPLICIT = ("1f1b", "interleaved_1f1b", "zb_h1")  # the loss and backward in the ticks (one_f_one_b)
 REPEATED = ("circular", "interleaved_1f1b")  # the schedules with `repeats` virtual stages
 GRAD_SUMS = ("sharded", "whole")
 
@@ -56,8 +56,13 @@ class Pipeline:
     def bubble(self) -> float:
         """Fraction of each stage's time that is idle: (S-1) / (M*R + S-1), on every schedule
         (the 1F1B ticks skip the work a stage does not have, so the first and last S-1 forward
-        and backward ticks take a forward or a backward only)."""
+        and backward ticks take a forward or a backward only) but zb_h1, whose S-1 ticks
+        before stage 0's first backward leave their weight gradients W to the stage's idle
+        last ticks: (S-1)(F+B) idle of M(F+B+W) + (S-1)(F+B), 2(S-1) / (3M + 2(S-1)) with a
+        forward, an input gradient and a weight gradient alike (one_f_one_b.py)."""
         work = self.microbatches * self.repeats
+        if self.schedule == "zb_h1":
+            return 2 * (self.stages - 1) / (3 * work + 2 * (self.stages - 1))
         return (self.stages - 1) / (work + self.stages - 1)
 
 
@@ -66,9 +71,11 @@ def describe(pipe: Pipeline, schedule: str, passes: int) -> str:
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     looped = f" x {r} repeats" if r > 1 else ""
     ticks = f", {pipe.iterations} ticks" if pipe.explicit else ""
+    formula = (f"2(S-1)/(3M+2(S-1)) = {2 * (s - 1)}/{3 * m + 2 * (s - 1)}"
+               if schedule == "zb_h1" else f"(S-1)/(R*M+S-1) = {s - 1}/{m * r + s - 1}")
     return (f"pipeline: {schedule}, {s} stages{looped}, {m} microbatches per pass x "
             f"{passes} pass{'es' if passes > 1 else ''}{ticks}: bubble {pipe.bubble:.4f} = "
-            f"(S-1)/(R*M+S-1) = {s - 1}/{m * r + s - 1}")
+            f"{formula}")
 
 
 def from_config(cfg: Config, stages: int) -> Pipeline | None:

@@ -6,7 +6,7 @@
 AXIS_ROLES = {
     "data": ("pure data parallelism: replicated weights, all-reduced gradients", "across nodes"),
     "stage": ("pipeline parallelism over stacked layers: `gpipe`, `circular` (interleaved), "
-              "`1f1b` or `interleaved_1f1b` schedule", "across nodes"),
+              "`1f1b`, `interleaved_1f1b` or `zb_h1` schedule", "across nodes"),
     "fsdp": ("ZeRO-3: weights, gradients and optimizer state sharded, batch split too",
              "within or across nodes"),
     "context": ("each sequence split (context parallelism, load-balanced for causal masks), "

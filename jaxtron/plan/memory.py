@@ -135,6 +135,7 @@ def estimate(cfg: Config, plan) -> dict[str, int]:
         "grad_accumulation": (2 * params + 4 * tables * v * d // tp
                               if plan.accumulation > 1 else 0),
         "saved_activations": saved,
+        "zero_bubble_queue": _zero_bubble_queue(cfg, sizes, b, seq),
         "weights_ahead": _ahead_bytes(cfg, sizes),
         **pipe,
         # The layers' backward, the LM head's and the embedding's come one after the other: the
@@ -343,6 +344,26 @@ def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
     if pipe.explicit:  # 1F1B: the items alive in the ring of slots, whatever M
         return one_f_one_b.Ticks(pipe.stages, pipe.repeats, pipe.microbatches).slots * per_item
     return pipe.iterations * per_item
+
+
+def _zero_bubble_queue(cfg: Config, sizes: dict[str, int], b: int, seq: int) -> int:
+    """zb_h1: the S-1 backward-items whose weight gradients wait (one_f_one_b), each what its
+    W reads per layer and position: the weight matmuls' inputs (both norms' outputs, whole
+    over tensor as the matmuls gather them; the attention's output, the MLP's hidden) and their
+    outputs' cotangents (q, k, v, the output projection, gate, up, down): 2D + (2D + 2Dq +
+    2Dkv + 3F) / tensor in the compute dtype (llama3_70b_pp8 without collective matmuls: 16.8
+    GiB here, 21.5 more compiled peak than 1f1b's, the tick's own W inputs beside them)."""
+    pipe = pipeline.from_config(cfg, sizes["stage"])
+    if pipe is None or pipe.schedule != "zb_h1":
+        return 0
+    m, tp = cfg.model, sizes["tensor"]
+    if tp > 1 and m.collective_matmul:  # its weight gradients are B's: nothing waits
+        return 0
+    w = layer_weights(m)
+    width = 2 * m.d_model + (2 * m.d_model + 2 * w["q"] // m.d_model + 2 * w["k"] // m.d_model
+                             + 3 * m.mlp_dim) // tp
+    per_item = m.num_layers // pipe.stages * b * seq * width
+    return (pipe.stages - 1) * per_item * jnp.dtype(m.dtype).itemsize
 
 
 def _pipeline_bytes(cfg: Config, plan, slab: int) -> dict[str, int]:

@@ -179,8 +179,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
     estimate = memory.estimate(cfg, plan)
     tokens = cfg.train.batch_size * cfg.train.seq_len / num_devices  # per device
     pipe = pipeline.from_config(cfg, plan.mesh_sizes.get("stage", 1))
-    ticks = (one_f_one_b.Ticks(pipe.stages, pipe.repeats, pipe.microbatches)
-             if pipe and pipe.explicit else None)
+    ticks = one_f_one_b.Ticks.of(pipe) if pipe and pipe.explicit else None
     counted = flops.compiled(module, windows.shares(cfg.model), ticks and ticks.shares())
     # the experts' kernels: each pair of the expert group's buffer runs on one of its devices
     ragged = counted["ragged"] // plan.mesh_sizes.get("expert", 1)
