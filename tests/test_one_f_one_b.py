@@ -264,7 +264,7 @@ def _play_zb_h1(s: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) 
                     done[stage, item] = t
                     work += w
             late = t - (ticks.ticks - stage)
-            if 0 <= late < stage:
+            if 0 <= late < min(stage, ticks.items):
                 assert queue.pop((stage, late)) < t
                 done[stage, late] = t
                 work += w
@@ -274,10 +274,14 @@ def _play_zb_h1(s: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) 
     return {"bubble": 1 - m * (f + b + w) / total}
 
 
-@pytest.mark.parametrize("s,m", [(2, 4), (4, 8), (8, 16), (8, 256)])
+@pytest.mark.parametrize("s,m", [(2, 4), (4, 8), (8, 16), (8, 256), (4, 2)])
 def test_zb_h1_bubble_is_the_warm_up_without_its_weight_gradients(s, m):
-    """Every W runs once after its B, the queue's S-1 slots suffice, and the bubble played is
-    Pipeline.bubble's 2(S-1)/(3M+2(S-1)) (F = B = W), below 1F1B's (S-1)/(M+S-1)."""
+    """Every W runs once after its B, the queue's S-1 slots suffice, and where M >= S the
+    bubble played is Pipeline.bubble's 2(S-1)/(3M+2(S-1)) (F = B = W), below 1F1B's
+    (S-1)/(M+S-1). With M < S a stage waits with fewer than S-1 (M) and runs no W past them."""
     zb = pipeline.Pipeline(s, 1, m, schedule="zb_h1").bubble
-    assert _play_zb_h1(s, m)["bubble"] == pytest.approx(zb, rel=1e-12)
+    played = _play_zb_h1(s, m)["bubble"]
+    if m < s:
+        return
+    assert played == pytest.approx(zb, rel=1e-12)
     assert zb < pipeline.Pipeline(s, 1, m, schedule="1f1b").bubble

@@ -104,3 +104,31 @@ def test_a_weight_gradient_b_computes_whole_leaves_w_at_once():
     ref_w, ref_x = fn(*args)
     np.testing.assert_allclose(d_w, ref_w)
     np.testing.assert_allclose(d_x, ref_x)
+
+
+def test_a_weight_the_scan_reads_whole_sums_its_gradient_in_w():
+    """A weight every layer reads (a scan const: shared, or a norm's scale) has its gradient
+    summed in a carry of the scan's W part, which B's part never sees: the cheap sum stays in
+    W, and the gradients are jax.vjp's."""
+    k = jax.random.split(jax.random.key(1), 3)
+    w = {"shared": jax.random.normal(k[0], (8, 8)) * .3, "s": jnp.full((8,), 1.5)}
+    x, ct = jax.random.normal(k[1], (4, 8)), jax.random.normal(k[2], (4, 8))
+
+    def stack(w, x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w["shared"]) * w["s"], None), x, None,
+                            length=3)[0]
+
+    _, vjp = jax.vjp(stack, w, x)
+    leaves, tree = jax.tree.flatten(vjp)
+
+    def fn(*a):
+        d_w, d_x = jax.tree.unflatten(tree, a[:-1])(a[-1])
+        return [*jax.tree.leaves(d_w), d_x]
+
+    args = [*leaves, ct]
+    cut = zero_bubble.split(fn, args, [2], [])
+    (d_x,), early, found = cut.b(*args)
+    got = dict(zip(cut.late, cut.w([], found))) | dict(zip(cut.early, early))
+    for i, ref in enumerate(fn(*args)):
+        np.testing.assert_allclose(got.get(i, d_x), ref, rtol=1e-6, atol=1e-6)
+    assert _dots(lambda *a: cut.w([], a), *found) == 1  # the shared weight's, in W

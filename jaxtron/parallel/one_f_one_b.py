@@ -334,7 +334,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
                 t, slot_of_backward(buffers, t), ct_bTD)
         wait = do_b & (t < ticks.delay)  # b_item < me
         late = t - (ticks.ticks - me)  # the stage's idle last ticks: W of item `late`
-        do_late = (late >= 0) & (late < me)
+        do_late = (late >= 0) & (late < me) & (late < ticks.items)  # M < S: fewer waited
         at = lambda i: jnp.clip(i, 0, s - 2)
         queue = [jax.lax.dynamic_update_index_in_dim(
             q, jnp.where(wait, f, jax.lax.dynamic_index_in_dim(q, at(b_item), 0, False)),

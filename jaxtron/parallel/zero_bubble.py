@@ -226,8 +226,10 @@ def _scan_needs(s: _Scan, wanted: set[int]) -> tuple[set[int], set[int]]:
 
 # ------------------------------------------------------------------------------- the cut
 
-def _split(graph: _Graph, b_idx: list[int], keep: set) -> tuple[_Graph, _Graph]:
-    """(B: graph.ins -> the outputs at b_idx + found; W: the kept ins + found -> the others)."""
+def _split(graph: _Graph, b_idx: list[int], keep: set, w_only: frozenset = frozenset()
+           ) -> tuple[_Graph, _Graph]:
+    """(B: graph.ins -> the outputs at b_idx + found; W: the kept ins + found -> the others).
+    `w_only`: ins B does not get (a scan body's W carries)."""
     b_vars = [graph.outs[i] for i in b_idx]
     in_b: dict[_Eqn, set[int] | None] = {}  # B's equations: a scan's B outputs, else None
     live = {v for v in b_vars if isinstance(v, _Var)}
@@ -241,7 +243,7 @@ def _split(graph: _Graph, b_idx: list[int], keep: set) -> tuple[_Graph, _Graph]:
         elif any(o in live for o in e.outs):
             in_b[e] = None
             live |= set(e.ins)
-    produced = set(graph.ins)
+    produced = set(graph.ins) - w_only
     for e, outs in in_b.items():
         produced |= {o for i, o in enumerate(e.outs) if outs is None or i in outs}
 
@@ -311,7 +313,8 @@ def _split_scan(e: _Eqn, b_outs: set[int]) -> tuple[_Eqn, _Eqn]:
     w_carries = [j for j in range(s.carries) if j not in b_outs]
     outer = [i for i in range(len(body.ins)) if i < s.consts or i >= n_in]  # consts and xs
     keep = {body.ins[i] for i in outer} | {body.ins[s.consts + j] for j in w_carries}
-    b_body, w_body = _split(body, sorted(b_outs), keep)
+    b_body, w_body = _split(body, sorted(b_outs), keep,
+                            frozenset(body.ins[s.consts + j] for j in w_carries))
     n_found = len(b_body.outs) - len(b_outs)
 
     # B: the consts and xs its body reads, its carries; its outputs and the found ys
