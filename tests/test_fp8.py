@@ -505,6 +505,8 @@ def _casts_after_amax(jaxpr, tainted: list[bool], found: dict) -> list[bool]:
     carries, so that an amax carried into the next iteration counts."""
     from jax.extend import core as jcore
 
+    from jaxtron.parallel import zero_bubble
+
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     env = dict(zip(jaxpr.invars, tainted))
     read = lambda v: isinstance(v, jcore.Var) and env.get(v, False)
@@ -519,7 +521,7 @@ def _casts_after_amax(jaxpr, tainted: list[bool], found: dict) -> list[bool]:
             outs = ins
         elif name in ("scan", "while"):
             if name == "scan":  # consts, carry, xs -> carry, ys
-                body, c, k = p["jaxpr"], p["num_consts"], p["num_carry"]
+                body, (c, k) = p["jaxpr"], zero_bubble.scan_counts(p)
             else:  # cond consts, body consts, carry -> carry
                 body, c = p["body_jaxpr"], p["body_nconsts"]
                 ins, k = ins[p["cond_nconsts"]:], len(eqn.outvars)

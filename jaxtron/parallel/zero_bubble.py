@@ -116,13 +116,13 @@ def _graph(jaxpr, consts) -> _Graph:
     return _Graph(ins, eqns, [_read(env, v) for v in jaxpr.outvars])
 
 
-def _scan_counts(params) -> tuple[int, int]:
+def scan_counts(params) -> tuple[int, int]:
     """A scan's (consts, carries): jax 0.10's num_consts and num_carry, or jax 0.12's ft_in
     (the inputs' tree: consts, carries, xs)."""
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
-    consts, carries, _ = params["ft_in"].tree.children()
-    return consts.num_leaves, carries.num_leaves
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
 
 
 def _read(env, a):
@@ -145,7 +145,7 @@ def _inline(jaxpr, env: dict, eqns: list[_Eqn]) -> None:
             p = eqn.params
             body = _graph(p["jaxpr"].jaxpr, p["jaxpr"].consts)
             outs = [_Var() for _ in eqn.outvars]
-            eqns.append(_Eqn(ins, outs, scan=_Scan(body, *_scan_counts(p), p["length"],
+            eqns.append(_Eqn(ins, outs, scan=_Scan(body, *scan_counts(p), p["length"],
                                                    p["reverse"], p.get("unroll", 1))))
         else:
             outs = [_Var() for _ in eqn.outvars]
