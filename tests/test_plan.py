@@ -63,6 +63,22 @@ def test_bubble_and_data_terms():
     assert parts["compute"] == pytest.approx(flops / (planner.ACHIEVABLE_TFLOPS["h100"] * 1e12))
 
 
+def test_zb_h1_is_offered_where_its_weight_gradients_can_wait_and_idles_two_thirds():
+    """zb_h1's bubble is 2/3 of 1f1b's (the warm-up's W runs in the idle last ticks); it is a
+    variant where tensor is 1 or the collective matmuls are off (theirs compute the weight
+    gradients inside the rings: nothing would wait)."""
+    mesh = _mesh(stage=2, fsdp=4)
+    parts = {s: planner.step_time(planner.configure(_cfg(), mesh, s, 1, 4, "full"), mesh, 8,
+                                  "h100") for s in ("1f1b", "zb_h1")}
+    assert parts["zb_h1"]["bubble"] == pytest.approx(parts["1f1b"]["bubble"] * 2 / 3)
+    assert parts["zb_h1"]["compute"] == parts["1f1b"]["compute"]
+    offered = lambda cfg, mesh: {v[0] for v in planner.variants(cfg, mesh, ["full"])}
+    assert "zb_h1" in offered(_cfg(), mesh)
+    assert "zb_h1" not in offered(_cfg(), _mesh(stage=2, tensor=2, fsdp=2))
+    assert "zb_h1" in offered(_cfg("model.collective_matmul=false"), _mesh(stage=2, tensor=2,
+                                                                            fsdp=2))
+
+
 def test_fp8_projections_compute_faster_and_their_weights_travel_in_half_the_bytes():
     """model.fp8: the projections' FLOPs at FP8_SPEEDUP (the LM head's and attention's not), the
     fsdp gathers in one byte (2 of each microbatch's 3 weight transfers), the rest unchanged."""
