@@ -533,7 +533,6 @@ class _Pullback:
         d_w, d_x, *_ = jax.tree.unflatten(self.tree, leaves)(ct)
         return d_w, d_x
 
-
     def split(self, args, ct) -> zero_bubble.Split:
         """The backward cut into B (d x) and W (d w): `input_grad`, `weight_grad`."""
         flat, tree = jax.tree.flatten(args)
