@@ -171,6 +171,13 @@ class ModelConfig:
     mtp_depth: int = 0
     mtp_coef: float = 0.3
 
+    def weight_grads_apart(self, tensor: int) -> bool:
+        """Whether pipeline.schedule=zb_h1 can run the layers' weight gradients apart from their
+        input gradient: not beside collective matmuls over `tensor`, whose rings compute them in
+        shard_maps the input gradient needs whole (parallel/zero_bubble.py); there it runs as
+        1f1b."""
+        return tensor == 1 or not self.collective_matmul
+
     @property
     def head_size(self) -> int:
         return self.head_dim or self.d_model // self.num_heads

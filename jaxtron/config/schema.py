@@ -378,8 +378,8 @@ def check_warnings(cfg: Config) -> list[str]:
     if p.schedule == "circular" and p.repeats > 1 and stages == 1:
         found.append(f"pipeline.repeats={p.repeats} does nothing with mesh.stage=1 (no pipeline); "
                      "set mesh.stage > 1, or drop it")
-    if p.schedule == "zb_h1" and stages > 1 and cfg.mesh.tensor != 1 and (
-            cfg.model.collective_matmul):
+    if p.schedule == "zb_h1" and stages > 1 and not cfg.model.weight_grads_apart(
+            cfg.mesh.tensor):
         found.append(f"pipeline.schedule=zb_h1 with mesh.tensor={cfg.mesh.tensor}: the "
                      "collective matmuls compute the weight gradients inside their rings, "
                      "so none waits to fill the bubble and it runs as 1f1b; "

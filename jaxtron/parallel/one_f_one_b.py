@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtron import parallel
 from jaxtron.parallel import pipeline as gpipe
-from jaxtron.parallel import zero_bubble
+from jaxtron.parallel import stage_vjp
 
 STAGE = "stage"
 # The named scopes of a tick's forward, loss and backward: the compiled program's conditionals
@@ -262,7 +262,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
                        inputs_MbPD.dtype)
     primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
-    pullback = _Pullback.of(stage_fn, primals) if grads else None  # x stored, w passed again
+    # x stored, w passed again
+    pullback = stage_vjp.Pullback.of(stage_fn, primals) if grads else None
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []
     slots_of = jnp.asarray(ticks.slot_table())  # [S, items]
 
@@ -493,84 +494,3 @@ def _constrained(a: jax.Array, spec: P) -> jax.Array:
     if not _meshed():
         return a
     return jax.lax.with_sharding_constraint(a, P(None, None, *spec[1:]))
-
-
-@dataclass
-class _Pullback:
-    """A stage forward's `jax.vjp` split into what is stored per item (`stored`: the residuals,
-    the stage input among them when the pullback reads it) and what is passed again in the
-    backward (the weights, the microbatch's rows, the repeat): the weights are never copied per
-    slot. The primals are (w, x, positions, segment_ids, repeat)."""
-
-    tree: Any  # the treedef of the VJP object, its jaxpr static
-    from_primal: list  # per VJP leaf: the index of the primal leaf it is, or None (stored)
-    stored: list  # the stored leaves' shapes
-
-    @classmethod
-    def of(cls, fn, primals) -> _Pullback:
-        found = {}
-
-        def trace(*primals):
-            out, vjp = jax.vjp(fn, *primals)
-            found["tree"], found["from_primal"], stored = _split(vjp, primals)
-            return stored
-
-        stored = jax.eval_shape(trace, *primals)
-        return cls(found["tree"], found["from_primal"], list(stored))
-
-    def forward(self, fn, args):
-        y, vjp = jax.vjp(fn, *args)
-        tree, from_primal, stored = _split(vjp, args)
-        if from_primal != self.from_primal or [a.shape for a in stored] != [
-                a.shape for a in self.stored]:
-            raise AssertionError("a stage's forward traced two ways")
-        return y, stored
-
-    def backward(self, args, stored, ct):
-        """(d w, d x) of the item whose `stored` leaves these are; args' x is None."""
-        flat, pos = jax.tree.leaves(args), iter(stored)
-        leaves = [next(pos) if i is None else flat[i] for i in self.from_primal]
-        d_w, d_x, *_ = jax.tree.unflatten(self.tree, leaves)(ct)
-        return d_w, d_x
-
-    def split(self, args, ct) -> zero_bubble.Split:
-        """The backward cut into B (d x) and W (d w): `input_grad`, `weight_grad`."""
-        flat, tree = jax.tree.flatten(args)
-        n_w = len(jax.tree.leaves(args[0]))
-
-        def fn(*a):
-            d_w, d_x = self.backward(jax.tree.unflatten(tree, a[:len(flat)]),
-                                     a[len(flat):-1], a[-1])
-            return [*jax.tree.leaves(d_w), d_x]
-
-        stored = [jnp.zeros(a.shape, a.dtype) for a in self.stored]
-        return zero_bubble.split(fn, [*flat, *stored, ct], [n_w], list(range(len(flat))))
-
-    @staticmethod
-    def input_grad(cut: zero_bubble.Split, args, stored, ct):
-        """B: (d x, the weight gradients B computes whole (the others zeros), what W reads)."""
-        (d_x,), early, found = cut.b(*jax.tree.leaves(args), *stored, ct)
-        return d_x, _placed(args[0], cut.early, early), found
-
-    @staticmethod
-    def weight_grad(cut: zero_bubble.Split, args, found):
-        """W: the weight gradients B left (the others zeros), in args[0]'s tree."""
-        return _placed(args[0], cut.late, cut.w(jax.tree.leaves(args), found))
-
-
-def _placed(w, indices, values):
-    """w's tree of zeros with `values` at leaves `indices`."""
-    leaves = [jnp.zeros_like(a) for a in jax.tree.leaves(w)]
-    for i, v in zip(indices, values):
-        leaves[i] = v
-    return jax.tree.unflatten(jax.tree.structure(w), leaves)
-
-
-def _split(vjp, primals):
-    """(treedef, per leaf the index of the passed-again primal leaf it is or None, the leaves
-    stored: all others, the stage input x (primals[1]) too)."""
-    leaves, tree = jax.tree.flatten(vjp)
-    flat = jax.tree.leaves((primals[0], None, *primals[2:]))
-    ids = {id(p): i for i, p in enumerate(flat)}
-    from_primal = [ids.get(id(leaf)) for leaf in leaves]
-    return tree, from_primal, [a for a, i in zip(leaves, from_primal) if i is None]

@@ -358,7 +358,7 @@ def _zero_bubble_queue(cfg: Config, sizes: dict[str, int], b: int, seq: int) -> 
     if pipe is None or pipe.schedule != "zb_h1":
         return 0
     m, tp = cfg.model, sizes["tensor"]
-    if tp > 1 and m.collective_matmul:  # its weight gradients are B's: nothing waits
+    if not m.weight_grads_apart(tp):
         return 0
     w = layer_weights(m)
     width = 2 * m.d_model + (2 * m.d_model + 2 * w["q"] // m.d_model + 2 * w["k"] // m.d_model

@@ -11,10 +11,10 @@ estimates one step's time as
   the compiled programs do, within 0.1%) and attention's kernels as the compiled programs count
   them (costs.expected_attention) per GPU, at ACHIEVABLE_TFLOPS; with model.fp8 the layers'
   projections FP8_SPEEDUP times faster.
-- bubble: the pipeline's idle share, (S-1) / (M*R + S-1) for S stages, M microbatches per pass,
-  R repeats (circular, interleaved_1f1b) on every schedule (jaxtron.parallel.pipeline); 1F1B
-  changes the memory (parallel/one_f_one_b.py), not the bubble. zb_h1 idles (S-1)(F+B) of the
-  (S-1)(F+B+W) of 1F1B, two thirds.
+- bubble: the pipeline's idle share (Pipeline.bubble), (S-1) / (M*R + S-1) for S stages, M
+  microbatches per pass, R repeats (circular, interleaved_1f1b) on every schedule but zb_h1
+  (jaxtron.parallel.pipeline), whose warm-up leaves its weight gradients for later: 2/3 of that
+  idle time. 1F1B changes the memory (parallel/one_f_one_b.py), not the bubble.
 - communication, per collective, bytes on the wire per GPU over the axis's link (NVLink inside a
   node, the inter-node network across; parallel.crossing_axes says which), by nccl-tests' bus
   bandwidth definitions:
@@ -209,8 +209,7 @@ def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
         per_stage = cfg.model.num_layers // mesh["stage"]
         repeated = [r for r in (2, 4, 5, 8, 10) if per_stage % r == 0]
         schedules += [("circular", r) for r in repeated] + [("1f1b", 1)]
-        # zb_h1's weight gradients are the collective matmuls' own under tensor parallelism
-        if mesh["tensor"] == 1 or not cfg.model.collective_matmul:
+        if cfg.model.weight_grads_apart(mesh["tensor"]):
             schedules += [("zb_h1", 1)]
         schedules += [("interleaved_1f1b", r) for r in repeated]
     sums = ["sharded", "whole"] if mesh["stage"] > 1 and mesh["fsdp"] > 1 else ["sharded"]
@@ -267,11 +266,9 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     compute = work / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
     stages, tp = mesh["stage"], mesh["tensor"]
     pipe = pipeline.from_config(cfg, stages)
-    repeats = pipe.repeats if pipe else 1
     iterations = pipe.iterations if pipe else t.microbatches  # 1F1B: ticks, forward + backward
-    bubble = compute * (stages - 1) / (t.microbatches * repeats) if stages > 1 else 0.0
-    if pipe and pipe.schedule == "zb_h1":  # idle (S-1)(F+B), not (S-1)(F+B+W)
-        bubble *= 2 / 3
+    # idle against busy time: (S-1)/(M*R) of the compute, zb_h1's 2/3 of that (Pipeline.bubble)
+    bubble = compute * pipe.bubble / (1 - pipe.bubble) if pipe else 0.0
     layers = m.num_layers // stages  # layers each GPU runs per sequence
     ep, cp = mesh.get("expert", 1), mesh.get("context", 1)
     seqs = t.batch_size // (mesh["data"] * mesh["fsdp"] * ep)  # sequences per GPU per step
