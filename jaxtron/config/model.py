@@ -171,6 +171,12 @@ class ModelConfig:
     mtp_depth: int = 0
     mtp_coef: float = 0.3
 
+    @property
+    def staged_layers(self) -> int:
+        """The layers a pipeline's stages split: all but model.moe.first_dense dense ones, which
+        are a stack of their own that runs whole before them (DeepSeek's `dense_layers`)."""
+        return self.num_layers - self.moe.first_dense
+
     def weight_grads_apart(self, tensor: int) -> bool:
         """Whether pipeline.schedule=zb_h1 can run the layers' weight gradients apart from their
         input gradient: not beside collective matmuls over `tensor`, whose rings compute them in

@@ -83,6 +83,10 @@ class TrainConfig:
     loss_chunk: int = 1024
 
 
+# the schedules whose ticks run the loss and the backward themselves (parallel/one_f_one_b.py)
+EXPLICIT_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """How microbatches flow through the mesh.stage pipeline stages (see docs/parallelism.md)."""
@@ -97,6 +101,12 @@ class PipelineConfig:
     # The stage gradient's float32 sum over fsdp: sharded (a reduce-scatter per iteration) or
     # whole (one per pass, 4 bytes per stage parameter / tensor more per GPU). docs/parallelism.md
     grad_sum: str = "sharded"
+
+    @property
+    def explicit(self) -> bool:
+        """A 1F1B schedule: forward and backward in one loop of ticks (parallel/one_f_one_b.py),
+        the backward its own rather than autodiff's."""
+        return self.schedule in EXPLICIT_SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -221,8 +221,10 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _param(rngs, cfg, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        for name, count, block in self.stacks(cfg):
-            setattr(self, name, stacked(block, cfg, count, rngs))
+        stacks = self.stacks(cfg)
+        for i, (name, count, block) in enumerate(stacks):  # only the last splits over stages
+            axis = "layers" if i == len(stacks) - 1 else "stack"
+            setattr(self, name, stacked(block, cfg, count, rngs, axis))
         self.final_norm = self.norm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, cfg, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
@@ -270,7 +272,7 @@ class Transformer(nnx.Module):
         stacked [L, ...] per moe.STAT_KEYS, {} for a dense model)."""
         x_BTD, batch, run_group, stacked = self._to_layers(batch, ops)
         x_BTD, stats = ops.run_layers(run_group, stacked, x_BTD, batch["positions"],
-                                      batch["segment_ids"])
+                                      batch["segment_ids"], rows=moe.PER_ROW)
         stats = self._after_layers(x_BTD, batch, stats, ops)
         return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
 
@@ -342,10 +344,13 @@ class Transformer(nnx.Module):
         return self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
 
 
-def stacked(block: type, cfg: ModelConfig, count: int, rngs: nnx.Rngs) -> nnx.Module:
-    """`count` layers of `block` with their weights stacked on a leading `layers` axis."""
+def stacked(block: type, cfg: ModelConfig, count: int, rngs: nnx.Rngs, axis: str = "stack"
+            ) -> nnx.Module:
+    """`count` layers of `block` with their weights stacked on a leading axis named `axis`:
+    `layers` for the stack a pipeline's stages split, `stack` for one every stage runs whole
+    (the layers before it, DeepSeek's multi-token-prediction modules; parallel.RULES)."""
 
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def stacked_blocks(key):
         return block(cfg, nnx.Rngs(params=key))
 

@@ -29,6 +29,7 @@ from jaxtron.ops import layer_ops
 # picked each expert and the sum of its router probabilities over real tokens; the sum of the
 # squared router logsumexps; the routed pairs and those dropped over capacity
 STAT_KEYS = ("picked", "probs", "z", "routed", "dropped")
+PER_ROW = ("picked", "probs")  # [B, E] per sequence; the others summed over the batch
 
 
 class MoE(nnx.Module):

@@ -131,10 +131,15 @@ def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_dow
 
     if mesh.empty:
         return local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down, *biases)
-    batch = P(_BATCH, None, None)
+    # inside a pipeline's stages the batch's `data` split (and fsdp's, pipeline.grad_sum=whole)
+    # is already the stage's own: the rows here are the device's already
+    manual = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Manual}
+    split = tuple(a for a in _BATCH if a not in manual)
+    batch = P(split, None, None)
     column = row = P(EXPERT_AXIS, None, "tensor")
     bias_specs = (P(EXPERT_AXIS, "tensor"),) * 2 + (P(EXPERT_AXIS, None),) if biases else ()
-    axes = set(_BATCH) | {"tensor"}
+    axes = set(split) | {"tensor"}
     run = jax.shard_map(local, in_specs=(batch, batch, batch, column, column, row, *bias_specs),
                         out_specs=batch, axis_names=axes, check_vma=False)
     return run(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down, *biases)

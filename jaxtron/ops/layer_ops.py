@@ -125,15 +125,16 @@ class LayerOps:
                                biases)
 
     def run_layers(self, run_group: Callable[..., tuple[jax.Array, dict]], stacked: Any,
-                   x_BTD, positions_BT, segment_ids_BT) -> tuple[jax.Array, dict]:
+                   x_BTD, positions_BT, segment_ids_BT, rows: tuple[str, ...] = ()
+                   ) -> tuple[jax.Array, dict]:
         """(x, the MoE statistics stacked [L, ...]) after every stacked layer: `run_group(
         stacked, x, positions, segment_ids, select=None)` over all of them, or through the
-        pipeline's stages (dense models only, parallel/features.py: no statistics)."""
+        pipeline's stages, which add up the statistics over microbatches (`rows`: those kept
+        per row [L, B, ...], pipeline.run)."""
         if self.pipe is None:
             return run_group(stacked, x_BTD, positions_BT, segment_ids_BT)
-        layers_fn = lambda *args, **kwargs: run_group(*args, **kwargs)[0]
-        return pipeline.run(layers_fn, stacked, x_BTD, positions_BT, segment_ids_BT,
-                            pipe=self.pipe), {}
+        return pipeline.run(run_group, stacked, x_BTD, positions_BT, segment_ids_BT,
+                            pipe=self.pipe, rows=rows)
 
     def staged_loss(self, run_group: Callable[..., tuple[jax.Array, dict]], tail: Callable,
                     stacked: Any, tail_params: Any, x_BTD, positions_BT, segment_ids_BT,

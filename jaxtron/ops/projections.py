@@ -38,7 +38,7 @@ def gathered(param: nnx.Param, cfg: ModelConfig, dtype=None) -> jax.Array:
 def _stored_axes(param: nnx.Param) -> tuple[str, ...] | None:
     """A weight's logical axes as one layer holds it (inside the scan over layers)."""
     axes, ndim = tuple(param.get_metadata().get("out_sharding") or ()), param[...].ndim
-    if len(axes) == ndim + 1 and axes[0] == "layers":
+    if len(axes) == ndim + 1 and axes[0] in ("layers", "stack"):
         axes = axes[1:]
     return axes if len(axes) == ndim else None
 

@@ -15,6 +15,10 @@ Sizes = Mapping[str, int]
 FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
     "pipeline": lambda cfg, sizes: (f"mesh.stage={sizes['stage']}" if sizes.get("stage", 1) > 1
                                     else None),
+    # the 1F1B schedules' own backward (PipelineConfig.explicit)
+    "ticks": lambda cfg, sizes: (f"pipeline.schedule={cfg.pipeline.schedule}"
+                                 if sizes.get("stage", 1) > 1 and cfg.pipeline.explicit
+                                 else None),
     "context": lambda cfg, sizes: (f"mesh.context={sizes['context']}"
                                    if sizes.get("context", 1) > 1 else None),
     "experts": lambda cfg, sizes: (f"model.moe.num_experts={cfg.model.moe.num_experts}"
@@ -29,10 +33,10 @@ FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
 }
 # (feature, feature) -> the refusal, formatted with each feature's setting
 EXCLUSIONS: dict[tuple[str, str], str] = {
-    ("pipeline", "experts"): "{pipeline} with {experts}: pipeline stages do not run mixtures of "
-                             "experts yet (the stages' layer runner keeps no router statistics, "
-                             "which the balancing loss needs); use mesh.expert, mesh.fsdp and "
-                             "mesh.tensor",
+    ("ticks", "experts"): "{ticks} with {experts}: the 1F1B schedules do not run mixtures of "
+                          "experts yet (each stage's backward would need the whole model's "
+                          "routing counts of its microbatch, which its ticks do not pass back); "
+                          "use pipeline.schedule=gpipe or circular",
     ("context", "experts"): "{context} with {experts}: context parallelism does not run mixtures "
                             "of experts yet; use mesh.expert, mesh.fsdp and mesh.tensor",
     ("fp8_delayed", "pipeline"): "model.fp8=delayed does not run under a pipeline ({pipeline}): "

@@ -46,6 +46,9 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tensor"),  # W_gate[D, F_tensor], W_down[F_tensor, D]
     ("norm", None),  # RMSNorm scales [D] are tiny: replicated
     ("layers", "stage"),  # stacked layers [L_stage, ...]: each pipeline stage holds its own
+    # a stack that runs whole, outside the stages (DeepSeek's first dense layers, its
+    # multi-token-prediction modules): split over stage, 1 or 3 layers would not divide
+    ("stack", None),
     # activations
     # x[B_(data,fsdp,expert), T, D]: batch split over every DP-like axis
     ("act_batch", ("data", "fsdp", "expert")),
@@ -248,7 +251,8 @@ def check_divisible(abstract_tree: Any, spec_tree: Any, sizes: dict[str, int],
             parts = _split(entry, sizes)
             if dim % parts:
                 name = ".".join(str(getattr(k, "key", k)) for k in path)
-                keys = [k for k, v in vars(model or object()).items() if v == dim]
+                keys = [k for k, v in vars(model or object()).items()
+                        if type(v) is int and v == dim]
                 fix = (" or ".join(f"model.{k}={(dim // parts + 1) * parts}" for k in keys)
                        if keys else "the model width")
                 raise ConfigError(

@@ -21,11 +21,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxtron import parallel
-from jaxtron.config import Config, ConfigError
+from jaxtron.config import Config, ConfigError, schema
 from jaxtron.parallel import constrain
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1")
-EXPLICIT = ("1f1b", "interleaved_1f1b", "zb_h1")  # the loss and backward in the ticks (one_f_one_b)
+EXPLICIT = schema.EXPLICIT_SCHEDULES  # the loss and backward in the ticks (one_f_one_b)
 REPEATED = ("circular", "interleaved_1f1b")  # the schedules with `repeats` virtual stages
 GRAD_SUMS = ("sharded", "whole")
 
@@ -89,7 +89,7 @@ def from_config(cfg: Config, stages: int) -> Pipeline | None:
 
 def check(cfg: Config, stages: int) -> None:
     """Schedule, repeats, passes and microbatches against the stage count (before compiling)."""
-    p, layers, micro = cfg.pipeline, cfg.model.num_layers, cfg.train.microbatches
+    p, layers, micro = cfg.pipeline, cfg.model.staged_layers, cfg.train.microbatches
     if p.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={p.schedule} is not one of {', '.join(SCHEDULES)}")
     if p.grad_sum not in GRAD_SUMS:
@@ -106,8 +106,11 @@ def check(cfg: Config, stages: int) -> None:
         return
     repeats = p.repeats if p.schedule in REPEATED else 1
     if layers % (stages * repeats):
-        raise ConfigError(f"model.num_layers={layers} is not divisible by mesh.stage={stages} x "
-                          f"pipeline.repeats={repeats}; change the stage count or repeats")
+        dense = (f" less model.moe.first_dense={cfg.model.moe.first_dense}"
+                 if cfg.model.moe.first_dense else "")
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers}{dense} is not divisible by "
+                          f"mesh.stage={stages} x pipeline.repeats={repeats}; change the stage "
+                          "count or repeats")
     per_pass = micro // p.passes
     if p.schedule == "circular" and per_pass < stages:
         raise ConfigError(
@@ -135,7 +138,15 @@ def layer_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
 def config_order(cfg: Config, stages: int) -> np.ndarray:
     """The storage order of the layers of a run with this config on `stages` stages."""
     pipe = from_config(cfg, stages)
-    return layer_order(cfg.model.num_layers, stages, pipe.repeats if pipe else 1)
+    return layer_order(cfg.model.staged_layers, stages, pipe.repeats if pipe else 1)
+
+
+def in_model_order(rows: jax.Array, pipe: Pipeline, layers: int) -> jax.Array:
+    """Per-layer rows [L, ...] of the `layers` staged layers in storage order (`layer_order`),
+    and any rows after them (DeepSeek's multi-token-prediction modules), -> the staged ones in
+    model order."""
+    order = layer_order(layers, pipe.stages, pipe.repeats)
+    return jnp.concatenate([rows[np.argsort(order)], rows[order.size:]])
 
 
 def reorder(layers: Any, src: np.ndarray, dst: np.ndarray) -> Any:
@@ -171,11 +182,12 @@ def _stage_sharded(w: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, P("stage", *[P.UNCONSTRAINED] * (w.ndim - 1)))
 
 
-def _on_every_stage(fn: Callable[..., jax.Array], copies: tuple[str, ...]
-                    ) -> Callable[..., jax.Array]:
-    """fn(weights, repeat, x, micro, positions, segments) over one stage's slices -> the same over
-    [S, ...] arrays, every stage at once; weights [S, copies, ...] (one copy per device of the
-    `copies` axes), positions and segments [M, b, T].
+def _on_every_stage(fn: Callable[..., tuple[jax.Array, Any]], copies: tuple[str, ...]
+                    ) -> Callable[..., tuple[jax.Array, Any]]:
+    """fn(weights, repeat, x, micro, positions, segments, valid, sums) over one stage's slices ->
+    the same over [S, ...] arrays, every stage at once; weights [S, copies, ...] (one copy per
+    device of the `copies` axes), positions and segments [M, b, T], `sums` the stage's statistics
+    so far [S, copies, ...] (`_Sums`); returns (x, sums).
 
     Under a mesh a `shard_map` over `stage` and the `copies` axes: each device runs its own stage
     on its own rows as a plain program (the other axes stay with the compiler), so kernels without
@@ -184,19 +196,69 @@ def _on_every_stage(fn: Callable[..., jax.Array], copies: tuple[str, ...]
     iterations are done (a weight shared over `data` here would be all-reduced every iteration).
     Without a mesh a vmap."""
     if jax.sharding.get_abstract_mesh().empty:
-        return jax.vmap(lambda w, *rest: fn(jax.tree.map(lambda a: a[0], w), *rest),
-                        in_axes=(0, 0, 0, 0, None, None))
+        def one(w, repeat, x, micro, positions, segments, valid, sums):
+            first = lambda a: a[0]
+            out, sums = fn(jax.tree.map(first, w), repeat, x, micro, positions, segments, valid,
+                           jax.tree.map(first, sums))
+            return out, jax.tree.map(lambda a: a[None], sums)
+        return jax.vmap(one, in_axes=(0, 0, 0, 0, None, None, 0, 0))
 
-    def local(weights, repeat, x, micro, positions, segments):
+    def local(weights, repeat, x, micro, positions, segments, valid, sums):
         first = lambda a: a[0]
-        out = fn(jax.tree.map(lambda a: a[0, 0], weights), first(repeat), first(x), first(micro),
-                 positions, segments)
-        return out[None]
+        out, sums = fn(jax.tree.map(lambda a: a[0, 0], weights), first(repeat), first(x),
+                       first(micro), positions, segments, first(valid),
+                       jax.tree.map(lambda a: a[0, 0], sums))
+        return out[None], jax.tree.map(lambda a: a[None, None], sums)
 
     rows = P("stage", copies)
     return jax.shard_map(local, in_specs=(rows, P("stage"), rows, P("stage"), P(None, copies),
-                                          P(None, copies)),
-                         out_specs=rows, axis_names={"stage", *copies}, check_vma=False)
+                                          P(None, copies), P("stage"), rows),
+                         out_specs=(rows, rows), axis_names={"stage", *copies}, check_vma=False)
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """Where the stages add up their layers' statistics (a mixture of experts' router sums) over
+    the microbatches, one buffer per statistic [S, C, R, ...] (C the copies of `_copy_axes`, which
+    each sum their own rows): a per-row statistic [L', b, ...] (`rows`) keeps every microbatch's
+    rows [S, C, R, M, L', b/C, ...], the others are summed [S, C, R, L', ...]. `gathered` puts
+    them back as the layers outside a pipeline return them: [L, B, ...] and [L, ...], the layers
+    in storage order (`layer_order`), the rows in the batch's order."""
+
+    pipe: Pipeline
+    copies: int
+    rows: tuple[str, ...]
+
+    def zeros(self, stats: dict) -> dict:
+        """Empty buffers for a stage's statistics (abstract [L', ...] leaves)."""
+        s, c, r, m = self.pipe.stages, self.copies, self.pipe.repeats, self.pipe.microbatches
+        def zero(key, a):
+            if key in self.rows:
+                layers, b, *rest = a.shape
+                return jnp.zeros((s, c, r, m, layers, b // c, *rest), a.dtype)
+            return jnp.zeros((s, c, r, *a.shape), a.dtype)
+        return {key: zero(key, a) for key, a in stats.items()}
+
+    def added(self, sums: dict, stats: dict, repeat, micro, valid) -> dict:
+        """One stage's buffers [R, ...] with its item's statistics added (when `valid`)."""
+        def add(key, buf, a):
+            if key in self.rows:
+                return buf.at[repeat, micro].set(jnp.where(valid, a, buf[repeat, micro]))
+            return buf.at[repeat].add(jnp.where(valid, a, jnp.zeros_like(a)))
+        return {key: add(key, sums[key], stats[key]) for key in sums}
+
+    def gathered(self, sums: dict) -> dict:
+        """[L, B, ...] per-row statistics, [L, ...] the others (the class docstring)."""
+        def whole(key, buf):
+            s, c, r = buf.shape[:3]
+            if key in self.rows:
+                m, layers, b = buf.shape[3:6]
+                # [S, C, R, M, L', b, ...] -> [S, R, L', C, b, M, ...]: layer s*R*L' + r*L' + l,
+                # row (c*b + i)*M + j (microbatch j's row c*b + i, `_microbatches`)
+                out = buf.transpose(0, 2, 4, 1, 5, 3, *range(6, buf.ndim))
+                return out.reshape(s * r * layers, c * b * m, *buf.shape[6:])
+            return jnp.sum(buf, axis=1).reshape(-1, *buf.shape[4:])
+        return {key: whole(key, buf) for key, buf in sums.items()}
 
 
 def _copy_axes(pipe: Pipeline) -> tuple[str, ...]:
@@ -273,16 +335,21 @@ def _use_gathered_bwd(copies, spec, dtype, _, g):
 _use_gathered.defvjp(_use_gathered_fwd, _use_gathered_bwd)
 
 
-LayerFn = Callable[..., jax.Array]  # (stacked, x, positions, segment_ids, select=) -> x
+# (stacked, x, positions, segment_ids, select=) -> (x, the layers' statistics stacked [L', ...])
+LayerFn = Callable[..., tuple[jax.Array, dict]]
 
 
 def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Array,
-        segment_ids_BT: jax.Array, pipe: Pipeline) -> jax.Array:
-    """Apply all stacked layers (stored in `layer_order`) to x through the pipeline.
+        segment_ids_BT: jax.Array, pipe: Pipeline, rows: tuple[str, ...] = ()
+        ) -> tuple[jax.Array, dict]:
+    """Apply all stacked layers (stored in `layer_order`) to x through the pipeline: (x, the
+    layers' statistics as the stacked layers return them outside a pipeline, `_Sums`).
 
     `layers_fn(stacked, x, positions, segment_ids, select=...)` runs one stage's layers, where
     each stacked layer holds its R repeats' weights [R, ...] and `select` picks the ones this
     iteration runs (inside the layer, so the pick is recomputed in the backward, not saved).
+    Its statistics (a mixture of experts' router sums) are per row [L', b, ...] where `rows`
+    names them, else summed over the microbatch's rows [L', ...].
     """
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     # [S, L/(S*R), R, ...]: each stage's layers, every layer with its R repeats side by side. The
@@ -307,13 +374,14 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     buffer_SMbTD = constrain(jnp.zeros((s, *x_MbTD.shape), x_MbTD.dtype), names)
     state_SbTD = constrain(jnp.zeros_like(buffer_SMbTD[:, 0]), names[:1] + names[2:])
 
-    def stage_fn(weights_LR, repeat, x_bTD, micro, positions_MbT, segments_MbT):
+    def stage_fn(weights_LR, repeat, x_bTD, micro, positions_MbT, segments_MbT, valid, sums):
         pick = lambda w: jax.lax.dynamic_index_in_dim(w, repeat, 0, False)
         # Recomputed in the backward from the layer's [R, ...] weights, never saved.
         select = jax.checkpoint(lambda layer: jax.tree.map(pick, layer),
                                 policy=jax.checkpoint_policies.nothing_saveable)
-        return layers_fn(weights_LR, x_bTD, positions_MbT[micro], segments_MbT[micro],
-                         select=select)
+        out_bTD, stats = layers_fn(weights_LR, x_bTD, positions_MbT[micro], segments_MbT[micro],
+                                   select=select)
+        return out_bTD, counted.added(sums, stats, repeat, micro, valid)
 
     # One copy of the stage weights per data replica [S, data, ...] (and, to sum the gradient
     # whole, per fsdp device): its gradient is summed over the iterations on its own devices,
@@ -326,26 +394,41 @@ def run(layers_fn: LayerFn, stacked: Any, x_BTD: jax.Array, positions_BT: jax.Ar
     totals = [_copied(w, copies, spec) for w, spec in zip(leaves, specs)]
     whole = [_gathered(w, copies, spec, pipe.dtype) for w, spec in zip(totals, specs)]
     per_stage = _on_every_stage(stage_fn, copies)
+    counted = _Sums(pipe, _count(copies), rows)
+    # the statistics' shapes: one stage's layers on one microbatch, traced and not run
+    one = lambda w: w[0, 0, :, 0]
+    _, stats = jax.eval_shape(lambda: layers_fn(
+        jax.tree.unflatten(tree, [one(w) for w in whole]), x_MbTD[0], positions_MbT[0],
+        segments_MbT[0]))
+    sums = constrain_sums(counted.zeros(stats), copies)
 
-    def stages_fn(weights, repeat, x, micro):
+    def stages_fn(weights, repeat, x, micro, valid, sums):
         totals, whole = weights
         used = [_use_gathered(copies, spec, w.dtype, w, g)
                 for spec, w, g in zip(specs, totals, whole)]
         return per_stage(jax.tree.unflatten(tree, used), repeat, x, micro, positions_MbT,
-                         segments_MbT)
+                         segments_MbT, valid, sums)
 
     staged = (totals, whole)
-    carry = (state_SbTD, buffer_SMbTD)
+    carry = (state_SbTD, buffer_SMbTD, sums)
     carry, _ = jax.lax.scan(
         lambda c, t: (_iteration(stages_fn, staged, inputs_SKbTD, c, t, pipe), None),
         carry, jnp.arange(pipe.iterations))
     out_MbTD = carry[1][0]
-    return out_MbTD.swapaxes(0, 1).reshape(x_BTD.shape)
+    return out_MbTD.swapaxes(0, 1).reshape(x_BTD.shape), counted.gathered(carry[2])
+
+
+def constrain_sums(sums: dict, copies: tuple[str, ...]) -> dict:
+    """The statistics' buffers [S, C, ...] split over stage and the `copies` axes."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return sums
+    return {key: jax.lax.with_sharding_constraint(buf, P("stage", copies))
+            for key, buf in sums.items()}
 
 
 def _iteration(stages_fn, staged, inputs_SKbTD, carry, t, pipe: Pipeline):
     """One tick of the schedule: every stage runs its current item, then all move one stage on."""
-    state_SbTD, buffer_SMbTD = carry
+    state_SbTD, buffer_SMbTD, sums = carry
     s, items, m = pipe.stages, pipe.microbatches * pipe.repeats, pipe.microbatches
     stage = jnp.arange(s)
     item = t - stage  # stage s works on item t - s: microbatch item % M in repeat item // M
@@ -357,7 +440,8 @@ def _iteration(stages_fn, staged, inputs_SKbTD, carry, t, pipe: Pipeline):
     first = (stage == 0).reshape(s, *[1] * (state_SbTD.ndim - 1))
     inputs_SbTD = jnp.where(first, fresh_SbTD, state_SbTD)
     repeat = jnp.clip(item // m, 0, pipe.repeats - 1)
-    out_SbTD = stages_fn(staged, repeat, inputs_SbTD, item % m)
+    out_SbTD, sums = stages_fn(staged, repeat, inputs_SbTD, item % m,
+                               (item >= 0) & (item < items), sums)
     moved_SbTD = jnp.roll(out_SbTD, 1, axis=0)  # stage s -> s+1; the last rings back to stage 0
     # Stage 0 now holds the last stage's output of item t-(S-1): keep it for its next repeat, or
     # as the result when it was the last one.
@@ -367,4 +451,4 @@ def _iteration(stages_fn, staged, inputs_SKbTD, carry, t, pipe: Pipeline):
     keep = (done >= 0) & (done < items)
     buffer_SMbTD = jax.lax.dynamic_update_index_in_dim(
         buffer_SMbTD, jnp.where(keep, moved_SbTD, old_SbTD), slot, 1)
-    return moved_SbTD, buffer_SMbTD
+    return moved_SbTD, buffer_SMbTD, sums

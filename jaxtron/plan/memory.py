@@ -334,16 +334,19 @@ def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> bool:
 
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
     """Layer applications one device keeps activations of: its layers (and model.mtp_depth's
-    modules, one layer each), or with a pipeline every iteration's L/(S*R) layers (all M*R +
-    S - 1 iterations are alive at the backward's start; under 1F1B the (R+1)*S - 1 items of
-    the ring of slots)."""
+    modules, one layer each), or with a pipeline every iteration's L/(S*R) staged layers (all
+    M*R + S - 1 iterations are alive at the backward's start; under 1F1B the (R+1)*S - 1 items
+    of the ring of slots), and the layers outside the stages (model.moe.first_dense's, the
+    modules) once."""
+    m = cfg.model
     pipe = pipeline.from_config(cfg, sizes["stage"])
     if pipe is None:
-        return cfg.model.num_layers + cfg.model.mtp_depth
-    per_item = cfg.model.num_layers // (pipe.stages * pipe.repeats)
+        return m.num_layers + m.mtp_depth
+    whole = m.num_layers - m.staged_layers + m.mtp_depth
+    per_item = m.staged_layers // (pipe.stages * pipe.repeats)
     if pipe.explicit:  # 1F1B: the items alive in the ring of slots, whatever M
         return one_f_one_b.Ticks(pipe.stages, pipe.repeats, pipe.microbatches).slots * per_item
-    return pipe.iterations * per_item
+    return whole + pipe.iterations * per_item
 
 
 def _zero_bubble_queue(cfg: Config, sizes: dict[str, int], b: int, seq: int) -> int:

@@ -173,7 +173,11 @@ def train_step(state: dict, batch: dict, *, graphdef, tx, schedule, microbatches
                "nonfinite": new_state["nonfinite"]}
     if observed is not None:
         metrics.update(fp8.statistics(seen_by, observed, delayed="fp8" in state))
-    metrics.update(moe.metrics(extras["moe"], extras["tokens"], capacity,
+    sums = extras["moe"]
+    if sums and ops is not None and ops.pipe is not None:  # each layer's load at its index
+        sums = {**sums, "picked": pipeline.in_model_order(sums["picked"], ops.pipe,
+                                                          ops.cfg.staged_layers)}
+    metrics.update(moe.metrics(sums, extras["tokens"], capacity,
                                ops.cfg.moe.first_dense if ops else 0))
     return new_state, metrics
 
