@@ -13,20 +13,22 @@ from jaxtron.parallel import features
 # what turns each feature on, as config overrides and mesh sizes
 ON = {"pipeline": ((), {"stage": 2}), "ticks": (("pipeline.schedule=1f1b",), {"stage": 2}),
       "context": ((), {"context": 2}),
-      "experts": (("model.moe.num_experts=4",), {}), "fp8_delayed": (("model.fp8=delayed",), {}),
+      "experts": (("model.moe.num_experts=4",), {}), "mtp": (("model.mtp_depth=1",), {}),
+      "fp8_delayed": (("model.fp8=delayed",), {}),
       "window": (("model.sliding_window=32",), {}),
       "mixed_windows": (("model.sliding_window=32", "model.global_every=2"), {}),
       "softcap": (("model.attn_softcap=50",), {})}
 # the pairs that do not run today (a row removed from the table without the code to back it
 # fails here)
-REFUSED = [("context", "experts"), ("fp8_delayed", "pipeline"), ("ticks", "experts"),
+REFUSED = [("context", "experts"), ("fp8_delayed", "pipeline"), ("ticks", "mtp"),
            ("context", "window"), ("pipeline", "mixed_windows"), ("context", "softcap")]
 # pairs refused through a feature the second turns on too (layers that differ in their windows
 # have a window; the 1F1B ticks run a pipeline)
 IMPLIED = [("context", "mixed_windows"), ("fp8_delayed", "ticks"), ("mixed_windows", "ticks")]
 SETTING = {"pipeline": "mesh.stage=2", "ticks": "pipeline.schedule=1f1b",
            "context": "mesh.context=2",
-           "experts": "model.moe.num_experts=4", "fp8_delayed": "model.fp8=delayed",
+           "experts": "model.moe.num_experts=4", "mtp": "model.mtp_depth=1",
+           "fp8_delayed": "model.fp8=delayed",
            "window": "model.sliding_window=32", "mixed_windows": "model.global_every=2",
            "softcap": "model.attn_softcap=50"}
 

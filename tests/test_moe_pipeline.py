@@ -1,6 +1,8 @@
-"""Mixtures of experts through the gpipe and circular pipelines (parallel/pipeline.py): the stages
-add up each layer's router sums over the microbatches, per sequence where the balancing loss
-needs them, so loss, every gradient and every router metric equal one device's.
+"""Mixtures of experts through a pipeline's stages: gpipe and circular (parallel/pipeline.py), whose
+stages add up each layer's router sums over the microbatches, per sequence where the balancing
+loss needs them, and the 1F1B ticks (parallel/one_f_one_b.py), where each microbatch's sums ride
+with its activations to the last stage and the objective's gradient in them rides back. Loss,
+every gradient and every router metric equal one device's.
 
 configs/tiny_moe.yaml (8 experts, 2 per token) with a capacity that drops pairs and a z-loss, and
 configs/tiny_deepseek.yaml at 5 layers (a dense first layer run whole before the stages, 4 MoE
@@ -13,6 +15,7 @@ within 7e-7 of their norm, metrics within 1e-6.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -63,19 +66,29 @@ def _grads(name: str, devices: list, *overrides: str) -> tuple:
     return loss, grads, metrics
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    return {name: _grads(name, jax.devices()[:1], "mesh.fsdp=1") for name in MODELS}
+@functools.cache
+def _one_device(name: str, *model: str) -> tuple:
+    """The reference: one device, no pipeline, the case's model overrides."""
+    return _grads(name, jax.devices()[:1], "mesh.fsdp=1", *model)
 
 
-LAYOUTS = [  # (model, overrides): every case 8 devices, 2 microbatches
+LAYOUTS = [  # (model, overrides): every case 8 devices, 2 microbatches unless it says
     ("tiny_moe", ("mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2")),
     ("tiny_moe", ("mesh.stage=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.schedule=circular",
                   "pipeline.repeats=2")),
     ("tiny_deepseek", ("mesh.stage=2", "mesh.tensor=2", "mesh.expert=2")),
+    # the 1F1B ticks: the router sums ride with the activations, their gradient back
+    ("tiny_moe", ("mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "pipeline.schedule=1f1b",
+                  "train.batch_size=16", "train.microbatches=4")),
+    ("tiny_moe", ("mesh.stage=2", "mesh.data=2", "mesh.fsdp=2",
+                  "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2")),
+    ("tiny_moe", ("mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "pipeline.schedule=zb_h1")),
     pytest.param("tiny_moe", ("mesh.stage=2", "mesh.tensor=2", "mesh.expert=2",
                               "pipeline.schedule=circular", "pipeline.repeats=2",
                               "pipeline.grad_sum=whole"), marks=pytest.mark.slow),
+    pytest.param("tiny_deepseek", ("mesh.stage=2", "mesh.tensor=2", "mesh.expert=2",
+                                   "pipeline.schedule=1f1b", "model.mtp_depth=0"),
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -83,9 +96,10 @@ LAYOUTS = [  # (model, overrides): every case 8 devices, 2 microbatches
                          ids=lambda v: ",".join(a.split("=")[0].split(".")[-1] + "=" +
                                                 a.split("=")[1] for a in v)
                          if isinstance(v, tuple) else v)
-def test_the_stages_run_experts_like_one_device(one_device, name, layout):
-    loss, grads, metrics = _grads(name, jax.devices(), *layout, "train.microbatches=2")
-    want_loss, want_grads, want_metrics = one_device[name]
+def test_the_stages_run_experts_like_one_device(name, layout):
+    loss, grads, metrics = _grads(name, jax.devices(), "train.microbatches=2", *layout)
+    want_loss, want_grads, want_metrics = _one_device(
+        name, *[o for o in layout if o.startswith(("model.", "train.batch_size"))])
     assert abs(float(loss) - float(want_loss)) < 1e-6 * abs(float(want_loss))
     flat = jax.tree_util.tree_flatten_with_path(want_grads)[0]
     assert len(flat) == len(jax.tree.leaves(grads))

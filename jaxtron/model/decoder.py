@@ -276,11 +276,13 @@ class Transformer(nnx.Module):
         stats = self._after_layers(x_BTD, batch, stats, ops)
         return self.final_norm(constrain(x_BTD, (*IO_SEQ, "act_embed"))), batch, stats
 
-    def staged_loss(self, batch: dict, ops: LayerOps, chunk: int) -> tuple[jax.Array, dict]:
-        """(the summed cross-entropy over batch["segment_ids"] != 0, the batch in the order the
-        model ran on) with the last stack through a 1F1B pipeline (ops.pipe.explicit), which
-        runs the final norm, the LM head and the loss of each microbatch itself
-        (parallel/one_f_one_b.py). Dense models without multi-token prediction only
+    def staged_loss(self, batch: dict, ops: LayerOps, chunk: int
+                    ) -> tuple[jax.Array, jax.Array, dict, dict]:
+        """(the summed objective, the summed cross-entropy over batch["segment_ids"] != 0, the
+        router sums moe.step_sums of the batch ({} for a dense model), the batch in the order
+        the model ran on) with the last stack through a 1F1B pipeline (ops.pipe.explicit),
+        which runs the final norm, the LM head, the loss and the router's objective of each
+        microbatch itself (parallel/one_f_one_b.py). Without multi-token prediction
         (parallel/features.py)."""
         x_BTD, batch, run_group, stacked = self._to_layers(batch, ops)
         norm_graph, norm_state = nnx.split(self.final_norm)
@@ -294,10 +296,11 @@ class Transformer(nnx.Module):
                                      cfg.logit_softcap)
 
         mask_BT = batch["segment_ids"] != 0
-        total = ops.staged_loss(run_group, tail, stacked, (norm_state, self.head_weight()),
-                                x_BTD, batch["positions"], batch["segment_ids"],
-                                batch["targets"], mask_BT)
-        return total, batch
+        router = moe.Router.of(cfg) if cfg.moe.num_experts else None
+        objective, entropy, sums = ops.staged_loss(
+            run_group, tail, stacked, (norm_state, self.head_weight()), x_BTD,
+            batch["positions"], batch["segment_ids"], batch["targets"], mask_BT, router)
+        return objective, entropy, sums, batch
 
     def _to_layers(self, batch: dict, ops: LayerOps) -> tuple[jax.Array, dict, Callable, Any]:
         """(the embeddings through the stacks before the last [B, T, D], the batch balanced,

@@ -16,6 +16,7 @@ Shape key: B batch, T sequence, D d_model, E experts, k experts per token, F exp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,36 @@ def sequence_aux(picked_LBE: jax.Array, probs_LBE: jax.Array, tokens_B: jax.Arra
     tokens_B = tokens_B.astype(jnp.float32)
     per_token_B = experts * jnp.sum(picked_BE * probs_BE, axis=-1) / layers ** 2
     return jnp.sum(per_token_B / jnp.maximum(tokens_B, 1.0))
+
+
+@dataclass(frozen=True)
+class Router:
+    """The router's objective as a 1F1B pipeline forms it (parallel/one_f_one_b.py): from each
+    microbatch's statistics summed over all `layers` MoE layers, `rows` per sequence [b, E], the
+    others scalars. The same objective and sums as `step_sums` and `objective` of the layers'
+    statistics, which a pipeline's ticks never hold all at once."""
+
+    layers: int
+    aux_coef: float
+    z_coef: float
+    rows: tuple[str, ...] = PER_ROW
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Router:
+        return cls(cfg.staged_layers, cfg.moe.aux_coef, cfg.moe.z_coef)
+
+    def objective(self, sums: dict, tokens_b: jax.Array) -> tuple[jax.Array, dict]:
+        """(what the router adds to the microbatch's summed loss, its parts `aux` and `z`)."""
+        aux = sequence_aux(sums["picked"][None], sums["probs"][None], tokens_b) / self.layers ** 2
+        z = sums["z"] / self.layers
+        return self.aux_coef * aux + self.z_coef * z, {"aux": aux, "z": z}
+
+    @staticmethod
+    def sums(parts: dict, layers: dict) -> dict:
+        """`step_sums` of the batch from the parts summed over microbatches and each layer's
+        statistics [L, ...] (the pairs per expert summed over the rows)."""
+        return {**parts, **{k: layers[k].astype(jnp.float32)
+                            for k in ("picked", "routed", "dropped")}}
 
 
 def within_capacity(expert_BTk: jax.Array, routed_BTk: jax.Array, cfg: ModelConfig) -> jax.Array:

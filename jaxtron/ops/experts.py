@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxtron import parallel
 from jaxtron.config import ConfigError, ModelConfig
 
 KERNELS = ("auto", "xla", "mosaic", "triton")
@@ -132,10 +133,8 @@ def experts(cfg: ModelConfig, x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_dow
     if mesh.empty:
         return local(x_BTD, expert_BTk, weight_BTk, w_gate, w_up, w_down, *biases)
     # inside a pipeline's stages the batch's `data` split (and fsdp's, pipeline.grad_sum=whole)
-    # is already the stage's own: the rows here are the device's already
-    manual = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Manual}
-    split = tuple(a for a in _BATCH if a not in manual)
+    # is manual already: the rows here are the device's own
+    split = tuple(a for a in _BATCH if a not in parallel.manual_axes())
     batch = P(split, None, None)
     column = row = P(EXPERT_AXIS, None, "tensor")
     bias_specs = (P(EXPERT_AXIS, "tensor"),) * 2 + (P(EXPERT_AXIS, None),) if biases else ()

@@ -45,6 +45,8 @@ class LayerOps:
     pipe: pipeline.Pipeline | None = None  # the layers run through the pipeline's stages
     in_stage: bool = False  # these run inside a stage's per-device program (`for_layers`)
     ahead: bool = False  # each layer's weights gathered a layer ahead (ahead.py)
+    # the layers hold collective permutes: the collective matmuls', the expert ring's
+    permutes: bool = False
 
     def for_layers(self) -> LayerOps:
         """The set the layers run with: inside the stages when they run through a pipeline."""
@@ -138,14 +140,14 @@ class LayerOps:
 
     def staged_loss(self, run_group: Callable[..., tuple[jax.Array, dict]], tail: Callable,
                     stacked: Any, tail_params: Any, x_BTD, positions_BT, segment_ids_BT,
-                    targets_BT, mask_BT) -> jax.Array:
-        """The summed loss through every stacked layer and `tail(tail_params, x, targets,
-        mask)` per microbatch, the layers through a 1F1B pipeline's stages (pipe.explicit):
-        its ticks run each microbatch's loss and backward themselves (one_f_one_b.py)."""
-        layers_fn = lambda *args, **kwargs: run_group(*args, **kwargs)[0]
-        return one_f_one_b.loss(layers_fn, tail, stacked, tail_params, x_BTD, positions_BT,
+                    targets_BT, mask_BT, router: Any = None) -> tuple[jax.Array, jax.Array, dict]:
+        """(the summed objective, the summed loss, the router's sums) through every stacked
+        layer and `tail(tail_params, x, targets, mask)` per microbatch, the layers through a
+        1F1B pipeline's stages (pipe.explicit): its ticks run each microbatch's loss and
+        backward themselves (one_f_one_b.py). `router`: a mixture of experts' (moe.Router)."""
+        return one_f_one_b.loss(run_group, tail, stacked, tail_params, x_BTD, positions_BT,
                                 segment_ids_BT, targets_BT, mask_BT, self.pipe,
-                                permutes=self.overlapped)
+                                permutes=self.permutes, router=router)
 
     def scan_layers(self, body: Callable, x, stacked: Any, names: tuple[str, ...] | None):
         """`jax.lax.scan(body, x, stacked)` over stacked layers; with model.weights_ahead their
@@ -171,10 +173,11 @@ def build(cfg: ModelConfig, sizes: Mapping[str, int] | None,
     `pipe`'s stages when given."""
     if sizes is None:
         return LayerOps(cfg, pipe=pipe)
-    return LayerOps(cfg, sharded=True,
-                    overlapped=cfg.collective_matmul and sizes.get("tensor", 1) > 1,
+    overlapped = cfg.collective_matmul and sizes.get("tensor", 1) > 1
+    ring = bool(cfg.moe.num_experts) and sizes.get(experts.EXPERT_AXIS, 1) > 1
+    return LayerOps(cfg, sharded=True, overlapped=overlapped,
                     context_ways=sizes.get(context.AXIS, 1), pipe=pipe,
-                    ahead=ahead.applies(cfg, sizes))
+                    ahead=ahead.applies(cfg, sizes), permutes=overlapped or ring)
 
 
 def here(cfg: ModelConfig, pipe: pipeline.Pipeline | None = None) -> LayerOps:

@@ -49,7 +49,10 @@ def cross_entropy(x_BTD, head_DV, targets_BT, mask_BT, softcap: float = 0.0) -> 
     logits_BTV = parallel.constrain(logits(x_BTD, head_DV, softcap),
                                     ("act_batch_io", None, "act_vocab"))
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    # the target's logit as a masked sum, not a gather: inside the 1F1B ticks' shard_map (stage
+    # manual) XLA's partitioner aborted on the gather with tensor and fsdp beside the stages
+    vocab_V = jnp.arange(logits_BTV.shape[-1])
+    target_BT = jnp.sum(jnp.where(vocab_V == targets_BT[..., None], logits_BTV, 0.0), axis=-1)
     return jnp.sum(jnp.where(mask_BT, logz_BT - target_BT, 0.0))
 
 

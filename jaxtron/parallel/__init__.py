@@ -16,6 +16,7 @@ from jaxtron.parallel.mesh import (  # noqa: F401 - the names callers take from 
     devices_per_host,
     logical_specs,
     make_mesh,
+    manual_axes,
     mesh_shape,
     mesh_specs,
     named,

@@ -23,6 +23,8 @@ FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
                                    if sizes.get("context", 1) > 1 else None),
     "experts": lambda cfg, sizes: (f"model.moe.num_experts={cfg.model.moe.num_experts}"
                                    if cfg.model.moe.num_experts else None),
+    "mtp": lambda cfg, sizes: (f"model.mtp_depth={cfg.model.mtp_depth}" if cfg.model.mtp_depth
+                               else None),
     "fp8_delayed": lambda cfg, sizes: "model.fp8=delayed" if cfg.model.fp8 == "delayed" else None,
     "window": lambda cfg, sizes: (f"model.sliding_window={cfg.model.sliding_window}"
                                   if cfg.model.sliding_window else None),
@@ -33,10 +35,9 @@ FEATURES: dict[str, Callable[[Config, Sizes], str | None]] = {
 }
 # (feature, feature) -> the refusal, formatted with each feature's setting
 EXCLUSIONS: dict[tuple[str, str], str] = {
-    ("ticks", "experts"): "{ticks} with {experts}: the 1F1B schedules do not run mixtures of "
-                          "experts yet (each stage's backward would need the whole model's "
-                          "routing counts of its microbatch, which its ticks do not pass back); "
-                          "use pipeline.schedule=gpipe or circular",
+    ("ticks", "mtp"): "{ticks} with {mtp}: the 1F1B ticks run the final norm, LM head and loss "
+                      "of each microbatch, not the multi-token-prediction modules; use "
+                      "pipeline.schedule=gpipe or circular",
     ("context", "experts"): "{context} with {experts}: context parallelism does not run mixtures "
                             "of experts yet; use mesh.expert, mesh.fsdp and mesh.tensor",
     ("fp8_delayed", "pipeline"): "model.fp8=delayed does not run under a pipeline ({pipeline}): "

@@ -85,11 +85,17 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec_here(names))
 
 
+def manual_axes() -> set[str]:
+    """The mesh axes a `shard_map` has made manual at this point of the program (a pipeline's
+    stage and data axes inside its stages)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+            if kind == jax.sharding.AxisType.Manual}
+
+
 def spec_here(names: tuple[str | None, ...]) -> P:
     """`spec(names)` without the mesh axes that are manual at this point of the program."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = {a for a, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Manual}
+    manual = manual_axes()
     if not manual:
         return spec(names)
 

@@ -24,6 +24,12 @@ S - s forwards, which lockstep ticks of one forward and one backward cannot).
 Ticks: M*R + D; a stage with no forward (or backward) in a tick skips it (`lax.cond`), so the
 bubble is (S-1)/(R*M + S-1) as for 1F1B and interleaved 1F1B.
 
+A mixture of experts (`router`): a sequence's balancing loss couples the pair counts of all its
+layers, on every stage. Each microbatch's router statistics summed over the layers so far ride
+with its activations; the last stage forms the router's objective of the whole sums and its
+gradient in them, which rides back with the activations' gradient and is each stage's
+cotangent of its layers' statistics (`_Flow`).
+
 zb_h1 (R = 1): the backward cut into B, the input gradient, and W, the weight gradients
 (zero_bubble.split). Stage s's first s backward-items come before stage 0's first backward
 (t < D); their W waits in a queue of S-1 items and runs in the stage's last s ticks, where it
@@ -122,15 +128,23 @@ class Ticks:
 
 def loss(layers_fn: Callable, tail_fn: Callable, stacked: Any, tail: Any, x_BTD: jax.Array,
          positions_BT: jax.Array, segment_ids_BT: jax.Array, targets_BT: jax.Array,
-         mask_BT: jax.Array, pipe: gpipe.Pipeline, permutes: bool = False) -> jax.Array:
-    """The summed loss of the batch through every stacked layer (stored in `layer_order`) and
-    `tail_fn(tail, x_bTD, targets_bT, mask_bT)` (final norm, LM head, cross-entropy: a sum over
-    the microbatch), differentiable in `stacked`, `tail` and `x_BTD`. `layers_fn(stacked, x,
-    positions, segment_ids, select=)` runs one stage's layers as in pipeline.run. `permutes`:
-    the layers hold collective permutes over the stage's devices (collective matmuls; see
-    `skips`)."""
-    return _loss(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
-                 segment_ids_BT, targets_BT, mask_BT)
+         mask_BT: jax.Array, pipe: gpipe.Pipeline, permutes: bool = False,
+         router: Any = None) -> tuple[jax.Array, jax.Array, dict]:
+    """(the summed objective, the summed loss, the router's sums) of the batch through every
+    stacked layer (stored in `layer_order`) and `tail_fn(tail, x_bTD, targets_bT, mask_bT)`
+    (final norm, LM head, cross-entropy: a sum over the microbatch), the objective
+    differentiable in `stacked`, `tail` and `x_BTD`. `layers_fn(stacked, x, positions,
+    segment_ids, select=)` runs one stage's layers as in pipeline.run: (x, their statistics
+    [L', ...]). `permutes`: the layers hold collective permutes over the stage's devices
+    (collective matmuls; see `skips`).
+
+    `router` (a mixture of experts, moe.Router): each microbatch's statistics summed over the
+    layers ride with its activations to the last stage, which adds `router.objective` of them
+    to the loss; its gradient in those sums rides back with the activations' gradient into
+    every stage's backward (module docstring). Its sums: `router.sums` of the objective's parts
+    summed over microbatches and each layer's statistics [L, ...], storage order; {} without."""
+    return _loss(layers_fn, tail_fn, pipe, permutes, router, stacked, tail, x_BTD,
+                 positions_BT, segment_ids_BT, targets_BT, mask_BT)
 
 
 def skips(permutes: bool) -> bool:
@@ -142,30 +156,32 @@ def skips(permutes: bool) -> bool:
     return not (permutes and platform == "cpu")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _loss(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _loss(layers_fn, tail_fn, pipe, permutes, router, stacked, tail, x_BTD, positions_BT,
           segment_ids_BT, targets_BT, mask_BT):
-    return _run(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, positions_BT,
+    return _run(layers_fn, tail_fn, pipe, permutes, router, stacked, tail, x_BTD, positions_BT,
                 segment_ids_BT, targets_BT, mask_BT, grads=False)[0]
 
 
-def _loss_fwd(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, *batch):
-    return _run(layers_fn, tail_fn, pipe, permutes, stacked, tail, x_BTD, *batch)
+def _loss_fwd(layers_fn, tail_fn, pipe, permutes, router, stacked, tail, x_BTD, *batch):
+    return _run(layers_fn, tail_fn, pipe, permutes, router, stacked, tail, x_BTD, *batch)
 
 
-def _loss_bwd(layers_fn, tail_fn, pipe, permutes, grads, g):
-    del layers_fn, tail_fn, pipe, permutes
-    d_stacked, d_tail, d_x = jax.tree.map(lambda a: (a * g).astype(a.dtype), grads)
+def _loss_bwd(layers_fn, tail_fn, pipe, permutes, router, grads, g):
+    """The objective's gradient times its cotangent; the loss and the sums are read, never
+    differentiated."""
+    del layers_fn, tail_fn, pipe, permutes, router
+    d_stacked, d_tail, d_x = jax.tree.map(lambda a: (a * g[0]).astype(a.dtype), grads)
     return d_stacked, d_tail, d_x, None, None, None, None
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
-def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail, x_BTD,
+def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, router, stacked, tail, x_BTD,
          positions_BT, segment_ids_BT, targets_BT, mask_BT, grads: bool = True):
-    """(loss sum, (d stacked, d tail, d x)) of the whole batch through the 1F1B ticks; without
-    `grads` the forwards alone, the gradients zeros."""
+    """((objective sum, loss sum, router sums), (d stacked, d tail, d x)) of the whole batch
+    through the 1F1B ticks; without `grads` the forwards alone, the gradients zeros."""
     skip = skips(permutes)
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     staged = jax.tree.map(
@@ -191,23 +207,29 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
     def per_device(whole, tail, inputs_SMbPD, *rows):
         w = [a[0, 0] for a in whole]
         out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
-                     inputs_SMbPD[0], rows, specs, skip, grads)
-        total, d_w, d_tail, d_inputs = out
+                     inputs_SMbPD[0], rows, specs, skip, grads, router)
+        totals, d_w, d_tail, d_inputs, layer_stats = out
         axes = (STAGE, *copies) if _meshed() else STAGE
-        total, d_tail = jax.lax.psum((total, d_tail), axes)
+        totals, d_tail = jax.lax.psum((totals, d_tail), axes)
         # the copies' gradients summed here, into the running sum's own buffers
         d_w = jax.lax.psum(jax.tree.leaves(d_w), copies) if _meshed() else jax.tree.leaves(d_w)
-        return total, [a[None] for a in d_w], d_tail, d_inputs[None]
+        layer_stats = jax.lax.psum(layer_stats, copies) if _meshed() else layer_stats
+        return (totals, [a[None] for a in d_w], d_tail, d_inputs[None],
+                jax.tree.map(lambda a: a[None], layer_stats))
 
     if _meshed():
         per_copy, io = P(STAGE, copies), P(STAGE, None, copies)
         fn = jax.shard_map(per_device,
                            in_specs=(per_copy, P(), io, *[P(None, copies)] * 4),
-                           out_specs=(P(), P(STAGE), P(), io),
+                           out_specs=(P(), P(STAGE), P(), io, P(STAGE)),
                            axis_names={STAGE, *copies}, check_vma=False)
     else:  # one device: the stages vmapped, the per-device blocks' [1, ...] axes added
         fn = _vmapped(per_device)
-    total, d_whole, d_tail, d_inputs = fn(whole, tail, inputs_SMbPD, *rows)
+    totals, d_whole, d_tail, d_inputs, layer_stats = fn(whole, tail, inputs_SMbPD, *rows)
+    objective, entropy, parts = totals
+    # [S, R, L', ...] -> [L, ...]: layer s*R*L' + r*L' + l, the stored order
+    layer_stats = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), layer_stats)
+    sums = router.sums(parts, layer_stats) if router is not None else {}
     # back to the stacked layout [L, ...] in the weights' dtype
     d_staged = [d.astype(w.dtype) for d, w in zip(d_whole, leaves)]
     d_stacked = jax.tree.map(
@@ -215,7 +237,7 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, stacked, tail
         jax.tree.unflatten(tree, d_staged))
     d_x = cut.unstacked(d_inputs).swapaxes(0, 1).reshape(x_BTD.shape)
     d_tail = jax.tree.map(lambda d, a: d.astype(a.dtype), d_tail, tail)
-    return total, (d_stacked, d_tail, d_x.astype(x_BTD.dtype))
+    return (objective, entropy, sums), (d_stacked, d_tail, d_x.astype(x_BTD.dtype))
 
 
 def _vmapped(per_device):
@@ -223,12 +245,13 @@ def _vmapped(per_device):
     the mesh would hold (whole [1, 1, ...], inputs [1, M, ...]) and its outputs stacked."""
 
     def one(whole, tail, inputs_MbPD, *rows):
-        total, d_w, d_tail, d_inputs = per_device([w[None] for w in whole], tail,
-                                                  inputs_MbPD[None], *rows)
-        return total, [d[0, 0] for d in d_w], d_tail, d_inputs[0]
+        totals, d_w, d_tail, d_inputs, stats = per_device([w[None] for w in whole], tail,
+                                                          inputs_MbPD[None], *rows)
+        return (totals, [d[0, 0] for d in d_w], d_tail, d_inputs[0],
+                jax.tree.map(lambda a: a[0], stats))
 
     return jax.vmap(one, in_axes=(0, None, 0, None, None, None, None),
-                    out_axes=(None, 0, None, 0), axis_name=STAGE)
+                    out_axes=(None, 0, None, 0, 0), axis_name=STAGE)
 
 
 def _meshed() -> bool:
@@ -236,11 +259,13 @@ def _meshed() -> bool:
 
 
 def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, skip: bool,
-           grads: bool = True):
+           grads: bool = True, router=None):
     """One stage's program: every tick a forward and a backward (each skipped where the stage
-    has none, with `skip`; else computed and dropped), then the sends. Returns (loss sum, d w
-    summed in float32, d tail, d inputs). Without `grads` the forwards and the loss only (the
-    loss's value outside autodiff: an evaluation), M*R + S - 1 ticks, nothing stored."""
+    has none, with `skip`; else computed and dropped), then the sends. Returns ((objective sum,
+    loss sum, the router objective's parts summed), d w summed in float32, d tail, d inputs,
+    the stage's layers' statistics [R, L', ...]). Without `grads` the forwards and the loss
+    only (the loss's value outside autodiff: an evaluation), M*R + S - 1 ticks, nothing
+    stored."""
     positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
     s, r = ticks.stages, ticks.repeats
     me = jax.lax.axis_index(STAGE)
@@ -262,6 +287,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
                        inputs_MbPD.dtype)
     primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
+    flow = _Flow(router, jax.eval_shape(stage_fn, *primals)[1])
     # x stored, w passed again
     pullback = stage_vjp.Pullback.of(stage_fn, primals) if grads else None
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []
@@ -274,6 +300,10 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         if not grads:
             return stage_fn(*args), []
         return pullback.forward(stage_fn, args)
+
+    def no_forward(t, x):
+        return (zero_x, flow.zeros()), [jnp.zeros(a.shape, a.dtype)
+                                        for a in (pullback.stored if grads else [])]
 
     def store(buffers, stored, t, do_f):
         """The new item's residuals into its slot, outside the conditional (a ring passed
@@ -288,6 +318,13 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
 
     piece = cut.seq // s  # the positions of the loss each stage computes
     take = lambda a: cut.take(a, me)
+
+    def objective_of(totals, micro):
+        """The router objective of the microbatch leaving the last stage, from its statistics
+        summed over every layer: (value, its parts, its gradient in those sums)."""
+        tokens_b = jnp.sum(mask_MbT[micro], axis=-1)
+        (value, parts), vjp = jax.vjp(lambda s: router.objective(s, tokens_b), totals)
+        return value, parts, vjp((jnp.ones_like(value), jax.tree.map(jnp.zeros_like, parts)))[0]
 
     def loss_of(y_bPD, micro):
         """This stage's share of the tail's loss of the microbatch leaving the last stage (its
@@ -319,7 +356,8 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
 
     # zb_h1: the backward cut into B (d x) and W (d w); W of the backward-items a stage runs
     # before stage 0's first backward waits in `queue` for the stage's idle last ticks
-    cut_w = pullback.split(item_args(0), zero_x) if grads and ticks.zero_bubble else None
+    cut_w = (pullback.split(item_args(0), (zero_x, flow.zeros()))
+             if grads and ticks.zero_bubble else None)
     queue = ([jnp.zeros((s - 1, *a.shape), a.dtype) for a in cut_w.found] if cut_w else [])
 
     def split_backward(t, b_item, do_b, buffers, ct_bTD, queue):
@@ -351,22 +389,27 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
     acc_w = [_constrained(a, spec) for a, spec in zip(jax.tree.leaves(f32(w)), specs)]
 
+    up = lambda a: jax.lax.ppermute(a, STAGE, [(i, (i + 1) % s) for i in range(s)])
+    down = lambda a: jax.lax.ppermute(a, STAGE, [(i, (i - 1) % s) for i in range(s)])
+
     def tick(carry, t):
-        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue = carry
+        recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue, routed = carry
+        sums_f, sums_b, acc_stats, value_sum, parts_sum = routed
         # stage 0's fresh microbatch, its pieces gathered from every stage
         micro0, repeat0 = ticks.forward_item(jnp.minimum(t, ticks.items - 1))
         fresh = cut.gathered(inputs_MbPD[micro0])
-        x_bTD = jnp.where((me == 0) & (repeat0 == 0) & (t < ticks.items), fresh, recv_f)
+        first = (me == 0) & (repeat0 == 0) & (t < ticks.items)
+        x_bTD = jnp.where(first, fresh, recv_f)
         f_item = t - me
         do_f = (f_item >= 0) & (f_item < ticks.items)
         with jax.named_scope(SCOPES[0]):
-            y_bTD, stored = when(do_f, forward,
-                                 lambda t, x: (zero_x, [jnp.zeros(a.shape, a.dtype)
-                                                        for a in (pullback.stored if grads
-                                                                  else [])]), t, x_bTD)
+            (y_bTD, stats), stored = when(do_f, forward, no_forward, t, x_bTD)
         buffers = store(buffers, stored, t, do_f)
+        # the statistics summed over the layers so far ride with the output
+        sums_out = flow.added(jax.tree.map(lambda a: jnp.where(first, 0, a), sums_f), stats)
+        acc_stats = flow.logged(acc_stats, stats, ticks.forward_item(f_item)[1])
         # the output on to the next stage, behind the loss and backward below on GPUs
-        recv_f = jax.lax.ppermute(y_bTD, STAGE, [(i, (i + 1) % s) for i in range(s)])
+        recv_f, sums_f = up(y_bTD), jax.tree.map(up, sums_out)
         # The loss of the microbatch leaving the last stage, shared out: every stage computes
         # the head and loss of T/S of its positions, so the last stage's ticks are no longer
         # than the others' (the head alone is 12% of a 70B stage's matmuls on 8 stages).
@@ -380,13 +423,26 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
                               jnp.zeros_like(y[:, :piece])), y_last, l_micro)
         total = total + part
         d_tail_sum = jax.tree.map(jnp.add, d_tail_sum, d_tail)
+        d_sums = flow.zeros_summed()
+        if router is not None:  # on the last stage, from the sums that left it
+            value, parts, d_sums = when(
+                do_loss & (me == last), objective_of,
+                lambda a, m: (jnp.zeros((), jnp.float32),
+                              jax.tree.map(jnp.zeros_like, parts_sum), flow.zeros_summed()),
+                sums_out, l_micro)
+            value_sum = value_sum + value.astype(jnp.float32)
+            parts_sum = jax.tree.map(jnp.add, parts_sum, parts)
+        routed = (sums_f, sums_b, acc_stats, value_sum, parts_sum)
         if not grads:
-            return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue), None
+            return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue,
+                    routed), None
         d_y = cut.gathered(d_piece)
         b_item = t - ticks.delay + me
         do_b = (b_item >= 0) & (b_item < ticks.items)
         _, b_repeat, _ = ticks.backward_item(b_item)
-        ct_bTD = jnp.where((me == last) & (b_repeat == r - 1), d_y, recv_b)
+        starts = (me == last) & (b_repeat == r - 1)
+        d_sums = jax.tree.map(lambda d, a: jnp.where(starts, d, a), d_sums, sums_b)
+        ct_bTD = (jnp.where(starts, d_y, recv_b), flow.spread(d_sums))
         if cut_w is None:
             with jax.named_scope(SCOPES[2]):
                 d_w, d_x = when(do_b, backward,
@@ -404,15 +460,68 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         old = jax.lax.dynamic_index_in_dim(d_inputs, micro0, 0, False)
         d_inputs = jax.lax.dynamic_update_index_in_dim(
             d_inputs, jnp.where(done, d_fresh.astype(d_inputs.dtype), old), micro0, 0)
-        recv_b = jax.lax.ppermute(d_x, STAGE, [(i, (i - 1) % s) for i in range(s)])
-        return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue), None
+        # the gradient on to the stage below, with the sums' gradient the backward was given
+        recv_b, sums_b = down(d_x), jax.tree.map(down, d_sums)
+        routed = (sums_f, sums_b, acc_stats, value_sum, parts_sum)
+        return (recv_f, recv_b, buffers, acc_w, total, d_tail_sum, d_inputs, queue,
+                routed), None
 
-    carry = (zero_x, zero_x, slots, acc_w, jnp.zeros((), jnp.float32),
-             jax.tree.map(jnp.zeros_like, tail), jnp.zeros_like(inputs_MbPD), queue)
+    zero = jnp.zeros((), jnp.float32)
+    parts = (jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda s: router.objective(s, jnp.zeros(zero_x.shape[:1]))[1], flow.zeros_summed()))
+        if router is not None else {})
+    routed = (flow.zeros_summed(), flow.zeros_summed(), flow.zeros_logged(r), zero, parts)
+    carry = (zero_x, zero_x, slots, acc_w, zero, jax.tree.map(jnp.zeros_like, tail),
+             jnp.zeros_like(inputs_MbPD), queue, routed)
     length = ticks.ticks if grads else ticks.items + s - 1
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(length))
-    _, _, _, acc_w, total, d_tail_sum, d_inputs, _ = carry
-    return total, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs
+    _, _, _, acc_w, total, d_tail_sum, d_inputs, _, routed = carry
+    _, _, acc_stats, value_sum, parts_sum = routed
+    # the router's value once, from the last stage (the sum over stages adds the others' 0)
+    totals = (total + value_sum, total, parts_sum)
+    return (totals, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs,
+            acc_stats)
+
+
+@dataclass(frozen=True)
+class _Flow:
+    """A stage's statistics (a mixture of experts' router sums, [L', ...] per leaf; `router`'s
+    `rows` per row [L', b, ...]) as the ticks move them: summed over the layers (`added`) with
+    the activations to the last stage, their gradient (`spread` over the layers) back with the
+    activations' gradient, and logged per layer and repeat [R, L', ...], the rows summed."""
+
+    router: Any
+    shapes: dict  # one stage's statistics, abstract
+
+    def _rows(self, key) -> bool:
+        return self.router is not None and key in self.router.rows
+
+    def zeros(self) -> dict:
+        return {k: jnp.zeros(a.shape, a.dtype) for k, a in self.shapes.items()}
+
+    def zeros_summed(self) -> dict:
+        return {k: jnp.zeros(a.shape[1:], a.dtype) for k, a in self.shapes.items()}
+
+    def zeros_logged(self, repeats: int) -> dict:
+        return {k: jnp.zeros((repeats, a.shape[0], *a.shape[2 if self._rows(k) else 1:]),
+                             a.dtype) for k, a in self.shapes.items()}
+
+    def added(self, sums: dict, stats: dict) -> dict:
+        return {k: self.pinned(k, sums[k] + jnp.sum(stats[k], axis=0)) for k in sums}
+
+    def pinned(self, key, a: jax.Array) -> jax.Array:
+        names = ("act_batch", *[None] * (a.ndim - 1)) if self._rows(key) else (None,) * a.ndim
+        return parallel.constrain(a, names)
+
+    def spread(self, d_sums: dict) -> dict:
+        return {k: jnp.broadcast_to(d_sums[k][None], a.shape).astype(a.dtype)
+                for k, a in self.shapes.items()}
+
+    def logged(self, acc: dict, stats: dict, repeat) -> dict:
+        """acc [R, L', ...] with this item's statistics added at its repeat (zeros where the
+        stage had no forward)."""
+        per_layer = {k: jnp.sum(a, axis=1) if self._rows(k) else a for k, a in stats.items()}
+        return {k: acc[k].at[repeat].add(per_layer[k]) for k in acc}
 
 
 @dataclass(frozen=True)

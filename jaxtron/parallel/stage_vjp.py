@@ -53,22 +53,25 @@ class Pullback:
         return d_w, d_x
 
     def split(self, args, ct) -> zero_bubble.Split:
-        """The backward cut into B (d x) and W (d w): `input_grad`, `weight_grad`."""
+        """The backward cut into B (d x) and W (d w): `input_grad`, `weight_grad`. `ct`: the
+        outputs' cotangent, any tree of arrays of their shapes."""
         flat, tree = jax.tree.flatten(args)
-        n_w = len(jax.tree.leaves(args[0]))
+        n_w, n_in = len(jax.tree.leaves(args[0])), len(flat) + len(self.stored)
+        ct_leaves, ct_tree = jax.tree.flatten(ct)
 
         def fn(*a):
             d_w, d_x = self.backward(jax.tree.unflatten(tree, a[:len(flat)]),
-                                     a[len(flat):-1], a[-1])
+                                     a[len(flat):n_in], jax.tree.unflatten(ct_tree, a[n_in:]))
             return [*jax.tree.leaves(d_w), d_x]
 
         stored = [jnp.zeros(a.shape, a.dtype) for a in self.stored]
-        return zero_bubble.split(fn, [*flat, *stored, ct], [n_w], list(range(len(flat))))
+        return zero_bubble.split(fn, [*flat, *stored, *ct_leaves], [n_w],
+                                 list(range(len(flat))))
 
     @staticmethod
     def input_grad(cut: zero_bubble.Split, args, stored, ct):
         """B: (d x, the weight gradients B computes whole (the others zeros), what W reads)."""
-        (d_x,), early, found = cut.b(*jax.tree.leaves(args), *stored, ct)
+        (d_x,), early, found = cut.b(*jax.tree.leaves(args), *stored, *jax.tree.leaves(ct))
         return d_x, _placed(args[0], cut.early, early), found
 
     @staticmethod

@@ -52,9 +52,9 @@ def loss_sums(params: dict, graphdef: Any, batch: dict, pipe: pipeline.Pipeline 
     model = nnx.merge(graphdef, params, *([] if histories is None else [histories]))
     ops = ops or layer_ops.here(model.cfg, pipe)
     if ops.pipe is not None and ops.pipe.explicit:  # 1F1B: the loss inside the ticks
-        total, batch = model.staged_loss(batch, ops, chunk)
+        total, entropy, stats, batch = model.staged_loss(batch, ops, chunk)
         count = jnp.sum(batch["segment_ids"] != 0)
-        return (total, (count, total, {})) if with_stats else (total, count)
+        return (total, (count, entropy, stats)) if with_stats else (total, count)
     depth = model.cfg.mtp_depth
     x_BTD, batch, layer_stats = model.hidden(deepseek.mtp_batch(batch, depth) if depth else batch,
                                              ops)
