@@ -1,6 +1,7 @@
 """tools/plan.py and jaxtron/plan/planner.py: the layouts it enumerates, the arithmetic of its step-time
 terms, its ranking, the estimate beside the compiled peak (--verify), and one-line refusals."""
 
+import dataclasses
 import json
 import os
 import re
@@ -77,6 +78,20 @@ def test_zb_h1_is_offered_where_its_weight_gradients_can_wait_and_idles_two_thir
     assert "zb_h1" not in offered(_cfg(), _mesh(stage=2, tensor=2, fsdp=2))
     assert "zb_h1" in offered(_cfg("model.collective_matmul=false"), _mesh(stage=2, tensor=2,
                                                                             fsdp=2))
+
+
+def test_the_stages_split_the_layers_after_the_dense_ones_and_mtp_keeps_to_gpipe():
+    """DeepSeek's first dense layers run whole before the stages: stage counts divide the
+    others (5 layers, 1 dense: 4), and with multi-token prediction, which the 1F1B ticks do not
+    run, only gpipe and circular are offered."""
+    cfg = aot.for_gpus(config_lib.load([ROOT / "configs" / "tiny_deepseek.yaml"],
+                                       ["model.num_layers=5", "model.mtp_depth=1"]))
+    assert cfg.model.staged_layers == 4
+    offered = {v[0] for v in planner.variants(cfg, _mesh(stage=2, fsdp=4), ["full"])}
+    assert offered == {"gpipe", "circular"}
+    no_mtp = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=0))
+    assert {"1f1b", "interleaved_1f1b"} <= {v[0] for v in planner.variants(
+        no_mtp, _mesh(stage=2, fsdp=4), ["full"])}
 
 
 def test_fp8_projections_compute_faster_and_their_weights_travel_in_half_the_bytes():
