@@ -39,7 +39,6 @@ has no backward, so the warm-up ticks last F + B instead of F + B + W (pipeline.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,9 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxtron import parallel
+from jaxtron.parallel import pieces, stage_vjp
 from jaxtron.parallel import pipeline as gpipe
-from jaxtron.parallel import stage_vjp
 
 STAGE = "stage"
 # The named scopes of a tick's forward, loss and backward: the compiled program's conditionals
@@ -196,9 +194,9 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, router, stack
     whole = [gpipe._gathered(gpipe._copied(w, copies, spec), copies, spec, pipe.dtype)
              for w, spec in zip(leaves, specs)]
     # the inputs and their gradient spread over the stages by positions: stage s holds its
-    # piece (`_Pieces.take`) of every microbatch, gathered for stage 0 at the microbatch's tick
+    # piece (`pieces.Pieces.take`) of every microbatch, gathered for stage 0 at its tick
     x_MbTD = gpipe._microbatches(x_BTD, m)
-    cut = _Pieces(x_BTD.shape[1], s)
+    cut = pieces.Pieces(x_BTD.shape[1], s)
     inputs_SMbPD = cut.stacked(x_MbTD)
     rows = [gpipe._microbatches(a, m) for a in (positions_BT, segment_ids_BT, targets_BT,
                                                  mask_BT)]
@@ -270,7 +268,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     s, r = ticks.stages, ticks.repeats
     me = jax.lax.axis_index(STAGE)
     last = s - 1
-    cut = _Pieces(targets_MbT.shape[2], s)
+    cut = pieces.Pieces(targets_MbT.shape[2], s)
 
     def when(pred, f, g, *args):
         """f(*args) where pred holds, else g(*args): only the one taken runs, with `skip`."""
@@ -507,11 +505,7 @@ class _Flow:
                              a.dtype) for k, a in self.shapes.items()}
 
     def added(self, sums: dict, stats: dict) -> dict:
-        return {k: self.pinned(k, sums[k] + jnp.sum(stats[k], axis=0)) for k in sums}
-
-    def pinned(self, key, a: jax.Array) -> jax.Array:
-        names = ("act_batch", *[None] * (a.ndim - 1)) if self._rows(key) else (None,) * a.ndim
-        return parallel.constrain(a, names)
+        return {k: sums[k] + jnp.sum(stats[k], axis=0) for k in sums}
 
     def spread(self, d_sums: dict) -> dict:
         return {k: jnp.broadcast_to(d_sums[k][None], a.shape).astype(a.dtype)
@@ -522,79 +516,6 @@ class _Flow:
         stage had no forward)."""
         per_layer = {k: jnp.sum(a, axis=1) if self._rows(k) else a for k, a in stats.items()}
         return {k: acc[k].at[repeat].add(per_layer[k]) for k in acc}
-
-
-@dataclass(frozen=True)
-class _Pieces:
-    """A microbatch's positions cut into S pieces, stage s's piece the s-th part of each of the
-    `ways` runs of positions a device holds (act_seq), so that no device sends another its
-    positions. Stage 0's fresh input and the loss's output gradient are the pieces gathered
-    (an all-gather), the last stage's output and stage 0's input gradient scattered (a
-    reduce-scatter of a masked sum): half an all-reduce's traffic each."""
-
-    seq: int
-    stages: int
-
-    @property
-    def ways(self) -> int:
-        return _seq_ways(self.seq, self.stages)
-
-    def _runs(self, a: jax.Array, axis: int, pieces: int) -> jax.Array:
-        """a[..., T, ...] (T at `axis`) -> [..., ways, pieces, T/(ways*S), ...]."""
-        run = self.seq // (self.ways * self.stages)
-        return a.reshape(*a.shape[:axis], self.ways, pieces, run, *a.shape[axis + 1:])
-
-    def _joined(self, runs: jax.Array, axis: int) -> jax.Array:
-        return runs.reshape(*runs.shape[:axis], -1, *runs.shape[axis + 3:])
-
-    def _per_run(self, fn: Callable, runs_bWSRD: jax.Array) -> jax.Array:
-        """fn (a collective over `stage`) on each device's own runs: left to the partitioner,
-        it gathered the runs over the act_seq axes first and moved whole sequences (8x the
-        bytes at tensor 8)."""
-        if self.ways == 1 or not _meshed():
-            return fn(runs_bWSRD)
-        entry = parallel.spec(("act_seq",))[0]
-        spec = P(None, entry)
-        return jax.shard_map(fn, in_specs=spec, out_specs=spec,
-                             axis_names={entry} if isinstance(entry, str) else set(entry),
-                             check_vma=False)(runs_bWSRD)
-
-    def take(self, a: jax.Array, me: jax.Array) -> jax.Array:
-        """Stage `me`'s piece [b, T/S, ...] of a [b, T, ...] array."""
-        runs = self._runs(a, 1, self.stages)
-        return self._joined(jax.lax.dynamic_slice_in_dim(runs, me, 1, 2), 1)
-
-    def gathered(self, piece: jax.Array) -> jax.Array:
-        """Every stage's piece [b, T/S, ...] gathered into [b, T, ...] (an all-gather)."""
-        gather = lambda runs: jax.lax.all_gather(runs, STAGE, axis=2, tiled=True)
-        return self._joined(self._per_run(gather, self._runs(piece, 1, 1)), 1)
-
-    def scattered(self, a: jax.Array) -> jax.Array:
-        """This stage's piece of the sum over the stages of a[b, T, ...] (a reduce-scatter)."""
-        scatter = lambda runs: jax.lax.psum_scatter(runs, STAGE, scatter_dimension=2, tiled=True)
-        return self._joined(self._per_run(scatter, self._runs(a, 1, self.stages)), 1)
-
-    def stacked(self, x_MbTD: jax.Array) -> jax.Array:
-        """[M, b, T, ...] -> [S, M, b, T/S, ...]: every stage's pieces, stage-sharded."""
-        runs = self._runs(x_MbTD, 2, self.stages)
-        return gpipe._stage_sharded(self._joined(jnp.moveaxis(runs, 3, 0)[:, :, :, :, None], 3))
-
-    def unstacked(self, pieces_SMbPD: jax.Array) -> jax.Array:
-        """The inverse of `stacked`."""
-        runs = self._runs(pieces_SMbPD, 3, 1)[:, :, :, :, 0]
-        return self._joined(jnp.moveaxis(runs, 0, 3), 2)
-
-
-def _seq_ways(seq: int, stages: int) -> int:
-    """How many devices the activations' positions are split over between layers (act_seq:
-    context and tensor), where T splits into that many runs of S pieces; else 1."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    entry = parallel.spec(("act_seq",))[0]
-    axes = (entry,) if isinstance(entry, str) else entry or ()
-    ways = math.prod(mesh.shape.get(a, 1) for a in axes)
-    return ways if seq % (ways * stages) == 0 else 1
 
 
 def _constrained(a: jax.Array, spec: P) -> jax.Array:
