@@ -126,12 +126,14 @@ def test_1f1b_layouts_it_cannot_run_are_refused(overrides, message):
 
 
 def test_the_estimate_keeps_1f1b_activations_flat_in_microbatches():
-    """The dry run's activations: gpipe's grow with M, 1F1B's ring of 2*S-1 items does not."""
+    """The dry run's activations: gpipe's grow with M; 1f1b's ring of S items and the whole
+    ticks' 2*S-1 (interleaved_1f1b at R=1) do not."""
     def layer_runs(schedule, m):
         cfg = pipeline_cfg("mesh.stage=4", "mesh.fsdp=1", f"pipeline.schedule={schedule}",
                    f"train.microbatches={m}", f"train.batch_size={4 * m}")
         return memory._layer_runs(cfg, {"stage": 4})
-    assert [layer_runs("1f1b", m) for m in (4, 16, 64)] == [2 * 4, 7 * 2, 7 * 2]
+    assert [layer_runs("1f1b", m) for m in (2, 4, 16, 64)] == [2 * 2, 4 * 2, 4 * 2, 4 * 2]
+    assert [layer_runs("interleaved_1f1b", m) for m in (4, 16, 64)] == [2 * 4, 7 * 2, 7 * 2]
     assert [layer_runs("gpipe", m) for m in (4, 16, 64)] == [7 * 2, 19 * 2, 67 * 2]
 
 
@@ -207,8 +209,9 @@ def test_1f1b_gradients_follow_the_loss_cotangent():
 @pytest.mark.parametrize("remat", ["full", "save_dots", "none"])
 def test_zb_h1_runs_the_weight_gradients_apart_and_no_matmul_twice(remat):
     """zb_h1's W (one_f_one_b.SCOPES[3]) holds every layer weight's gradient matmul, 2 * rows *
-    fan-in * fan-out each (x^T g), and the step runs the same matmuls as 1f1b's: none is
-    recomputed to cut the backward in two, none lost. Under save_dots W also recomputes the
+    fan-in * fan-out each (x^T g), and the step runs the same matmuls as the whole ticks'
+    1F1B (interleaved_1f1b at R=1) and 1f1b's half ticks, each weighed by its own scopes'
+    shares: none is recomputed to cut the backward in two, none lost. Under save_dots W also recomputes the
     attention's output (probabilities times values, a batched matmul the policy does not keep):
     only the output projection's weight gradient reads it."""
     import jax
@@ -231,7 +234,7 @@ def test_zb_h1_runs_the_weight_gradients_apart_and_no_matmul_twice(remat):
             batch = {k: jax.device_put(v, sharding) for k, v in pipeline_batch(cfg).items()}
             text = compile_step(cfg, plan, tx, mesh).lower(state, batch).compile().as_text()
         module = hlo.parse(text)
-        shares = one_f_one_b.Ticks(2, 1, plan.pipe.microbatches).shares()
+        shares = one_f_one_b.Ticks.of(plan.pipe).shares()
         total = flops.compiled(module, scope_shares=shares)["matmul"]
         rest = flops.compiled(module, scope_shares={**shares, "1f1b_weights": 0.0})["matmul"]
         layers = state["params"]["layers"]
@@ -243,7 +246,7 @@ def test_zb_h1_runs_the_weight_gradients_apart_and_no_matmul_twice(remat):
     layers = cfg.model.num_layers // 2  # stage 2: each device's half of the layers
     recomputed = 2 * rows * cfg.train.seq_len * cfg.model.d_model * layers
     assert weights == 2 * rows * fans // 2 + (recomputed if remat == "save_dots" else 0)
-    assert total == matmuls("1f1b")[0]
+    assert total == matmuls("interleaved_1f1b")[0] == matmuls("1f1b")[0]
 
 
 def _play_zb_h1(s: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> dict:

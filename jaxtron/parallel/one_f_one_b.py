@@ -28,7 +28,7 @@ A mixture of experts (`router`): a sequence's balancing loss couples the pair co
 layers, on every stage. Each microbatch's router statistics summed over the layers so far ride
 with its activations; the last stage forms the router's objective of the whole sums and its
 gradient in them, which rides back with the activations' gradient and is each stage's
-cotangent of its layers' statistics (`_Flow`).
+cotangent of its layers' statistics (`stage_ops.Flow`).
 
 zb_h1 (R = 1): the backward cut into B, the input gradient, and W, the weight gradients
 (zero_bubble.split). Stage s's first s backward-items come before stage 0's first backward
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxtron.parallel import pieces, stage_vjp
+from jaxtron.parallel import half_ticks, pieces, stage_ops, stage_vjp
 from jaxtron.parallel import pipeline as gpipe
 
 STAGE = "stage"
@@ -64,10 +64,12 @@ class Ticks:
     repeats: int
     microbatches: int
     zero_bubble: bool = False  # zb_h1: the backward's weight gradients apart (module docstring)
+    halves: bool = False  # 1f1b: forwards and backwards in alternate half ticks (half_ticks.py)
 
     @classmethod
     def of(cls, pipe: gpipe.Pipeline) -> Ticks:
-        return cls(pipe.stages, pipe.repeats, pipe.microbatches, pipe.schedule == "zb_h1")
+        return cls(pipe.stages, pipe.repeats, pipe.microbatches, pipe.schedule == "zb_h1",
+                   pipe.schedule == "1f1b")
 
     @property
     def items(self) -> int:
@@ -79,12 +81,18 @@ class Ticks:
 
     @property
     def ticks(self) -> int:
+        """The loop's trip count: ticks, or with `halves` pairs of half ticks."""
+        if self.halves:
+            return gpipe.Pipeline(self.stages, 1, self.microbatches, schedule="1f1b").iterations
         return self.items + self.delay
 
     @property
     def slots(self) -> int:
         """The most items whose residuals are alive at once on a stage: (R+1)*S - 1 once M >=
-        S, stage 0's (Megatron-Core's interleaved count, S*R*(1 + (S-1)/(S*R)) items)."""
+        S, stage 0's (Megatron-Core's interleaved count, S*R*(1 + (S-1)/(S*R)) items); S with
+        `halves` (Megatron-Core's 1F1B count)."""
+        if self.halves:
+            return min(self.stages, self.microbatches)
         return int(self.slot_table().max()) + 1
 
     @functools.cache  # noqa: B019 (a frozen dataclass of three ints)
@@ -107,7 +115,12 @@ class Ticks:
 
     def shares(self) -> dict[str, float]:
         """Per named scope (SCOPES), the share of the ticks on which a stage runs it: the
-        forward and backward on M*R, its share of the loss on M."""
+        forward and backward on M*R, its share of the loss on M. With `halves` each runs in two
+        conditionals per trip (one per half), and the last stage alone runs the loss: per trip
+        M/(2T) of each forward and backward, M/(S*T) of the loss, the mean over the stages."""
+        if self.halves:
+            both = self.items / (2 * self.ticks)
+            return dict(zip(SCOPES, (both, self.items / (self.stages * self.ticks), both, 0.0)))
         work = self.items / self.ticks
         return dict(zip(SCOPES, (work, self.microbatches / self.ticks, work, work)))
 
@@ -134,7 +147,7 @@ def loss(layers_fn: Callable, tail_fn: Callable, stacked: Any, tail: Any, x_BTD:
     differentiable in `stacked`, `tail` and `x_BTD`. `layers_fn(stacked, x, positions,
     segment_ids, select=)` runs one stage's layers as in pipeline.run: (x, their statistics
     [L', ...]). `permutes`: the layers hold collective permutes over the stage's devices
-    (collective matmuls; see `skips`).
+    (collective matmuls; see `stage_ops.skips`).
 
     `router` (a mixture of experts, moe.Router): each microbatch's statistics summed over the
     layers ride with its activations to the last stage, which adds `router.objective` of them
@@ -143,15 +156,6 @@ def loss(layers_fn: Callable, tail_fn: Callable, stacked: Any, tail: Any, x_BTD:
     summed over microbatches and each layer's statistics [L, ...], storage order; {} without."""
     return _loss(layers_fn, tail_fn, pipe, permutes, router, stacked, tail, x_BTD,
                  positions_BT, segment_ids_BT, targets_BT, mask_BT)
-
-
-def skips(permutes: bool) -> bool:
-    """Whether a stage skips the work it has none of in a tick (`lax.cond`), as it does on
-    GPUs. Not on CPU devices when its layers hold collective permutes: a CPU collective permute
-    waits for every device its pairs name, the other stages' too, which skipped it."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    platform = device.platform if device is not None else jax.default_backend()
-    return not (permutes and platform == "cpu")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
@@ -180,7 +184,7 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, router, stack
          positions_BT, segment_ids_BT, targets_BT, mask_BT, grads: bool = True):
     """((objective sum, loss sum, router sums), (d stacked, d tail, d x)) of the whole batch
     through the 1F1B ticks; without `grads` the forwards alone, the gradients zeros."""
-    skip = skips(permutes)
+    skip = stage_ops.skips(permutes)
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     staged = jax.tree.map(
         lambda w: gpipe._stage_sharded(
@@ -204,18 +208,23 @@ def _run(layers_fn, tail_fn, pipe: gpipe.Pipeline, permutes: bool, router, stack
 
     def per_device(whole, tail, inputs_SMbPD, *rows):
         w = [a[0, 0] for a in whole]
-        out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
-                     inputs_SMbPD[0], rows, specs, skip, grads, router)
+        if grads and ticks.halves:
+            out = half_ticks.program(layers_fn, tail_fn, s, jax.tree.unflatten(tree, w), tail,
+                                     inputs_SMbPD[0], rows, specs, skip, router, SCOPES[:3])
+        else:
+            out = _ticks(layers_fn, tail_fn, ticks, jax.tree.unflatten(tree, w), tail,
+                         inputs_SMbPD[0], rows, specs, skip, grads, router)
         totals, d_w, d_tail, d_inputs, layer_stats = out
-        axes = (STAGE, *copies) if _meshed() else STAGE
+        meshed = stage_ops.meshed()
+        axes = (STAGE, *copies) if meshed else STAGE
         totals, d_tail = jax.lax.psum((totals, d_tail), axes)
         # the copies' gradients summed here, into the running sum's own buffers
-        d_w = jax.lax.psum(jax.tree.leaves(d_w), copies) if _meshed() else jax.tree.leaves(d_w)
-        layer_stats = jax.lax.psum(layer_stats, copies) if _meshed() else layer_stats
+        d_w = jax.lax.psum(jax.tree.leaves(d_w), copies) if meshed else jax.tree.leaves(d_w)
+        layer_stats = jax.lax.psum(layer_stats, copies) if meshed else layer_stats
         return (totals, [a[None] for a in d_w], d_tail, d_inputs[None],
                 jax.tree.map(lambda a: a[None], layer_stats))
 
-    if _meshed():
+    if stage_ops.meshed():
         per_copy, io = P(STAGE, copies), P(STAGE, None, copies)
         fn = jax.shard_map(per_device,
                            in_specs=(per_copy, P(), io, *[P(None, copies)] * 4),
@@ -252,10 +261,6 @@ def _vmapped(per_device):
                     out_axes=(None, 0, None, 0, 0), axis_name=STAGE)
 
 
-def _meshed() -> bool:
-    return not jax.sharding.get_abstract_mesh().empty
-
-
 def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, skip: bool,
            grads: bool = True, router=None):
     """One stage's program: every tick a forward and a backward (each skipped where the stage
@@ -270,22 +275,13 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     last = s - 1
     cut = pieces.Pieces(targets_MbT.shape[2], s)
 
-    def when(pred, f, g, *args):
-        """f(*args) where pred holds, else g(*args): only the one taken runs, with `skip`."""
-        if skip:
-            return jax.lax.cond(pred, f, g, *args)
-        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), f(*args), g(*args))
-
-    def stage_fn(w, x_bTD, positions_bT, segments_bT, repeat):
-        pick = lambda a: jax.lax.dynamic_index_in_dim(a, repeat, 0, False)
-        select = jax.checkpoint(lambda layer: jax.tree.map(pick, layer),
-                                policy=jax.checkpoint_policies.nothing_saveable)
-        return layers_fn(w, x_bTD, positions_bT, segments_bT, select=select)
+    when = functools.partial(stage_ops.when, skip)
+    stage_fn = stage_ops.stage_fn(layers_fn)
 
     zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
                        inputs_MbPD.dtype)
     primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
-    flow = _Flow(router, jax.eval_shape(stage_fn, *primals)[1])
+    flow = stage_ops.Flow(router, jax.eval_shape(stage_fn, *primals)[1])
     # x stored, w passed again
     pullback = stage_vjp.Pullback.of(stage_fn, primals) if grads else None
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []
@@ -316,13 +312,6 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
 
     piece = cut.seq // s  # the positions of the loss each stage computes
     take = lambda a: cut.take(a, me)
-
-    def objective_of(totals, micro):
-        """The router objective of the microbatch leaving the last stage, from its statistics
-        summed over every layer: (value, its parts, its gradient in those sums)."""
-        tokens_b = jnp.sum(mask_MbT[micro], axis=-1)
-        (value, parts), vjp = jax.vjp(lambda s: router.objective(s, tokens_b), totals)
-        return value, parts, vjp((jnp.ones_like(value), jax.tree.map(jnp.zeros_like, parts)))[0]
 
     def loss_of(y_bPD, micro):
         """This stage's share of the tail's loss of the microbatch leaving the last stage (its
@@ -385,7 +374,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         return jax.tree.map(jnp.add, early, d_w), d_x, queue
 
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
-    acc_w = [_constrained(a, spec) for a, spec in zip(jax.tree.leaves(f32(w)), specs)]
+    acc_w = [stage_ops.constrained(a, spec) for a, spec in zip(jax.tree.leaves(f32(w)), specs)]
 
     up = lambda a: jax.lax.ppermute(a, STAGE, [(i, (i + 1) % s) for i in range(s)])
     down = lambda a: jax.lax.ppermute(a, STAGE, [(i, (i - 1) % s) for i in range(s)])
@@ -424,7 +413,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
         d_sums = flow.zeros_summed()
         if router is not None:  # on the last stage, from the sums that left it
             value, parts, d_sums = when(
-                do_loss & (me == last), objective_of,
+                do_loss & (me == last), lambda a, m: stage_ops.objective(router, a, mask_MbT[m]),
                 lambda a, m: (jnp.zeros((), jnp.float32),
                               jax.tree.map(jnp.zeros_like, parts_sum), flow.zeros_summed()),
                 sums_out, l_micro)
@@ -448,7 +437,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
                                 t, slot_of_backward(buffers, t), ct_bTD)
         else:
             d_w, d_x, queue = split_backward(t, b_item, do_b, buffers, ct_bTD, queue)
-        acc_w = [a + _constrained(d.astype(jnp.float32), spec)
+        acc_w = [a + stage_ops.constrained(d.astype(jnp.float32), spec)
                  for a, d, spec in zip(acc_w, jax.tree.leaves(d_w), specs)]
         # stage 0's first repeat: d x of the microbatch, its pieces back to the stages
         item0 = t - ticks.delay
@@ -465,9 +454,7 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
                 routed), None
 
     zero = jnp.zeros((), jnp.float32)
-    parts = (jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda s: router.objective(s, jnp.zeros(zero_x.shape[:1]))[1], flow.zeros_summed()))
-        if router is not None else {})
+    parts = flow.zeros_parts(zero_x.shape[0])
     routed = (flow.zeros_summed(), flow.zeros_summed(), flow.zeros_logged(r), zero, parts)
     carry = (zero_x, zero_x, slots, acc_w, zero, jax.tree.map(jnp.zeros_like, tail),
              jnp.zeros_like(inputs_MbPD), queue, routed)
@@ -479,48 +466,3 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     totals = (total + value_sum, total, parts_sum)
     return (totals, jax.tree.unflatten(jax.tree.structure(w), acc_w), d_tail_sum, d_inputs,
             acc_stats)
-
-
-@dataclass(frozen=True)
-class _Flow:
-    """A stage's statistics (a mixture of experts' router sums, [L', ...] per leaf; `router`'s
-    `rows` per row [L', b, ...]) as the ticks move them: summed over the layers (`added`) with
-    the activations to the last stage, their gradient (`spread` over the layers) back with the
-    activations' gradient, and logged per layer and repeat [R, L', ...], the rows summed."""
-
-    router: Any
-    shapes: dict  # one stage's statistics, abstract
-
-    def _rows(self, key) -> bool:
-        return self.router is not None and key in self.router.rows
-
-    def zeros(self) -> dict:
-        return {k: jnp.zeros(a.shape, a.dtype) for k, a in self.shapes.items()}
-
-    def zeros_summed(self) -> dict:
-        return {k: jnp.zeros(a.shape[1:], a.dtype) for k, a in self.shapes.items()}
-
-    def zeros_logged(self, repeats: int) -> dict:
-        return {k: jnp.zeros((repeats, a.shape[0], *a.shape[2 if self._rows(k) else 1:]),
-                             a.dtype) for k, a in self.shapes.items()}
-
-    def added(self, sums: dict, stats: dict) -> dict:
-        return {k: sums[k] + jnp.sum(stats[k], axis=0) for k in sums}
-
-    def spread(self, d_sums: dict) -> dict:
-        return {k: jnp.broadcast_to(d_sums[k][None], a.shape).astype(a.dtype)
-                for k, a in self.shapes.items()}
-
-    def logged(self, acc: dict, stats: dict, repeat) -> dict:
-        """acc [R, L', ...] with this item's statistics added at its repeat (zeros where the
-        stage had no forward)."""
-        per_layer = {k: jnp.sum(a, axis=1) if self._rows(k) else a for k, a in stats.items()}
-        return {k: acc[k].at[repeat].add(per_layer[k]) for k in acc}
-
-
-def _constrained(a: jax.Array, spec: P) -> jax.Array:
-    """A stage weight's gradient [L', R, ...] laid out as its weight's `spec` says (split over
-    fsdp for grad_sum=sharded: a reduce-scatter each tick)."""
-    if not _meshed():
-        return a
-    return jax.lax.with_sharding_constraint(a, P(None, None, *spec[1:]))

@@ -47,7 +47,11 @@ class Pipeline:
     @property
     def iterations(self) -> int:
         """The loop's trip count: M*R + S-1 iterations of a stage's forward (gpipe, circular;
-        the backward as many again), or M*R + (R+1)*S - 2 ticks of a forward and a backward."""
+        the backward as many again), M*R + (R+1)*S - 2 ticks of a forward and a backward, or
+        for 1f1b pairs of half ticks from -half_lead(S) to 2M + 3S - 4 (half_ticks.py: the last
+        stage keeps its piece of the last input gradient in the last)."""
+        if self.schedule == "1f1b":
+            return (half_lead(self.stages) + 2 * self.microbatches + 3 * self.stages - 2) // 2
         if self.explicit:
             return self.microbatches * self.repeats + (self.repeats + 1) * self.stages - 2
         return self.microbatches * self.repeats + self.stages - 1
@@ -66,11 +70,19 @@ class Pipeline:
         return (self.stages - 1) / (work + self.stages - 1)
 
 
+def half_lead(stages: int) -> int:
+    """1f1b's half ticks before stage 0's first forward (half_ticks.py): the last stage's
+    piece of microbatch 0 leaves at half tick -S; even, so that the halves keep their parity."""
+    return stages + stages % 2
+
+
 def describe(pipe: Pipeline, schedule: str, passes: int) -> str:
     """One log line: the schedule and its bubble fraction."""
     s, r, m = pipe.stages, pipe.repeats, pipe.microbatches
     looped = f" x {r} repeats" if r > 1 else ""
     ticks = f", {pipe.iterations} ticks" if pipe.explicit else ""
+    if schedule == "1f1b":
+        ticks = f", {pipe.iterations} ticks of two halves"
     formula = (f"2(S-1)/(3M+2(S-1)) = {2 * (s - 1)}/{3 * m + 2 * (s - 1)}"
                if schedule == "zb_h1" else f"(S-1)/(R*M+S-1) = {s - 1}/{m * r + s - 1}")
     return (f"pipeline: {schedule}, {s} stages{looped}, {m} microbatches per pass x "

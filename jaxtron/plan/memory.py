@@ -345,7 +345,7 @@ def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
     whole = m.num_layers - m.staged_layers + m.mtp_depth
     per_item = m.staged_layers // (pipe.stages * pipe.repeats)
     if pipe.explicit:  # 1F1B: the items alive in the ring of slots, whatever M
-        slots = one_f_one_b.Ticks(pipe.stages, pipe.repeats, pipe.microbatches).slots
+        slots = one_f_one_b.Ticks.of(pipe).slots
         return whole + slots * per_item
     return whole + pipe.iterations * per_item
 

@@ -14,7 +14,9 @@ estimates one step's time as
 - bubble: the pipeline's idle share (Pipeline.bubble), (S-1) / (M*R + S-1) for S stages, M
   microbatches per pass, R repeats (circular, interleaved_1f1b) on every schedule but zb_h1
   (jaxtron.parallel.pipeline), whose warm-up leaves its weight gradients for later: 2/3 of that
-  idle time. 1F1B changes the memory (parallel/one_f_one_b.py), not the bubble.
+  idle time. 1F1B changes the memory (parallel/one_f_one_b.py), not the bubble; `1f1b` runs
+  the LM head and loss on the last stage (parallel/half_ticks.py), S-1 more shares of their
+  time than the schedules that share them out (`last_stage_loss`).
 - communication, per collective, bytes on the wire per GPU over the axis's link (NVLink inside a
   node, the inter-node network across; parallel.crossing_axes says which), by nccl-tests' bus
   bandwidth definitions:
@@ -312,8 +314,16 @@ def step_time(cfg: Config, mesh: dict[str, int], per_node: int, gpu: str) -> dic
     parts["data"] = _seconds(2 * grads * (d - 1) / d, "data" in crossing)
     # a microbatch forward and one backward per iteration; 1F1B's ticks also gather stage 0's
     # input and the loss's output gradient from their pieces and scatter the last stage's
-    # output and stage 0's input gradient: four (S-1)/S of a microbatch (parallel/one_f_one_b.py)
+    # output and stage 0's input gradient: four (S-1)/S of a microbatch (parallel/one_f_one_b.py).
+    # 1f1b's half ticks swap an activation or its gradient and a microbatch's worth of input
+    # pieces each way, twice per iteration (parallel/half_ticks.py).
     per_tick = 2 + (4 * (stages - 1) / stages if pipe and pipe.explicit else 0)
+    if pipe and pipe.schedule == "1f1b":
+        per_tick = 4
+        # the last stage runs every microbatch's LM head and loss, which the other schedules
+        # share out over the stages: S-1 more shares of it on the step's path
+        head = 6 * m.d_model * m.vocab_size * tokens / gpus / (ACHIEVABLE_TFLOPS[gpu] * 1e12)
+        parts["last_stage_loss"] = head * (stages - 1)
     stage_bytes = per_tick * iterations * seqs / t.microbatches * slab / tp if pipe else 0.0
     parts["stage"] = _seconds(stage_bytes, "stage" in crossing)
     # context: each layer's K and V gathered forward and backward, their gradients scattered
@@ -374,8 +384,9 @@ def why_slower(worse: Layout, better: Layout, usable: int) -> str:
     deltas = {k: worse.parts[k] - better.parts.get(k, 0.0) for k in worse.parts}
     costs = sorted(((d, k) for k, d in deltas.items() if d > 0), reverse=True)
     top = costs[0][0] if costs else 0.0
-    terms = ", ".join(f"{k} {duration(worse.parts[k])} against {duration(better.parts[k])}"
-                      for d, k in costs[:3] if d >= top / 5)
+    terms = ", ".join(
+        f"{k} {duration(worse.parts[k])} against {duration(better.parts.get(k, 0.0))}"
+        for d, k in costs[:3] if d >= top / 5)
     return (f"+{duration(worse.step_seconds - better.step_seconds)} per step, mostly "
             f"{terms or 'rounding'}")
 
