@@ -437,3 +437,22 @@ def test_a_line_names_the_axes_that_cross_nodes():
     assert plan_tool._line(_layout(_mesh(data=2, stage=8, tensor=8), ("data", "stage"))).endswith(
         "; data and stage cross nodes")
     assert "cross" not in plan_tool._line(_layout(_mesh(fsdp=8)))
+
+
+def test_1f1b_counts_the_last_stage_loss_and_the_whole_ticks_are_offered():
+    """1f1b's half ticks run every microbatch's head and loss on the last stage (parallel/
+    half_ticks.py): S-1 more shares of the head's matmul time on the step's path than
+    interleaved_1f1b at R = 1, whose whole ticks share the loss out and which the planner now
+    offers as well; compute, bubble, tensor and data traffic are the same."""
+    mesh = _mesh(stage=4, fsdp=2)
+    cfg = _cfg("train.batch_size=64")
+    assert ("interleaved_1f1b", 1) in {(v[0], v[1]) for v in planner.variants(cfg, mesh,
+                                                                             ["full"])}
+    half, whole = (planner.step_time(planner.configure(cfg, mesh, schedule, 1, 16, "full"), mesh,
+                                     8, "h100")
+                   for schedule in ("1f1b", "interleaved_1f1b"))
+    m, tokens = cfg.model, 64 * 256 / 8
+    head = 6 * m.d_model * m.vocab_size * tokens / (planner.ACHIEVABLE_TFLOPS["h100"] * 1e12)
+    assert half["last_stage_loss"] == pytest.approx(head * 3) and "last_stage_loss" not in whole
+    for k in ("compute", "bubble", "tensor", "data"):
+        assert half[k] == whole[k], k

@@ -91,9 +91,10 @@ EXPLICIT_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1")
 class PipelineConfig:
     """How microbatches flow through the mesh.stage pipeline stages (see docs/parallelism.md)."""
 
-    # gpipe | circular (`repeats` layer groups per stage) | 1f1b | interleaved_1f1b (repeats too)
-    # | zb_h1 (1f1b with the weight gradients filling the bubble): the 1F1B schedules keep
-    # (R+1)*S - 1 items' activations per stage whatever M (one_f_one_b)
+    # gpipe | circular (`repeats` layer groups per stage) | 1f1b | interleaved_1f1b (repeats too,
+    # 1 included) | zb_h1 (1F1B with the weight gradients filling the bubble). Whatever M, 1f1b
+    # keeps S microbatches' activations per stage (half_ticks), interleaved_1f1b and zb_h1
+    # (R+1)*S - 1 items of one repeat's layers (one_f_one_b)
     schedule: str = "gpipe"
     repeats: int = 1  # circular: layer groups per stage; bubble (S-1)/(repeats*M+S-1)
     passes: int = 1  # microbatches go through the pipeline in this many sequential passes
@@ -392,7 +393,8 @@ def check_warnings(cfg: Config) -> list[str]:
             cfg.mesh.tensor):
         found.append(f"pipeline.schedule=zb_h1 with mesh.tensor={cfg.mesh.tensor}: the "
                      "collective matmuls compute the weight gradients inside their rings, "
-                     "so none waits to fill the bubble and it runs as 1f1b; "
+                     "so none waits to fill the bubble and it runs as interleaved_1f1b at "
+                     "pipeline.repeats=1 (2S-1 microbatches alive; 1f1b keeps S); "
                      "model.collective_matmul=false frees them (at their exposed traffic)")
     if 1 < stages and per_pass < stages:  # the circular schedule refuses this outright
         found.append(f"{per_pass} microbatch{'es' if per_pass > 1 else ''} per pass through "

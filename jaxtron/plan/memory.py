@@ -335,9 +335,9 @@ def _one_f_one_b(cfg: Config, sizes: dict[str, int]) -> bool:
 def _layer_runs(cfg: Config, sizes: dict[str, int]) -> int:
     """Layer applications one device keeps activations of: its layers (and model.mtp_depth's
     modules, one layer each), or with a pipeline every iteration's L/(S*R) staged layers (all
-    M*R + S - 1 iterations are alive at the backward's start; under 1F1B the (R+1)*S - 1 items
-    of the ring of slots), and the layers outside the stages (model.moe.first_dense's, the
-    modules) once."""
+    M*R + S - 1 iterations are alive at the backward's start; under 1F1B the items of the ring
+    of slots: S under 1f1b, (R+1)*S - 1 under the whole ticks), and the layers outside the
+    stages (model.moe.first_dense's, the modules) once."""
     m = cfg.model
     pipe = pipeline.from_config(cfg, sizes["stage"])
     if pipe is None:

@@ -217,7 +217,8 @@ def variants(cfg: Config, mesh: dict[str, int], remats: list[str]):
             schedules += [("1f1b", 1)]
             if cfg.model.weight_grads_apart(mesh["tensor"]):
                 schedules += [("zb_h1", 1)]
-            schedules += [("interleaved_1f1b", r) for r in repeated]
+            # R = 1: the whole ticks, 2S - 1 microbatches alive and the loss shared out
+            schedules += [("interleaved_1f1b", r) for r in [1, *repeated]]
     sums = ["sharded", "whole"] if mesh["stage"] > 1 and mesh["fsdp"] > 1 else ["sharded"]
     for (schedule, repeats), micro, remat, grad_sum in itertools.product(schedules, counts, remats,
                                                                          sums):
