@@ -655,11 +655,12 @@ def test_a_long_context_preset_as_shipped_fits_with_a_tenth_spare(tmp_path, conf
 
 @pytest.mark.slow  # CI's time; `pytest -m slow` runs it
 def test_1f1b_memory_on_128_gpus_does_not_grow_with_microbatches(tmp_path):
-    """llama3_70b_pp8's layout with the 1f1b schedule, one sequence per microbatch and data
-    replica: the peak at M = 64 and at M = 256 within 5% (gpipe's: 28.4 and 46.8 GiB), and
-    the matmuls the compiled program runs on its ticks (their forward and backward
-    conditionals weighed by the ticks they run on) what the policy implies. Measured on jax
-    0.10.2: 25.80 and 26.19 GiB, 8494.0 T = the policy's at M = 256."""
+    """llama3_70b_pp8's layout with the 1f1b schedule (its half ticks), one sequence per
+    microbatch and data replica: the peak at M = 64 and at M = 256 within 5% (gpipe's: 28.4
+    and 46.8 GiB), and the matmuls the compiled program runs on its ticks (their forward,
+    loss and backward conditionals weighed by the share of trips each runs on) what the
+    policy implies. Measured on jax 0.10.2 under save_dots (the preset's): 31.86 and 32.25
+    GiB, 6866.7 T = the policy's at M = 256."""
     peaks = {}
     for m in (64, 256):
         report = _launch(tmp_path, "llama3_70b_pp8.yaml", 128, "pipeline.schedule=1f1b",
@@ -672,9 +673,9 @@ def test_1f1b_memory_on_128_gpus_does_not_grow_with_microbatches(tmp_path):
 
 @pytest.mark.slow  # CI runs it in its second leg
 def test_the_pipelined_70b_as_shipped_leaves_no_more_exposed_than_jax_0_10_2(tmp_path):
-    """llama3_70b_pp8 on 128 H100s, as shipped (1f1b, save_dots): its traffic with no matmul
-    beside it within 10% of what jax 0.10.2's program leaves (the collective matmuls' rings, the
-    pipeline's stage traffic). Each tick (M + 2S - 2 = 270) moves four microbatches' worth over
+    """llama3_70b_pp8 on 128 H100s, as shipped (interleaved_1f1b at repeats 1: the whole ticks,
+    save_dots): its traffic with no matmul beside it within 10% of what jax 0.10.2's program
+    leaves (the collective matmuls' rings, the pipeline's stage traffic). Each tick (M + 2S - 2 = 270) moves four microbatches' worth over
     `stage` in bf16, each an all-gather or reduce-scatter of [b, T/tensor, D] per device: stage
     0's next input gathered from its pieces, the last stage's output scattered for the loss,
     the loss's gradient gathered, stage 0's input gradient scattered. (As masked all-reduces,

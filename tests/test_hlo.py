@@ -261,6 +261,21 @@ def test_trip_count_read_off_the_induction_variable():
     assert (row["op"], row["count"], row["bytes"]) == ("all-reduce", 3, 3 * 32)
 
 
+def test_a_scope_share_weighs_what_runs_under_it():
+    """A collective under a named scope whose conditional runs on a share of the loop's
+    iterations (the 1F1B ticks' forward and backward, one_f_one_b.Ticks.shares) is counted on
+    that share of them, in executions and bytes; others in full."""
+    scoped = UNANNOTATED_LOOP.replace(
+        "to_apply=%add\n", 'to_apply=%add, metadata={op_name="jit(step)/while/body/'
+        '1f1b_forward/cond/all-reduce"}\n')
+    assert scoped != UNANNOTATED_LOOP
+    shares = {"1f1b_forward": 2 / 3, "1f1b_backward": 0.5}
+    (row,) = hlo.collectives(hlo.parse(scoped), MESH, scope_shares=shares)
+    assert (row["count"], row["bytes"]) == (2, 2 * 32)
+    (row,) = hlo.collectives(hlo.parse(UNANNOTATED_LOOP), MESH, scope_shares=shares)
+    assert (row["count"], row["bytes"]) == (3, 3 * 32)
+
+
 def test_overlap_is_a_matmul_between_start_and_done():
     rows = {row["op"]: row for row in hlo.collectives(hlo.parse(MODULE), MESH)}
     # As written, each start is followed straight by its done (the GEMMs run before or after).

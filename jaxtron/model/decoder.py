@@ -288,12 +288,12 @@ class Transformer(nnx.Module):
         norm_graph, norm_state = nnx.split(self.final_norm)
         cfg = self.cfg
 
-        def tail(params, x_bTD, targets_bT, mask_bT):
+        def tail(params, x_bTD, targets_bT, mask_bT, strided=False):
             norm, head = params
             x_bTD = nnx.merge(norm_graph, norm)(x_bTD)
             head_DV = (head.T if cfg.tie_embeddings else head).astype(cfg.dtype)
             return vocab.plain_total(x_bTD, head_DV, targets_bT, mask_bT, chunk,
-                                     cfg.logit_softcap)
+                                     cfg.logit_softcap, strided)
 
         mask_BT = batch["segment_ids"] != 0
         router = moe.Router.of(cfg) if cfg.moe.num_experts else None

@@ -91,7 +91,7 @@ def program(layers_fn, tail_fn, stages: int, w, tail, inputs_MbPD, rows, specs, 
 
     def loss_of(y_bTD, i):
         """The last stage's loss of microbatch i and its gradient in the tail and in y."""
-        fn = lambda p, y: tail_fn(p, y, targets_MbT[i], mask_MbT[i])
+        fn = lambda p, y: tail_fn(p, y, targets_MbT[i], mask_MbT[i], strided=True)
         part, vjp = jax.vjp(fn, tail, y_bTD)
         d_tail, d_y = vjp(jnp.ones_like(part))
         return part.astype(jnp.float32), d_tail, d_y

@@ -142,8 +142,9 @@ def loss(layers_fn: Callable, tail_fn: Callable, stacked: Any, tail: Any, x_BTD:
          mask_BT: jax.Array, pipe: gpipe.Pipeline, permutes: bool = False,
          router: Any = None) -> tuple[jax.Array, jax.Array, dict]:
     """(the summed objective, the summed loss, the router's sums) of the batch through every
-    stacked layer (stored in `layer_order`) and `tail_fn(tail, x_bTD, targets_bT, mask_bT)`
-    (final norm, LM head, cross-entropy: a sum over the microbatch), the objective
+    stacked layer (stored in `layer_order`) and `tail_fn(tail, x_bTD, targets_bT, mask_bT,
+    strided=False)` (final norm, LM head, cross-entropy: a sum over the microbatch; `strided`
+    chunks of positions, vocab.plain_total, for 1f1b's whole microbatches), the objective
     differentiable in `stacked`, `tail` and `x_BTD`. `layers_fn(stacked, x, positions,
     segment_ids, select=)` runs one stage's layers as in pipeline.run: (x, their statistics
     [L', ...]). `permutes`: the layers hold collective permutes over the stage's devices

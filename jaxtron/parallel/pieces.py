@@ -42,32 +42,29 @@ class Pieces:
     def _joined(self, runs: jax.Array, axis: int) -> jax.Array:
         return runs.reshape(*runs.shape[:axis], -1, *runs.shape[axis + 3:])
 
-    def _per_run(self, fn: Callable, runs_bWSRD: jax.Array, *args: jax.Array) -> jax.Array:
-        """fn (a collective over `stage`, or a slice at a stage's index in `args`) on each
-        device's own runs: left to the partitioner, it gathered the runs over the act_seq axes
-        first and moved whole sequences (8x the bytes at tensor 8)."""
+    def _per_run(self, fn: Callable, runs_bWSRD: jax.Array) -> jax.Array:
+        """fn (a collective over `stage`) on each device's own runs: left to the partitioner,
+        it gathered the runs over the act_seq axes first and moved whole sequences (8x the
+        bytes at tensor 8)."""
         if self.ways == 1 or jax.sharding.get_abstract_mesh().empty:
-            return fn(runs_bWSRD, *args)
+            return fn(runs_bWSRD)
         entry = parallel.spec(("act_seq",))[0]
         spec = P(None, entry)
-        specs = [spec if a.ndim > 1 else P() for a in args]
-        return jax.shard_map(fn, in_specs=(spec, *specs), out_specs=spec,
+        return jax.shard_map(fn, in_specs=spec, out_specs=spec,
                              axis_names={entry} if isinstance(entry, str) else set(entry),
-                             check_vma=False)(runs_bWSRD, *args)
+                             check_vma=False)(runs_bWSRD)
 
     def take(self, a: jax.Array, me: jax.Array) -> jax.Array:
         """Stage `me`'s piece [b, T/S, ...] of a [b, T, ...] array."""
-        take = lambda runs, me: jax.lax.dynamic_slice_in_dim(runs, me, 1, 2)
-        return self._joined(self._per_run(take, self._runs(a, 1, self.stages), jnp.asarray(me)),
-                            1)
+        runs = self._runs(a, 1, self.stages)
+        return self._joined(jax.lax.dynamic_slice_in_dim(runs, me, 1, 2), 1)
 
     def put(self, a: jax.Array, piece: jax.Array, me: jax.Array) -> jax.Array:
         """a [b, T, ...] with stage `me`'s piece replaced by `piece` [b, T/S, ...] (`take`'s
         inverse)."""
-        put = lambda runs, piece, me: jax.lax.dynamic_update_slice_in_dim(runs, piece, me, 2)
-        piece = self._runs(piece, 1, 1).astype(a.dtype)
-        return self._joined(self._per_run(put, self._runs(a, 1, self.stages), piece,
-                                          jnp.asarray(me)), 1)
+        runs = self._runs(a, 1, self.stages)
+        return self._joined(jax.lax.dynamic_update_slice_in_dim(
+            runs, self._runs(piece, 1, 1).astype(a.dtype), me, 2), 1)
 
     def gathered(self, piece: jax.Array) -> jax.Array:
         """Every stage's piece [b, T/S, ...] gathered into [b, T, ...] (an all-gather)."""

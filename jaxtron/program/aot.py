@@ -180,11 +180,13 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
     tokens = cfg.train.batch_size * cfg.train.seq_len / num_devices  # per device
     pipe = pipeline.from_config(cfg, plan.mesh_sizes.get("stage", 1))
     ticks = one_f_one_b.Ticks.of(pipe) if pipe and pipe.explicit else None
-    counted = flops.compiled(module, windows.shares(cfg.model), ticks and ticks.shares())
+    shares = ticks and ticks.shares()
+    counted = flops.compiled(module, windows.shares(cfg.model), shares)
     # the experts' kernels: each pair of the expert group's buffer runs on one of its devices
     ragged = counted["ragged"] // plan.mesh_sizes.get("expert", 1)
     counted["matmul"] += ragged
-    rows = hlo.collectives(module, plan.mesh_sizes, _hosts(cfg, target, num_devices, gpus_per_host))
+    rows = hlo.collectives(module, plan.mesh_sizes, _hosts(cfg, target, num_devices, gpus_per_host),
+                           shares)
     return {
         "target": target,
         "device_kind": target_device_kind(target),
@@ -218,7 +220,7 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
                   "six_n_tokens_per_device": round(6 * costs.matmul_params(cfg.model) * tokens)},
         "collectives": rows,
         "exposed_bytes_per_axis": exposed_bytes(rows),
-        "kernels": hlo.kernels(module),
+        "kernels": hlo.kernels(module, shares),
         "compile_seconds": round(seconds, 2),
         "xla_flags": os.environ.get("XLA_FLAGS", "").split(),
     }

@@ -49,10 +49,10 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None,
             if hlo._target(inst).startswith("__cudnn$fmha"):
                 share = shares.get(_window(inst), 1.0)
                 runs_here = module.executions.get(comp, 0)
-                totals["attention"] += round(runs_here * flops * _scope_share(inst, scope_shares)
+                totals["attention"] += round(runs_here * flops * hlo.scope_share(inst, scope_shares)
                                              * (share if comp in module.branches else 1.0))
                 continue
-            scoped = _scope_share(inst, scope_shares)
+            scoped = hlo.scope_share(inst, scope_shares)
             if _ragged(inst):
                 totals["ragged"] += round(runs * flops * scoped)
                 continue
@@ -62,15 +62,6 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None,
                 totals["fp8"] += round(runs * flops * scoped)
                 totals["fp8_e5m2"] += round(runs * flops * scoped) * ("f8e5m2" in dtypes)
     return totals
-
-
-def _scope_share(inst: Instruction, scope_shares: dict[str, float] | None) -> float:
-    """The share of the named scope in the instruction's op_name (1 for none)."""
-    if not scope_shares:
-        return 1.0
-    name = re.search(r'op_name="([^"]*)"', inst.rest)
-    return next((share for scope, share in scope_shares.items()
-                 if name and f"/{scope}/" in f"{name.group(1)}/"), 1.0)
 
 
 def _flops(inst: Instruction, module: Module) -> int:

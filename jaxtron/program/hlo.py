@@ -368,10 +368,23 @@ def overlapped(module: Module) -> set[str]:
     return hidden
 
 
-def collectives(module: Module, mesh_shape: dict[str, int], hosts: Sequence[int] = ()) -> list:
+def scope_share(inst: Instruction, scope_shares: dict[str, float] | None) -> float:
+    """The share of the named scope in the instruction's op_name (1 for none): of its loop's
+    iterations, those on which the conditional under that scope runs (the 1F1B ticks' forward,
+    loss and backward, one_f_one_b.Ticks.shares), where the module counts every one."""
+    if not scope_shares:
+        return 1.0
+    name = re.search(r'op_name="([^"]*)"', inst.rest)
+    return next((share for scope, share in scope_shares.items()
+                 if name and f"/{scope}/" in f"{name.group(1)}/"), 1.0)
+
+
+def collectives(module: Module, mesh_shape: dict[str, int], hosts: Sequence[int] = (),
+                scope_shares: dict[str, float] | None = None) -> list:
     """Every collective grouped by (op, axes, async): instructions, executions and bytes per step,
     executions overlapped with a matmul, and whether any of its groups spans hosts (`hosts[i]`:
-    the host of the program's device i, in the mesh's device order; empty: one host)."""
+    the host of the program's device i, in the mesh's device order; empty: one host).
+    `scope_shares`: as `scope_share` weighs them, the executions of those under a scope."""
     num_devices = math.prod(mesh_shape.values())
     hidden = overlapped(module)
     rows: dict[tuple, dict] = {}
@@ -390,24 +403,26 @@ def collectives(module: Module, mesh_shape: dict[str, int], hosts: Sequence[int]
                 "crosses_hosts": False, **dict.fromkeys(_COUNTS, 0)})
             if len(hosts) and groups:
                 row["crosses_hosts"] |= any(len({hosts[i] for i in g}) > 1 for g in groups)
-            size = runs * collective_bytes(op, inst, width)
+            done = round(runs * scope_share(inst, scope_shares))
+            size = done * collective_bytes(op, inst, width)
             shown = inst.name in hidden or comp in hidden
-            for key, value in zip(_COUNTS, (1, runs, size, runs * shown, size * shown)):
+            for key, value in zip(_COUNTS, (1, done, size, done * shown, size * shown)):
                 row[key] += value
     return sorted(rows.values(), key=lambda r: (COLLECTIVES.index(r["op"]), -r["bytes"]))
 
 
-def kernels(module: Module) -> dict[str, int]:
+def kernels(module: Module, scope_shares: dict[str, float] | None = None) -> dict[str, int]:
     """Library and generated kernels by name (custom-call targets, Triton fusion kinds), counted
-    in executions per step."""
+    in executions per step (`scope_shares` as in `collectives`)."""
     found: Counter[str] = Counter()
     for comp, insts in module.computations.items():
         runs = module.executions.get(comp, 0)
         for inst in insts:
             if inst.opcode == "custom-call":
-                found[_target(inst) or "custom-call"] += runs
+                found[_target(inst) or "custom-call"] += round(runs * scope_share(inst,
+                                                                                  scope_shares))
             elif inst.opcode == "fusion" and (kind := _fusion_kind(inst)):
-                found[kind] += runs
+                found[kind] += round(runs * scope_share(inst, scope_shares))
     return dict(sorted(found.items(), key=lambda kv: -kv[1]))
 
 
