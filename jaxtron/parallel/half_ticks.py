@@ -24,13 +24,11 @@ step at B = 2F (tools/pipeline_timing.py plays both). Hence:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jaxtron.parallel import pieces, stage_ops, stage_vjp
 from jaxtron.parallel import pipeline as gpipe
+from jaxtron.parallel import stage_ops, stage_vjp
 
 STAGE = "stage"
 
@@ -65,16 +63,9 @@ def program(layers_fn, tail_fn, stages: int, w, tail, inputs_MbPD, rows, specs, 
     one_f_one_b._ticks returns them."""
     positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
     s, m = stages, targets_MbT.shape[0]
-    me = jax.lax.axis_index(STAGE)
     last = s - 1
-    cut = pieces.Pieces(targets_MbT.shape[2], s)
-    when = functools.partial(stage_ops.when, skip)
-    stage_fn = stage_ops.stage_fn(layers_fn)
-    zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
-                       inputs_MbPD.dtype)
-    repeat = jnp.zeros((), jnp.int32)
-    primals = (w, zero_x, positions_MbT[0], segments_MbT[0], repeat)
-    flow = stage_ops.Flow(router, jax.eval_shape(stage_fn, *primals)[1])
+    me, cut, when, stage_fn, zero_x, primals, flow = stage_ops.setting(
+        layers_fn, w, inputs_MbPD, rows, router, skip, s)
     pullback = stage_vjp.Pullback.of(stage_fn, primals)
     slots = min(s, m)
     rows_of = lambda i: (positions_MbT[i], segments_MbT[i], i * 0)  # repeat 0, traced as in `of`

@@ -272,17 +272,9 @@ def _ticks(layers_fn, tail_fn, ticks: Ticks, w, tail, inputs_MbPD, rows, specs, 
     stored."""
     positions_MbT, segments_MbT, targets_MbT, mask_MbT = rows
     s, r = ticks.stages, ticks.repeats
-    me = jax.lax.axis_index(STAGE)
     last = s - 1
-    cut = pieces.Pieces(targets_MbT.shape[2], s)
-
-    when = functools.partial(stage_ops.when, skip)
-    stage_fn = stage_ops.stage_fn(layers_fn)
-
-    zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
-                       inputs_MbPD.dtype)
-    primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
-    flow = stage_ops.Flow(router, jax.eval_shape(stage_fn, *primals)[1])
+    me, cut, when, stage_fn, zero_x, primals, flow = stage_ops.setting(
+        layers_fn, w, inputs_MbPD, rows, router, skip, s)
     # x stored, w passed again
     pullback = stage_vjp.Pullback.of(stage_fn, primals) if grads else None
     slots = [jnp.zeros((ticks.slots, *a.shape), a.dtype) for a in pullback.stored] if grads else []

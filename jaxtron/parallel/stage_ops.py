@@ -5,12 +5,15 @@ mixture of experts' router objective on the last stage, and carry the router's s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from jaxtron.parallel import pieces
 
 
 def meshed() -> bool:
@@ -45,6 +48,22 @@ def stage_fn(layers_fn: Callable) -> Callable:
         return layers_fn(w, x_bTD, positions_bT, segments_bT, select=select)
 
     return run
+
+
+def setting(layers_fn: Callable, w: Any, inputs_MbPD: jax.Array, rows: list, router: Any,
+            skip: bool, stages: int) -> tuple:
+    """What both 1F1B programs set up on a stage: (its index on `stage`, the microbatch's
+    pieces (pieces.Pieces), `when` with `skip`, the stage function, a zero input [b, T, ...],
+    the primals of its forward, the statistics' Flow)."""
+    positions_MbT, segments_MbT, targets_MbT, _ = rows
+    cut = pieces.Pieces(targets_MbT.shape[2], stages)
+    run = stage_fn(layers_fn)
+    zero_x = jnp.zeros((*inputs_MbPD.shape[1:2], cut.seq, *inputs_MbPD.shape[3:]),
+                       inputs_MbPD.dtype)
+    primals = (w, zero_x, positions_MbT[0], segments_MbT[0], jnp.zeros((), jnp.int32))
+    flow = Flow(router, jax.eval_shape(run, *primals)[1])
+    return (jax.lax.axis_index("stage"), cut, functools.partial(when, skip), run, zero_x,
+            primals, flow)
 
 
 def objective(router: Any, totals: dict, mask_bT: jax.Array):
