@@ -52,3 +52,39 @@ def test_resident_memory_stays_flat_over_120_saves(soak):
           f"{EARLY - 9}-{EARLY + 10}, {late:.3f} over steps {SAVES - 19}-{SAVES} "
           f"({100 * (late / early - 1):+.1f}%)")
     assert late <= 1.10 * early, (early, late)
+
+
+LOCAL_SAVES = 200
+
+
+@pytest.mark.slow  # CI's time; `pytest -m slow` runs it
+def test_local_tier_keeps_memory_flat_and_blocks_the_loop_briefly(tmp_path):
+    """200 local saves (checkpoint.local_dir, one at every step): the median resident memory over
+    saves 181-200 within 10% of that over saves 11-30, and the loop blocked on a local save for
+    less than a tenth of the median step (a ratio within one run: the bound the local tier
+    promises, jaxtron/train/local_tier.py)."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "checkpoint.every"))]
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), *overrides,
+                           f"train.steps={LOCAL_SAVES}", "checkpoint.every=0",
+                           f"checkpoint.local_dir={tmp_path / 'local'}",
+                           "checkpoint.local_every=1", f"run.dir={run_dir}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kept = sorted(int(p.name) for p in (tmp_path / "local").glob("*/*") if p.name.isdigit())
+    assert kept == [LOCAL_SAVES - 2, LOCAL_SAVES - 1]  # the last step is the persistent save's
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {row["step"]: row["host_memory_gib"] for row in rows}
+    early = statistics.median(by_step[step] for step in range(EARLY - 9, EARLY + 11))
+    late = statistics.median(by_step[step] for step in range(LOCAL_SAVES - 19, LOCAL_SAVES + 1))
+    line = next(line for line in done.stdout.splitlines() if "local checkpoints: " in line
+                and " saved, the loop blocked " in line)
+    each = float(line.rsplit("(", 1)[1].split(" s each")[0])
+    step_s = statistics.median(row["step_time"] for row in rows[10:])
+    print(f"resident memory: median {early:.3f} GiB over steps {EARLY - 9}-{EARLY + 10}, "
+          f"{late:.3f} over steps {LOCAL_SAVES - 19}-{LOCAL_SAVES} "
+          f"({100 * (late / early - 1):+.1f}%); {line.split(' ', 1)[1]}; median step "
+          f"{step_s:.4f} s")
+    assert late <= 1.10 * early, (early, late)
+    assert each < 0.1 * step_s, (each, step_s)

@@ -35,6 +35,7 @@ from helpers import (
 
 from jaxtron import config
 from jaxtron.checkpoint import weights
+from jaxtron.train import bad_hosts
 from jaxtron.train import loop as train_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,10 +119,13 @@ def test_a_lost_process_stops_the_other_in_one_line_and_the_rerun_resumes(tmp_pa
     newest = int(saved[-1].name)
     assert code == 75 and stopped_after < PEER_TIMEOUT_S, (code, stopped_after, out[-3000:])
     errors = [line for line in out.splitlines() if "error" in line.lower()]
+    host = bad_hosts.host_of(run_dir, 1)  # named, and marked bad, where process 0 wrote hosts.json
+    named = f"\\(host {re.escape(host)}\\) " if host else ""
     assert len(errors) == 1 and re.fullmatch(
-        r"launch\.py: error: process 1 of 2 stopped answering \(lost peer\) after step \d+; the "
-        rf"last checkpoint, step {newest}, is intact: rerun the same command to resume",
+        rf"launch\.py: error: process 1 of 2 {named}stopped answering \(lost peer\) after step "
+        rf"\d+; the last checkpoint, step {newest}, is intact: rerun the same command to resume",
         errors[0]), out[-3000:]
+    assert bad_hosts.read(run_dir) == ([host] if host else [])
     assert not [n for n in NOISE if n in out] and not re.search(r"^[EF]\d{4} ", out, re.M), out
     assert weights.read_meta(saved[-1])["step"] == newest  # the newest complete one reads
     assert "lost peer" in (run_dir / "logs" / "process_0.err").read_text()  # the details
@@ -182,7 +186,8 @@ def test_a_stuck_process_ends_the_run_in_one_line_each_with_75(tmp_path, referen
         errors = [line for line in text.splitlines() if "error" in line.lower()]
         assert len(errors) == 1 and re.match(r"launch\.py: error: (no progress in 15 s while "
                                              r"[^(]+ \(run.stuck_timeout_s\)|process "
-                                             r"\d of 2 stopped answering \(lost peer\))",
+                                             r"\d of 2 (\(host [^)]+\) )?stopped answering "
+                                             r"\(lost peer\))",
                                              errors[0]), text[-3000:]
         assert not [n for n in NOISE if n in text] and not re.search(r"^[EF]\d{4} ", text, re.M)
     assert "no progress in 15 s while training step 4" in out[1]  # the stuck one says so itself
@@ -230,3 +235,51 @@ def test_the_supervisor_passes_on_the_watchdog_line_and_keeps_the_runtime_noise(
 
     healthy = supervisor._Stderr()  # a warning alone from the runtime is no sign of a lost peer
     assert healthy.take(lines[1]) is None and healthy.first_sign is None
+
+
+# What a training process's stderr shows when JAX's coordination service ends it over a lost
+# process 1 (abridged), before it aborts.
+RUNTIME_ABORT = """
+import os, sys
+sys.stderr.write(
+    "E1127 18:30:08.687763    6761 coordination_service.cc:501] Task 1 heartbeat timeout.\\n"
+    "F1127 18:30:09.000001    6761 client.h:77] Terminating process because the JAX "
+    "distributed service detected fatal errors.\\n")
+sys.stderr.flush()
+os.abort()
+"""
+
+
+def test_the_lost_process_host_is_named_and_added_to_bad_hosts(tmp_path, capsys):
+    """A supervised child aborted by the runtime over process 1 (on node7, says hosts.json): the
+    supervisor's line names node7 and bad_hosts gets it, once per survivor. No hosts.json (or a
+    process it does not name): the line as before and no bad_hosts."""
+    from jaxtron import lifecycle
+    from jaxtron.train import supervisor
+
+    handlers = {sig: signal.getsignal(sig) for sig in
+                (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT)}
+    bad_hosts.write_hosts(tmp_path, ["node3", "node7"])
+    try:
+        status = supervisor.supervise([sys.executable, "-c", RUNTIME_ABORT], 0, 2, tmp_path, 60)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    kept = "no checkpoint was saved yet: rerun the same command to start"
+    assert status == 75
+    assert capsys.readouterr().err == (f"{lifecycle.script_name()}: error: process 1 of 2 "
+                                       f"(host node7) stopped answering (lost peer); {kept}\n")
+    assert supervisor._mark_bad(tmp_path, 1) == "node7"  # another survivor
+    assert (tmp_path / bad_hosts.BAD).read_text() == "node7\tprocess 1 stopped answering\n" * 2
+    assert bad_hosts.read(tmp_path) == ["node7"]
+    assert supervisor._lost_line(0, 2, tmp_path, supervisor._mark_bad(tmp_path, 0)) == (
+        f"process 0 of 2 (the coordinator, host node3) stopped answering (lost peer); {kept}")
+    assert bad_hosts.read(tmp_path) == ["node7", "node3"]
+
+    (tmp_path / bad_hosts.HOSTS).unlink()
+    (tmp_path / bad_hosts.BAD).unlink()
+    for lost in (1, None):
+        assert supervisor._mark_bad(tmp_path, lost) is None
+    assert supervisor._lost_line(1, 2, tmp_path, None) == (
+        f"process 1 of 2 stopped answering (lost peer); {kept}")
+    assert not (tmp_path / bad_hosts.BAD).exists()

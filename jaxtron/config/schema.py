@@ -147,6 +147,12 @@ class CheckpointConfig:
     restore: str = ""
     # with restore: take the params only (fine-tuning): fresh optimizer, step 0
     weights_only: bool = False
+    # The local tier: node-local storage (NVMe, /dev/shm; $VARS expanded on each host), "" = off.
+    # Each process saves its own shards there every local_every steps, and a copy of a peer
+    # host's process's shards: losing any one host loses nothing (docs/faults.md)
+    local_dir: str = ""
+    local_every: int = 10
+    local_keep: int = 2  # local steps kept on each host (its own and its peer's copies)
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,12 @@ class RunConfig:
     peer_timeout_s: int = 60
     # ... one whose restore, step, save or eval batch stalls this long exits 75; 0: no bound
     stuck_timeout_s: int = 1800
+    # Several hosts: every this many steps the hosts' own time per step (input and dispatch, not
+    # the wait for each other) is gathered; a host slower than the median by more than
+    # straggler_margin of a step is named in the log, metrics and goodput; 0: off
+    straggler_every: int = 50
+    straggler_margin: float = 0.2
+    on_straggler: str = "warn"  # warn | stop (exit 75 naming it, for a restart without it)
 
 
 @dataclass(frozen=True)
@@ -297,8 +309,12 @@ def _ranges(cfg: Config) -> tuple:
         ("optim.clip_norm", o.clip_norm, *at_least(0)),
         ("checkpoint.every", c.every, *at_least(0)), ("checkpoint.keep", c.keep, *at_least(1)),
         ("checkpoint.keep_every", c.keep_every, *at_least(0)),
+        ("checkpoint.local_every", c.local_every, *at_least(1)),
+        ("checkpoint.local_keep", c.local_keep, *at_least(1)),
         ("run.peer_timeout_s", cfg.run.peer_timeout_s, *at_least(4)),
         ("run.stuck_timeout_s", cfg.run.stuck_timeout_s, *at_least(0)),
+        ("run.straggler_every", cfg.run.straggler_every, *at_least(0)),
+        ("run.straggler_margin", cfg.run.straggler_margin, *above_0),
         ("pipeline.repeats", p.repeats, *at_least(1)), ("pipeline.passes", p.passes, *at_least(1)),
         ("data.workers", cfg.data.workers, *at_least(0)),
         ("xla.mem_fraction", cfg.xla.mem_fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -329,6 +345,8 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("checkpoint.weights_only=true needs checkpoint.restore=PATH")
     if cfg.run.progress not in ("auto", "bar", "lines"):
         raise ConfigError(f"run.progress={cfg.run.progress} is not one of auto, bar, lines")
+    if cfg.run.on_straggler not in ("warn", "stop"):
+        raise ConfigError(f"run.on_straggler={cfg.run.on_straggler} is not one of warn, stop")
     traced = cfg.run.profile_steps
     if traced and (len(traced) != 2 or not 0 <= traced[0] <= traced[1] <= t.steps):
         first = min(10, t.steps // 2)

@@ -18,6 +18,7 @@ from jaxtron.data.pipeline import (  # noqa: F401 - the names callers take from 
     pack_and_batch,
     restore_iterator,
     resume_input,
+    resume_state,
     resume_warning,
     saved_iterator_state,
     shuffle_and_shard,

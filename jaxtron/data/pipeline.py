@@ -323,7 +323,12 @@ def resume_input(batches: BatchIterator, directory: Path, warn: Callable[[str], 
     `warn` says so. Whether it was exact."""
     import jax
 
-    saved = saved_iterator_state(directory, jax.process_index(), jax.process_count())
+    return resume_state(batches, saved_iterator_state(directory, jax.process_index(),
+                                                      jax.process_count()), warn)
+
+
+def resume_state(batches: BatchIterator, saved: dict, warn: Callable[[str], None]) -> bool:
+    """Move `batches` to `saved` (its get_state()), as resume_input does; whether exact."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", InexactResumeWarning)
         exact = restore_iterator(batches, saved)

@@ -16,6 +16,7 @@ import importlib.metadata
 import ipaddress
 import math
 import operator
+import os
 import re
 import secrets
 import shutil
@@ -196,6 +197,15 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- devices and the mesh
+def host_name() -> str:
+    """This host's name: JAXTRON_HOST where set (containers that share a hostname; processes on
+    one machine standing for several hosts), else Slurm's name of the node (what `srun
+    --exclude` takes: scripts/slurm/train.sbatch leaves out run.dir/bad_hosts by it), else the
+    machine's."""
+    return (os.environ.get("JAXTRON_HOST", "").strip()
+            or os.environ.get("SLURMD_NODENAME", "").strip() or socket.gethostname())
+
+
 @dataclass(frozen=True)
 class Hosts:
     """Where the run's devices are: how many each process holds and the host it runs on."""
@@ -211,7 +221,7 @@ class Hosts:
 
         counts = Counter(device.process_index for device in jax.devices())
         devices = tuple(counts[i] for i in range(jax.process_count()))
-        name = socket.gethostname()
+        name = host_name()
         nodes = allgather_text(name) if len(devices) > 1 else [name]
         return Hosts(devices, tuple(nodes), jax.process_index())
 

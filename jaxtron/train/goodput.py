@@ -63,6 +63,7 @@ class Attempt:
         self.loop_start: float | None = None  # perf_counter clock
         self.loop_end: float | None = None
         self.in_loop: dict[str, float] = {}  # LOOP_PHASES totals when the loop ended
+        self.stragglers: dict[str, int] = {}  # host -> reports that named it
 
     def start_loop(self, resumed_from: int) -> None:
         """The loop begins after step `resumed_from`; what came before is start-up and compile."""
@@ -78,6 +79,11 @@ class Attempt:
     def saved(self, step: int) -> None:
         """A checkpoint of `step` is being saved, `step` finished: note the step time to here."""
         self.step_s_at[str(step)] = self.step_seconds()
+        self.persist()
+
+    def straggler(self, host: str) -> None:
+        """A straggler report named `host` (jaxtron/train/stragglers.py)."""
+        self.stragglers[host] = self.stragglers.get(host, 0) + 1
         self.persist()
 
     def persist(self) -> None:
@@ -106,7 +112,7 @@ class Attempt:
         seconds["other"] = wall - sum(seconds.values())
         return {"started": self.started, "wall_s": wall, "outcome": outcome,
                 "resumed_from": self.resumed_from, "last_step": self.last_step,
-                "seconds": seconds, "step_s_at": self.step_s_at}
+                "seconds": seconds, "step_s_at": self.step_s_at, "stragglers": self.stragglers}
 
 
 def load(run_dir: Path, warn: Callable[[str], None]) -> list[dict]:
@@ -179,6 +185,33 @@ def summarize(records: list[dict]) -> dict[str, float]:
             "attempts": len(records), "redone_steps": redone_steps}
 
 
+def failures(records: list[dict]) -> list[dict]:
+    """Each attempt that ended short of done and was followed by another: the step it ended
+    after, how long the restart took (the gap between the attempts, then the next one's start-up
+    and compile, to its first step) and the steps the next one trained again."""
+    out = []
+    for record, following in zip(records, records[1:]):
+        if record["outcome"] == "done" or following["resumed_from"] is None:
+            continue
+        gap = max(following["started"] - (record["started"] + record["wall_s"]), 0.0)
+        seconds = following["seconds"]
+        restart = gap + seconds["startup"] + seconds["compile"]
+        _, steps = _redone(record, following["resumed_from"])
+        out.append({"outcome": record["outcome"], "last_step": record["last_step"],
+                    "resumed_from": following["resumed_from"], "restart_s": restart,
+                    "gap_s": gap, "redone_steps": steps})
+    return out
+
+
+def stragglers(records: list[dict]) -> dict[str, int]:
+    """Host -> straggler reports that named it, over all attempts."""
+    named: dict[str, int] = {}
+    for record in records:
+        for host, count in record.get("stragglers", {}).items():
+            named[host] = named.get(host, 0) + count
+    return named
+
+
 def format_summary(summary: dict[str, float]) -> str:
     """Two lines for the end of an attempt: goodput, then each part's seconds and share."""
     wall = summary["wall_s"] or 1.0
@@ -193,3 +226,15 @@ def format_summary(summary: dict[str, float]) -> str:
     return (f"goodput {100 * summary['goodput']:.1f}%: training steps over {summary['wall_s']:.1f} "
             f"s of wall time in {attempts} attempt{'s' if attempts != 1 else ''} "
             f"({FILE})\n  " + " | ".join(parts))
+
+
+def format_failures(records: list[dict]) -> list[str]:
+    """A line per failure (failures()) and one naming the stragglers, if any."""
+    lines = [f"failure after step {f['last_step']} ({f['outcome']}): restarted in "
+             f"{f['restart_s']:.1f} s ({f['gap_s']:.1f} s between the attempts, then start-up and "
+             f"compile), from step {f['resumed_from']}: {f['redone_steps']} steps redone"
+             for f in failures(records)]
+    if named := stragglers(records):
+        lines.append("stragglers named: " + ", ".join(f"{host} ({count}x)"
+                                                       for host, count in named.items()))
+    return lines

@@ -10,6 +10,7 @@ persistent compilation cache in run.compile_cache (jaxtron/train/compile_cache.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import threading
@@ -36,12 +37,14 @@ from jaxtron.parallel import pipeline
 from jaxtron.plan import autofit, costs, memory
 from jaxtron.plan.setup import Setup, set_up
 from jaxtron.step import compile_eval, evaluate, global_batch
-from jaxtron.train import compile_cache, distributed, doctor, goodput
+from jaxtron.train import bad_hosts, compile_cache, distributed, doctor, goodput
 from jaxtron.train import metrics as metrics_lib
 from jaxtron.train import profile as profile_lib
 from jaxtron.train import run_dir as run_dir_lib
+from jaxtron.train.local_tier import LocalTier
 from jaxtron.train.run_dir import check_paths
 from jaxtron.train.start import initial_state
+from jaxtron.train.stragglers import Stragglers, Verdict
 from jaxtron.train.watchdog import Watchdog
 
 
@@ -80,10 +83,16 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
     try:
         with jax.set_mesh(mesh), run.preemption:
             # State: restored from the latest checkpoint, else born sharded; the step compiled.
+            if cfg.checkpoint.local_dir:  # a collective: every process's directory is checked
+                run = dataclasses.replace(run, local=LocalTier(cfg.checkpoint, run_dir,
+                                                               hosts.nodes, log.info))
+                log.info(run.local.describe())
+            if is_main:
+                bad_hosts.write_hosts(run_dir, list(hosts.nodes))
             run.watchdog.tick("restoring or creating the state")  # Orbax's barriers
             state, start, tokens_seen = initial_state(cfg, setup.plan, setup.tx, mesh,
                                                       ckpt=run.ckpt, batches=feed.batches,
-                                                      info=log.info)
+                                                      info=log.info, local=run.local)
             run.watchdog.pause()  # compiling: this process's own work, as long as it takes
             if start >= cfg.train.steps:
                 log.info(f"nothing to do: step {start} >= train.steps={cfg.train.steps}")
@@ -91,6 +100,7 @@ def train(cfg: Config, devices: list | None = None, started: float | None = None
             if is_main:  # the state is in place: this config is the run's from here on
                 (run_dir / "config.yaml").write_text(config_lib.to_yaml(cfg))
             step_fn, eval_fn = _compile(setup, run, state, devices[0].platform)
+            run = dataclasses.replace(run, stragglers=Stragglers.of(cfg.run, hosts.nodes, start))
             run_dir_lib.check_kept(run_dir)
             history = _loop(cfg, run, step_fn, eval_fn, state, start, tokens_seen)
     except BaseException as e:
@@ -122,6 +132,8 @@ REFUSED = "refused"  # a start stopped by bad input (a ConfigError) before its l
 
 def _outcome(e: BaseException, account: goodput.Attempt) -> str:
     """How the attempt ended, for goodput.json (a refused start is not recorded)."""
+    if isinstance(e, StragglerStop):
+        return "straggler"
     if isinstance(e, Preempted):
         return "preempted"
     if isinstance(e, KeyboardInterrupt):
@@ -274,13 +286,20 @@ def _finish(run: RunContext, run_dir: Path, outcome: str) -> None:
     run.account.end_loop()
     run.profile.stop()
     with run.watch.time("checkpoint"):
-        run.ckpt.close()  # the last async save is on disk before we return, also on error
+        try:
+            run.ckpt.close()  # the last async save is on disk before we return, also on error
+        finally:
+            if run.local is not None:
+                run.local.close()
     record = run.account.record(outcome)
     if not run.log.is_main or outcome == REFUSED or not run_dir.is_dir():
         return  # a refused start writes nothing; a removed run.dir is not made again
-    summary = goodput.summarize(goodput.append(run_dir, record, run.log.info))
+    records = goodput.append(run_dir, record, run.log.info)
+    summary = goodput.summarize(records)
     if record["last_step"] != record["resumed_from"]:  # a start that failed ends on its error
         run.log.info(goodput.format_summary(summary))
+        for line in goodput.format_failures(records):
+            run.log.info(line)
     run.log.scalars("goodput", summary, record["last_step"] or 0)
 
 
@@ -290,6 +309,10 @@ class NonFiniteError(RuntimeError):
 
 class Preempted(RuntimeError):
     """SIGTERM/SIGINT/SIGHUP arrived; a checkpoint of the current step was saved."""
+
+
+class StragglerStop(Preempted):
+    """A host straggled and run.on_straggler=stop: the step was saved, the host listed."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +331,8 @@ class RunContext:
     account: goodput.Attempt
     profile: profile_lib.Profile
     watchdog: Watchdog
+    local: LocalTier | None = None  # checkpoint.local_dir's tier, made once the run is checked
+    stragglers: Stragglers | None = None  # several hosts: their own work per step compared
 
     @classmethod
     def begin(cls, cfg: Config, mesh: Mesh, devices: list, log: metrics_lib.MetricsWriter,
@@ -350,8 +375,12 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
         run.profile.before(step, state)
         with watch.time("data"):  # overlaps the previous step, which runs asynchronously
             batch = global_batch(next(batches), run.mesh, cfg.train.batch_size)
+        if run.stragglers is not None:
+            run.stragglers.add(watch.last)  # this host's wait for its own input
         state, pending = step_fn(state, batch)
         run.ckpt.check()  # a background write that failed stops the run now, not `every` steps on
+        if run.local is not None:
+            run.local.check()
         run.account.last_step = step
         run.profile.after(step, (state, pending))
         tokens_seen += run.cost.tokens
@@ -367,22 +396,34 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
             run.log.write(row)
             run_dir_lib.check_kept(Path(cfg.run.dir))  # removed: stop now, not at the next save
             run.account.persist()  # goodput.json holds this attempt also if it is killed
+        straggler = _stragglers(cfg, run, step, pending)
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == steps) \
                 and not stop:  # a stop saves at once: preemption's grace is seconds
             stop = _evaluate(run, eval_fn, step, state)
-        if run.ckpt.due(step, steps) or stop:
+        # A straggler to leave out is saved for at once: locally when there is a local tier.
+        persistent = run.ckpt.due(step, steps) or stop or bool(straggler and run.local is None)
+        if persistent or (run.local is not None and (run.local.due(step) or straggler)):
             _check_finite(cfg, run, step, pending)  # never save a state that met a NaN under "stop"
             meta = {"step": step, "loss": float(pending["loss"]),  # waits for the step to finish
                     "tokens_seen": tokens_seen, "time": time.time(),
                     "config": config_lib.to_yaml(cfg),
                     "layer_order": pipeline.config_order(cfg, run.mesh.shape["stage"]).tolist()}
             run.account.saved(step)  # the step has finished: a resume from here redoes what follows
-            run.watchdog.tick(f"saving checkpoint {step}")
+            tier = "checkpoint" if persistent else "local checkpoint"
+            run.watchdog.tick(f"saving {tier} {step}")
             with watch.time("checkpoint"):  # only the save's own blocking part
-                run.ckpt.save(step, state, batches, meta)
-                memory.release_freed()  # the previous save's host copies, freed by now
-            run.log.info(f"checkpoint {step}: the loop was blocked {watch.last:.2f} s "
-                         "(the write goes on in the background)")
+                if persistent:
+                    run.ckpt.save(step, state, batches, meta)
+                    memory.release_freed()  # the previous save's host copies, freed by now
+                else:  # its thread returns the host copies' pages itself, once written
+                    run.local.save(step, state, batches.get_state(), meta)
+            if not persistent:
+                run.local.blocked_s += watch.last
+            if persistent or run.local.saves == 1:  # local ones are frequent: the first said
+                run.log.info(f"{tier} {step}: the loop was blocked {watch.last:.2f} s "
+                             "(the write goes on in the background)")
+        if straggler:
+            _leave_out(cfg, run, step, straggler)
         if stop:  # `jaxtron train` says it, in one line
             with watch.time("checkpoint"):
                 run.ckpt.wait()  # "checkpoint saved" only once it is
@@ -391,12 +432,49 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
     run.watchdog.tick("writing the last checkpoint")
     with watch.time("checkpoint"):
         run.ckpt.wait()  # the last save is on disk before "done" is said
+        if run.local is not None:
+            run.local.wait()
     for phase in ("data", "checkpoint", "eval"):
         run.log.scalar(f"time/{phase}_s", watch.totals.get(phase, 0.0), steps)
     final = f"final loss {history[-1]['loss']:.4f}, " if history else ""
+    if run.local is not None and run.local.saves:
+        local = run.local
+        run.log.info(f"local checkpoints: {local.saves} saved, the loop blocked "
+                     f"{local.blocked_s:.3f} s in all ({local.blocked_s / local.saves:.4f} s each)")
     run.log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for "
                  f"data, {watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
     return history
+
+
+def _stragglers(cfg: Config, run: RunContext, step: int, pending: dict) -> Verdict | None:
+    """Every run.straggler_every steps: compare the hosts (a collective, after the step is
+    done); name a straggler. The verdict when the run is to stop for it (run.on_straggler)."""
+    if run.stragglers is None or not run.stragglers.due(step):
+        return None
+    verdict = run.stragglers.report(step, pending)
+    run.log.scalar("straggler/input_excess_s", verdict.excess_s, step)
+    run.log.scalar("straggler/probe_ratio", verdict.probe, step)
+    if not verdict.named:
+        return None
+    run.log.info(verdict.line())
+    run.account.straggler(verdict.host)
+    return verdict if cfg.run.on_straggler == "stop" else None
+
+
+def _leave_out(cfg: Config, run: RunContext, step: int, verdict: Verdict) -> None:
+    """End the run for a straggler, its step saved: it goes into run.dir/bad_hosts for the
+    restart to leave out (scripts/slurm/train.sbatch), and the run exits 75."""
+    with run.watch.time("checkpoint"):
+        run.ckpt.wait()
+        if run.local is not None:
+            run.local.wait()
+    if run.log.is_main:
+        bad_hosts.add(Path(cfg.run.dir), verdict.host,
+                      f"straggler at step {step} (run.on_straggler=stop)")
+    raise StragglerStop(f"host {verdict.host} straggled at step {step} "
+                        f"(input wait {verdict.excess_s:.3f} s of each {verdict.step_s:.3f} s step "
+                        f"above the median host, device probe {verdict.probe:.2f}x its; "
+                        f"run.on_straggler=stop), listed in {cfg.run.dir}/{bad_hosts.BAD}")
 
 
 def _what_follows(cfg: Config, start: int) -> str:

@@ -1,5 +1,5 @@
-"""Where a run starts: run.dir's newest sound checkpoint, else checkpoint.restore's, else fresh
-weights. Checked before anything is written (check_start), said by the dry run (describe_start)
+"""Where a run starts: the newer of the local tier's newest complete step (local_tier.py) and
+run.dir's newest sound checkpoint, else checkpoint.restore's, else fresh weights. Checked before anything is written (check_start), said by the dry run (describe_start)
 and done at start-up (initial_state); the reading of arrays is jaxtron.checkpoint's."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jaxtron.checkpoint import (
 from jaxtron.config import Config, ConfigError, ModelConfig
 from jaxtron.step.optim import schedule_jump
 from jaxtron.step.state import Plan, fresh_state_around, in_layer_order, init_state
+from jaxtron.train.local_tier import LocalTier
 
 
 def check_start(run_dir: Path, model: ModelConfig, restore: str,
@@ -99,10 +100,19 @@ def resumed_schedule_jump(meta: dict, cfg: Config) -> str | None:
 
 
 def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints, batches,
-                  info: Callable[[str], None]) -> tuple[dict, int, int]:
-    """(state, step, tokens seen): the newest readable checkpoint of run.dir, else
-    checkpoint.restore, else fresh weights."""
+                  info: Callable[[str], None],
+                  local: LocalTier | None = None) -> tuple[dict, int, int]:
+    """(state, step, tokens seen): the newest of the local tier's steps (`local`) and run.dir's
+    readable checkpoints, else checkpoint.restore, else fresh weights."""
     shardings = parallel.named(plan.specs, mesh)
+    if local is not None and (found := local.restore(plan.abstract, shardings,
+                                                     ckpt.latest_step(), info)):
+        step, state, position, meta = found
+        data.resume_state(batches, position, info)
+        state = in_layer_order(state, meta, plan, tx, shardings, info)
+        if jump := resumed_schedule_jump(meta, cfg):
+            info(f"warning: {jump}")
+        return state, step, meta["tokens_seen"]
     resume_input = functools.partial(data.resume_input, batches, warn=info)
     restored = ckpt.restore_latest(plan.abstract, shardings, resume_input, info)
     if restored is not None:

@@ -6,9 +6,10 @@ change its status (jaxtron/train/distributed.py says why). So each multi-process
 trains in a child process and supervises it (`supervise`): it passes the child's stdout through,
 reads its stderr, keeps the runtime's error and fatal lines off the terminal (into
 run.dir/logs/process_<i>.err), and when the child ends on the runtime's abort or on a collective
-that lost its peer (distributed.end_if_lost), prints one line naming the lost process and exits 75;
-it kills a child still alive run.peer_timeout_s after the first sign. Any other ending passes
-through unchanged.
+that lost its peer (distributed.end_if_lost), prints one line naming the lost process (and its
+host, which it adds to run.dir/bad_hosts: jaxtron/train/bad_hosts.py) and exits 75; it kills a
+child still alive run.peer_timeout_s after the first sign. Any other ending passes through
+unchanged.
 
 The pair behaves as one process: killing the supervisor kills the child (PR_SET_PDEATHSIG);
 SIGTERM, SIGINT and SIGHUP are forwarded to the child, which has a process group of its own (a
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from jaxtron import lifecycle
+from jaxtron.train import bad_hosts
 from jaxtron.train.distributed import _MARK, LOST_PEER, SUPERVISED
 from jaxtron.train.watchdog import STUCK_MARK
 
@@ -183,7 +185,8 @@ def supervise(command: list[str], process_id: int, num_processes: int, run_dir: 
             _keep_log(run_dir, process_id, stderr.kept, f"exit status {status}")
         return 128 - status if status < 0 else status
     _keep_log(run_dir, process_id, stderr.kept, "lost peer")
-    line = _lost_line(stderr.lost_process(), num_processes, run_dir)
+    lost = stderr.lost_process()
+    line = _lost_line(lost, num_processes, run_dir, _mark_bad(run_dir, lost))
     print(f"{lifecycle.script_name()}: error: {line}", file=sys.stderr, flush=True)
     return LOST_PEER
 
@@ -212,22 +215,44 @@ def _keep_log(run_dir: Path, process_id: int, lines: list[str], why: str) -> Non
         pass
 
 
-def _lost_line(lost: int | None, num_processes: int, run_dir: Path) -> str:
-    """'process 1 of 2 stopped answering (lost peer) after step 7; the last checkpoint, step 6,
-    is intact: rerun the same command to resume'."""
+def _mark_bad(run_dir: Path, lost: int | None) -> str | None:
+    """The lost process's host, added to run_dir/bad_hosts (the Slurm script restarts without
+    it); None when the runtime did not name the process or hosts.json does not name its host.
+    Every surviving process adds it: bad_hosts.read gives it once."""
+    host = None if lost is None else bad_hosts.host_of(run_dir, lost)
+    if host is not None:
+        bad_hosts.add(run_dir, host, f"process {lost} stopped answering")
+    return host
+
+
+def _lost_line(lost: int | None, num_processes: int, run_dir: Path,
+               host: str | None = None) -> str:
+    """'process 1 of 2 (host node7) stopped answering (lost peer) after step 7; the last
+    checkpoint, step 6, is intact: rerun the same command to resume'."""
     from jaxtron.checkpoint import weights
 
+    notes = ["the coordinator"] if lost == 0 else []
+    notes += [f"host {host}"] if host else []
     who = (f"another process of {num_processes}" if lost is None else
-           f"process {lost} of {num_processes}" + (" (the coordinator)" if lost == 0 else ""))
+           f"process {lost} of {num_processes}" + (f" ({', '.join(notes)})" if notes else ""))
     step = _last_logged_step(run_dir / "metrics.jsonl")
     after = f" after step {step}" if step else ""
     try:
         saved = weights.complete_steps(run_dir / "checkpoints")
     except OSError:
         saved = []
-    kept = (f"the last checkpoint, step {saved[-1].name}, is intact: rerun the same command to "
-            "resume" if saved else "no checkpoint was saved yet: rerun the same command to start")
-    return f"{who} stopped answering (lost peer){after}; {kept}"
+    newest = int(saved[-1].name) if saved else None
+    kept = (f"the last checkpoint, step {newest}, is intact" if saved else
+            "no checkpoint was saved yet")
+    from jaxtron.train.local_tier import newest_here  # imports jax: only on this way out
+
+    local = newest_here(run_dir)
+    if local is not None and (newest is None or local > newest):
+        return (f"{who} stopped answering (lost peer){after}; {kept}, and this host holds local "
+                f"checkpoint {local} (checkpoint.local_dir): rerun the same command to resume "
+                "from the newest one every host can read")
+    again = "resume" if saved else "start"
+    return f"{who} stopped answering (lost peer){after}; {kept}: rerun the same command to {again}"
 
 
 def _last_logged_step(metrics: Path) -> int | None:

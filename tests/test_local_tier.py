@@ -1,0 +1,205 @@
+"""The local checkpoint tier across hosts (jaxtron/train/local_tier.py) and stragglers named
+(jaxtron/train/stragglers.py).
+
+Four launch.py processes stand for two hosts (JAXTRON_HOST=a for processes 0 and 1, b for 2
+and 3), each host with its own local directory (checkpoint.local_dir=$LOCAL, set per host), on
+a data 2 x fsdp 2 x tensor 2 mesh of 8 CPU devices; the local tier every 5 steps, the persistent
+one every 50. The reference run trains 55 steps with host b's input slowed (a sleep per batch): it
+is named a straggler. The second run loses host b after step 37 (its processes killed, its local
+directory wiped: a replaced node); the rerun resumes from local step 35 with b's shards from
+host a's copies, its losses equal the reference's bit for bit, and goodput counts 2 steps
+redone. It loses host b again after step 52; with both hosts' local directories wiped, the
+last rerun resumes from the persistent step 50, saying so in one line.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import free_port, metrics_rows, multiprocess_env
+
+from jaxtron.train import local_tier as local
+from jaxtron.train import stragglers
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
+STEPS = 55
+OVERRIDES = ["train.log_every=1", "train.seq_len=64", "train.batch_size=8", "train.eval_every=0",
+             "model.num_layers=2", "optim.warmup_steps=2", "optim.decay_steps=100",
+             f"train.steps={STEPS}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+             "checkpoint.every=50", "checkpoint.local_dir=$LOCAL", "checkpoint.local_every=5",
+             "run.straggler_every=5", "run.tensorboard=false", "run.progress=lines",
+             "run.peer_timeout_s=20"]
+# In host b's training processes: leave at the start of step `step` (after the one before
+# it finished everywhere), the supervisor with it, as a node that goes down.
+KILL_AT = """
+import os, signal
+from jaxtron.train import watchdog
+_tick = watchdog.Watchdog.tick
+def _tick_or_die(self, doing):
+    if os.environ.get("JAXTRON_SUPERVISOR") and doing == "training step {step}":
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _tick(self, doing)
+watchdog.Watchdog.tick = _tick_or_die
+"""
+SLOW_INPUT = """
+import time
+from jaxtron.data import pipeline
+_next = pipeline.BatchIterator.__next__
+def _slow_next(self):
+    time.sleep(0.4)
+    return _next(self)
+pipeline.BatchIterator.__next__ = _slow_next
+"""
+
+
+def _run(tmp_path: Path, name: str, hook: str = "") -> list[int]:
+    """The four processes of the run in tmp_path/run; host b's import `hook` first."""
+    port, procs = free_port(), []
+    hook_dir = tmp_path / f"hook-{name}"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(hook)
+    for i, host in HOSTS.items():
+        env = multiprocess_env()
+        env.update(JAX_NUM_CPU_DEVICES="2", JAXTRON_HOST=host, LOCAL=str(tmp_path / f"local-{host}"))
+        if host == "b" and hook:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook_dir),
+                                                              env.get("PYTHONPATH")]))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", "4", "--process-id", str(i), *OVERRIDES,
+             f"run.dir={tmp_path / 'run'}"],
+            cwd=ROOT, env=env, stdout=(tmp_path / f"{name}-{i}.txt").open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        return [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _out(tmp_path: Path, name: str, i: int = 0) -> str:
+    return (tmp_path / f"{name}-{i}.txt").read_text()
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics_rows(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, host b's input slowed: (its losses, process 0's output)."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    statuses = _run(tmp_path, "ref", SLOW_INPUT)
+    assert statuses == [0] * 4, _out(tmp_path, "ref")
+    return _losses(tmp_path / "run"), _out(tmp_path, "ref")
+
+
+def test_a_slowed_host_is_named_within_three_intervals(reference):
+    _, out = reference
+    named = [line for line in out.splitlines() if "straggler: host b " in line]
+    assert named, out
+    steps = [int(line.rsplit("steps ", 1)[1].split("-")[1]) for line in named]
+    assert steps[0] <= 15  # the reports come every 5 steps
+    assert "(processes 2, 3; devices 4096, 4097, 6144, 6145) waited 0.4" in named[0]
+    assert not any("straggler: host a " in line for line in out.splitlines())
+
+
+def test_a_lost_host_resumes_from_its_peers_copy_and_then_from_the_persistent_tier(
+        tmp_path, reference):
+    expected, _ = reference
+    run_dir = tmp_path / "run"
+    statuses = _run(tmp_path, "lost", KILL_AT.format(step=38))
+    assert statuses[2:] == [-signal.SIGKILL] * 2 and statuses[:2] == [75, 75], statuses
+    assert sorted(p.name for p in (tmp_path / "local-b").rglob("process_*")) == [
+        "process_0", "process_0", "process_1", "process_1", "process_2", "process_2",
+        "process_3", "process_3"]  # steps 30 and 35: own files and host a's copies
+    shutil.rmtree(tmp_path / "local-b")  # a replaced node: its disk is new
+
+    statuses = _run(tmp_path, "rerun", KILL_AT.format(step=53))
+    assert statuses[:2] == [75, 75], _out(tmp_path, "rerun")
+    out = _out(tmp_path, "rerun")
+    assert ("resumed from local checkpoint 35 in checkpoint.local_dir (processes 2, 3 took their "
+            "shards from a peer's copy)") in out
+    losses = _losses(run_dir)
+    assert [losses[s] for s in range(36, 53)] == [expected[s] for s in range(36, 53)]
+    records = json.loads((run_dir / "goodput.json").read_text())
+    assert records[0]["last_step"] == 37 and records[1]["resumed_from"] == 35
+
+    shutil.rmtree(tmp_path / "local-a")
+    shutil.rmtree(tmp_path / "local-b", ignore_errors=True)
+    statuses = _run(tmp_path, "persistent")
+    out = _out(tmp_path, "persistent")
+    assert statuses == [0] * 4, out
+    said = [line for line in out.splitlines() if "resuming from the persistent tier" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "no local checkpoint on any host; resuming from the persistent tier (step 50)"), said
+    assert "resumed from" in out and "step 50" in out
+    failures = [line.split(" ", 1)[1] for line in out.splitlines() if "failure after" in line]
+    assert [f.split(":")[0] + ":" + f.rsplit(":", 1)[1] for f in failures] == [
+        "failure after step 37 (killed): 2 steps redone",
+        "failure after step 52 (killed): 2 steps redone"], failures
+    losses = _losses(run_dir)
+    assert [losses[s] for s in range(51, STEPS + 1)] == [expected[s]
+                                                        for s in range(51, STEPS + 1)]
+
+
+# ------------------------------------------------------------------ in one process
+def test_each_process_is_copied_to_the_same_rank_on_the_next_host():
+    assert local.peers(("a", "a", "b", "b")) == [2, 3, 0, 1]
+    assert local.peers(("a", "b", "c")) == [1, 2, 0]
+    assert local.peers(("a", "a")) == [None, None]
+
+
+def test_a_host_is_named_by_its_slowest_process_against_the_median():
+    nodes = ("a", "a", "b", "b", "c", "c")
+    probes = [1.0] * 6
+    verdict = stragglers.judge([0.01, 0.02, 0.30, 0.01, 0.02, 0.01], probes, nodes, 1.0, 0.2,
+                               1, 5)
+    assert (verdict.host, verdict.processes, verdict.named) == ("b", [2, 3], True)
+    assert verdict.median_wait_s == pytest.approx(0.02)  # of a and c
+    calm = stragglers.judge([0.01, 0.02, 0.15, 0.01, 0.02, 0.01], probes, nodes, 1.0, 0.2, 1, 5)
+    assert not calm.named  # 0.13 s above the median: under a fifth of a 1 s step
+    slow_gpu = stragglers.judge([0.01] * 6, [1.0, 1.0, 1.0, 1.0, 1.3, 1.0], nodes, 1.0, 0.2,
+                                1, 5)
+    assert (slow_gpu.host, slow_gpu.named, slow_gpu.probe) == ("c", True, pytest.approx(1.3))
+    assert not stragglers.judge([0.01] * 6, [1.0, 1.0, 1.0, 1.0, 1.15, 1.0], nodes, 1.0, 0.2,
+                                1, 5).named
+
+
+def test_a_local_file_reads_back_exactly_and_its_damage_is_found(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+    shardings = {"w": NamedSharding(mesh, PartitionSpec("x")),
+                 "b": NamedSharding(mesh, PartitionSpec())}
+    state = {"w": jax.device_put(jnp.arange(64, dtype=jnp.bfloat16) / 7, shardings["w"]),
+             "b": jax.device_put(jnp.float32(3.5), shardings["b"])}
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    payload = local._gather(5, 0, state, {"consumed": 3}, {"step": 5}, "print")
+    payload.seal()
+    path = tmp_path / "5" / "process_0"
+    local._write(path, payload.chunks())
+    assert local.read_header(path)["fingerprint"] == "print"
+    restored, data, meta = local.load(path, abstract, shardings)
+    assert (data, meta) == ({"consumed": 3}, {"step": 5})
+    for key in state:
+        assert restored[key].sharding == shardings[key]
+        np.testing.assert_array_equal(np.asarray(restored[key]), np.asarray(state[key]))
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="fails its checksum"):
+        local.load(path, abstract, shardings)
+    path.write_bytes(bytes(raw[:-1]))  # cut short: not a whole file
+    assert local.read_header(path) is None
