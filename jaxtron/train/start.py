@@ -1,6 +1,7 @@
 """Where a run starts: the newer of the local tier's newest complete step (local_tier.py) and
-run.dir's newest sound checkpoint, else checkpoint.restore's, else fresh weights. Checked before anything is written (check_start), said by the dry run (describe_start)
-and done at start-up (initial_state); the reading of arrays is jaxtron.checkpoint's."""
+run.dir's newest sound checkpoint, else checkpoint.restore's, else fresh weights. Checked before
+anything is written (check_start), said by the dry run (describe_start) and done at start-up
+(initial_state); the reading of arrays is jaxtron.checkpoint's."""
 
 from __future__ import annotations
 
