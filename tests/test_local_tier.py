@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import free_port, metrics_rows, multiprocess_env
+from helpers import assert_refused, free_port, metrics_rows, multiprocess_env, run_launch
 
 from jaxtron.train import local_tier as local
 from jaxtron.train import stragglers
@@ -203,3 +203,33 @@ def test_a_local_file_reads_back_exactly_and_its_damage_is_found(tmp_path):
         local.load(path, abstract, shardings)
     path.write_bytes(bytes(raw[:-1]))  # cut short: not a whole file
     assert local.read_header(path) is None
+
+
+def test_each_fallback_to_the_persistent_tier_is_one_line_saying_why():
+    """A step whose shards one process lacks everywhere (two adjacent hosts lost), local files of
+    another process count, none at all, and a persistent checkpoint newer than the local one."""
+    holders = {(35, 0): [0], (35, 1): [0, 1]}  # process 2's file of step 35 is on no host
+    assert local._fallback_line([35], None, [], holders, set(), 3, 20) == (
+        "local checkpoint 35 lacks process 2's shards on every host (a host and the peer that "
+        "kept its copy were both lost); resuming from the persistent tier (step 20)")
+    assert local._fallback_line([35], None, [], {}, {(35, 4)}, 2, None) == (
+        "local checkpoint 35 was saved by 4 processes and this run has 2 processes in its own "
+        "layout; resuming from the persistent tier (none yet: starting from scratch)")
+    assert local._fallback_line([], None, [], {}, set(), 2, 50) == (
+        "checkpoint.local_dir: no local checkpoint on any host; resuming from the persistent "
+        "tier (step 50)")
+    assert local._fallback_line([], None, [], {}, set(), 2, None) is None  # a fresh run
+    complete = {(35, 0): [0], (35, 1): [1]}
+    assert local._fallback_line([35], 35, [35], complete, set(), 2, 50).startswith(
+        "local checkpoint 35 is older than the persistent tier's")
+
+
+def test_a_local_dir_that_cannot_be_written_is_one_line_before_any_step(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    done = run_launch("--config", "configs/tiny.yaml", "train.steps=2", "model.num_layers=1",
+                      f"run.dir={tmp_path / 'run'}", f"checkpoint.local_dir={blocked}/local",
+                      env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    assert_refused(done.returncode, done.stderr, f"checkpoint.local_dir={blocked}/local cannot be "
+                   "written on host", "Not a directory")
+    assert "step " not in done.stdout and not (tmp_path / "run").exists()
