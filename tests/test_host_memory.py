@@ -79,7 +79,7 @@ def test_local_tier_keeps_memory_flat_and_blocks_the_loop_briefly(tmp_path):
     early = statistics.median(by_step[step] for step in range(EARLY - 9, EARLY + 11))
     late = statistics.median(by_step[step] for step in range(LOCAL_SAVES - 19, LOCAL_SAVES + 1))
     line = next(line for line in done.stdout.splitlines() if "local checkpoints: " in line
-                and " saved, the loop blocked " in line)
+                and " s each)" in line)
     each = float(line.rsplit("(", 1)[1].split(" s each")[0])
     step_s = statistics.median(row["step_time"] for row in rows[10:])
     print(f"resident memory: median {early:.3f} GiB over steps {EARLY - 9}-{EARLY + 10}, "

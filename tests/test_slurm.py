@@ -160,6 +160,15 @@ def test_the_compile_cache_is_on_and_an_override_wins(tmp_path):
         f"{tmp_path}/runs/job/compile_cache"
 
 
+def test_local_dir_turns_the_local_tier_on(tmp_path):
+    """LOCAL_DIR passes checkpoint.local_dir (single-quoted: `$VARS` in it reach the run, which
+    expands them on each host) before the script's arguments; unset, nothing is passed."""
+    ran = _run(tmp_path, [0], ("LOCAL_DIR", "/local/$SLURM_JOB_ID"))
+    assert ran.sruns == [_srun(tmp_path, "node1,node2").replace(
+        "/compile_cache --config", "/compile_cache checkpoint.local_dir=/local/$SLURM_JOB_ID "
+        "--config")]
+
+
 @pytest.mark.parametrize("stop", [2, 3, 4])
 def test_bad_input_and_nonfinite_stops_are_not_retried(tmp_path, stop):
     ran = _run(tmp_path, [(stop, "node2"), 0], nodes=3)  # a lost host changes nothing

@@ -22,12 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
 import socket
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ MAGIC = b"jaxtron-local-1\n"
 _FILE = re.compile(r"^process_(\d+)$")
 _TIMEOUT_S = 120.0  # a peer that takes longer to accept a copy or answer a fetch is not answering
 _CHUNK = 1 << 22
+_SLICE = 1 << 18  # bytes of CRC per call: about 0.2 ms
 
 
 def root(local_dir: str, run_dir: Path) -> Path:
@@ -102,8 +105,10 @@ class _Payload:
     def seal(self) -> None:
         """Put the payload's CRC in the header (in the background: it reads every byte)."""
         crc = 0
-        for buffer in self.buffers:
-            crc = zlib.crc32(memoryview(buffer.reshape(-1).view(np.uint8)), crc)
+        for buffer in self.buffers:  # in slices: zlib holds the GIL, and the loop needs it
+            view = memoryview(buffer.reshape(-1).view(np.uint8))
+            for start in range(0, len(view), _SLICE):
+                crc = zlib.crc32(view[start:start + _SLICE], crc)
         self.header["crc32"] = crc
 
     def head(self) -> bytes:
@@ -311,11 +316,14 @@ class LocalTier:
         self.addresses = _allgather({"ip": _reachable_ip(), "port": self.server.port,
                                      "token": self.server.token})
         self.peer = peers(nodes)[self.index]
-        self.thread: threading.Thread | None = None
+        # One writer thread for the run, started here: a thread started at each save waited
+        # tens of ms for a core on a busy host (CPU runs: XLA's pool spinning after the step).
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        threading.Thread(target=self._writer, name="local-save", daemon=True).start()
         self.error: BaseException | None = None
-        self.pending: int | None = None
         self.print = ""  # this process's fingerprint, set by restore (every start calls it)
         self.saves, self.blocked_s = 0, 0.0  # local saves, and the loop's time blocked on them
+        self.written_s = 0.0  # the background's time writing them and sending the peer's copy
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -333,14 +341,22 @@ class LocalTier:
         self.wait()
         payload = _gather(step, self.index, state, data, meta, self.print)
         self.saves += 1
-        self.pending = step
-        self.thread = threading.Thread(target=self._write, args=(payload,), name="local-save",
-                                       daemon=True)
-        self.thread.start()
+        self.queue.put(payload)
+
+    def _writer(self) -> None:
+        while True:
+            payload = self.queue.get()
+            try:
+                self._write(payload)
+            finally:
+                del payload
+                self.queue.task_done()
 
     def _write(self, payload: _Payload) -> None:
+        start = time.perf_counter()
         try:
             self._write_and_send(payload)
+            self.written_s += time.perf_counter() - start
         finally:
             payload.buffers.clear()
             memory.release_freed()  # the host copies' pages, back to the OS off the loop's path
@@ -373,13 +389,12 @@ class LocalTier:
 
     def check(self) -> None:
         """Raise now if the last local save's write failed (waits for nothing)."""
-        if self.thread is not None and not self.thread.is_alive():
+        if self.error is not None:
             self.wait()
 
     def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread, self.pending = None, None
+        """Wait for the save in the background; CheckpointSaveError if its write failed."""
+        self.queue.join()
         if self.error is not None:
             error, self.error = self.error, None
             raise error

@@ -439,8 +439,10 @@ def _loop(cfg: Config, run: RunContext, step_fn: Callable, eval_fn: Callable, st
     final = f"final loss {history[-1]['loss']:.4f}, " if history else ""
     if run.local is not None and run.local.saves:
         local = run.local
-        run.log.info(f"local checkpoints: {local.saves} saved, the loop blocked "
-                     f"{local.blocked_s:.3f} s in all ({local.blocked_s / local.saves:.4f} s each)")
+        run.log.info(f"local checkpoints: {local.saves} saved in the background in "
+                     f"{local.written_s / local.saves:.3f} s each, the peer's copy included; the "
+                     f"loop blocked {local.blocked_s:.3f} s in all "
+                     f"({local.blocked_s / local.saves:.4f} s each)")
     run.log.info(f"done: step {steps}, {final}waited {watch.totals.get('data', 0.0):.1f} s for "
                  f"data, {watch.totals.get('checkpoint', 0.0):.1f} s blocked on checkpoints")
     return history
