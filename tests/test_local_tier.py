@@ -227,3 +227,28 @@ def test_a_local_dir_that_cannot_be_written_is_one_line_before_any_step(tmp_path
     assert_refused(done.returncode, done.stderr, f"checkpoint.local_dir={blocked}/local cannot be "
                    "written on host", "Not a directory")
     assert "step " not in done.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_straggler_stop_waits_for_the_saves_lists_the_host_and_ends_restartably(tmp_path):
+    """run.on_straggler=stop: the step's saves are waited for, the host goes into
+    run.dir/bad_hosts (the Slurm script leaves it out) and the run ends as a preemption (75)."""
+    from types import SimpleNamespace
+
+    from jaxtron.train import bad_hosts
+    from jaxtron.train import loop as loop_lib
+    from jaxtron.train.metrics import Stopwatch
+
+    waited = []
+    run = SimpleNamespace(watch=Stopwatch(), log=SimpleNamespace(is_main=True),
+                          ckpt=SimpleNamespace(wait=lambda: waited.append("persistent")),
+                          local=SimpleNamespace(wait=lambda: waited.append("local")))
+    cfg = SimpleNamespace(run=SimpleNamespace(dir=str(tmp_path)))
+    verdict = stragglers.judge([0.01, 0.01, 0.5, 0.5], [0.0] * 4, ("a", "a", "b", "b"), 1.0, 0.2,
+                               6, 10)
+    with pytest.raises(loop_lib.StragglerStop) as stopped:
+        loop_lib._leave_out(cfg, run, 10, verdict)
+    assert isinstance(stopped.value, loop_lib.Preempted)  # jaxtron train: exit status 75
+    assert str(stopped.value) == (
+        f"host b straggled at step 10 (input wait 0.490 s of each 1.000 s step above the other "
+        f"hosts' median; run.on_straggler=stop), listed in {tmp_path}/bad_hosts")
+    assert waited == ["persistent", "local"] and bad_hosts.read(tmp_path) == ["b"]

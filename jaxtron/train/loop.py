@@ -473,10 +473,11 @@ def _leave_out(cfg: Config, run: RunContext, step: int, verdict: Verdict) -> Non
     if run.log.is_main:
         bad_hosts.add(Path(cfg.run.dir), verdict.host,
                       f"straggler at step {step} (run.on_straggler=stop)")
-    raise StragglerStop(f"host {verdict.host} straggled at step {step} "
-                        f"(input wait {verdict.excess_s:.3f} s of each {verdict.step_s:.3f} s step "
-                        f"above the median host, device probe {verdict.probe:.2f}x its; "
-                        f"run.on_straggler=stop), listed in {cfg.run.dir}/{bad_hosts.BAD}")
+    probe = f", device probe {verdict.probe:.2f}x theirs" if verdict.probe else ""
+    raise StragglerStop(f"host {verdict.host} straggled at step {step} (input wait "
+                        f"{verdict.excess_s:.3f} s of each {verdict.step_s:.3f} s step above the "
+                        f"other hosts' median{probe}; run.on_straggler=stop), listed in "
+                        f"{cfg.run.dir}/{bad_hosts.BAD}")
 
 
 def _what_follows(cfg: Config, start: int) -> str:
