@@ -252,3 +252,17 @@ def test_a_straggler_stop_waits_for_the_saves_lists_the_host_and_ends_restartabl
         f"host b straggled at step 10 (input wait 0.490 s of each 1.000 s step above the other "
         f"hosts' median; run.on_straggler=stop), listed in {tmp_path}/bad_hosts")
     assert waited == ["persistent", "local"] and bad_hosts.read(tmp_path) == ["b"]
+
+
+def test_the_lost_peer_line_names_a_newer_local_checkpoint_on_this_host(tmp_path):
+    from jaxtron.train import supervisor
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "50").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"checkpoint:\n  local_dir: {tmp_path}/local\n")
+    here = local.root(f"{tmp_path}/local", run_dir)
+    (here / "55").mkdir(parents=True)
+    (here / "55" / "process_1").write_bytes(b"")
+    line = supervisor._lost_line(1, 2, run_dir, "node7")
+    assert line.endswith("and this host holds local checkpoint 55 (checkpoint.local_dir): rerun "
+                         "the same command to resume from the newest one every host can read")

@@ -9,6 +9,7 @@ in this pytest process on conftest's 8 simulated devices.
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -170,8 +171,8 @@ def test_killed_process_stops_the_other(runs):
     second, out = runs["second"], runs["outputs"]["second-0.txt"]
     assert second["code"] == 75, out[-3000:]
     assert second["stopped_after"] < DEAD_PEER_LIMIT_S, second["stopped_after"]
-    assert out.splitlines()[-1].startswith("launch.py: error: process 1 of 2 stopped answering "
-                                           "(lost peer) after step "), out[-3000:]
+    assert re.match(r"launch\.py: error: process 1 of 2 \(host \S+\) stopped answering "
+                    r"\(lost peer\) after step ", out.splitlines()[-1]), out[-3000:]
     print(f"process 0 exited {second['code']} {second['stopped_after']:.1f} s after process 1 "
           "was killed")
 
