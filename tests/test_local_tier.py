@@ -266,3 +266,30 @@ def test_the_lost_peer_line_names_a_newer_local_checkpoint_on_this_host(tmp_path
     line = supervisor._lost_line(1, 2, run_dir, "node7")
     assert line.endswith("and this host holds local checkpoint 55 (checkpoint.local_dir): rerun "
                          "the same command to resume from the newest one every host can read")
+
+
+def test_a_local_dir_without_room_for_the_tier_is_refused_at_start(tmp_path, monkeypatch):
+    """local_keep + 1 saves of the host's shards must fit, or the start stops in one line (a
+    ConfigError: exit 2) before any step, instead of a save failing mid-run."""
+    from types import SimpleNamespace
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxtron.config import CheckpointConfig, ConfigError
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+    shardings = {"w": NamedSharding(mesh, PartitionSpec("x"))}
+    abstract = {"w": jax.ShapeDtypeStruct((1024,), np.float32)}  # 4 KiB, 8 places
+    tier = local.LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local"), local_keep=2),
+                           tmp_path / "run", ("h",), print)
+    try:
+        usage = SimpleNamespace(free=3 * 4096 - 1)
+        monkeypatch.setattr(local.shutil, "disk_usage", lambda where: usage)
+        with pytest.raises(ConfigError, match=r"checkpoint.local_dir on host h \(process 0\) has "
+                                              r".* less than the local tier needs"):
+            tier.restore(abstract, shardings, None, print)
+        usage.free = 3 * 4096
+        assert tier.restore(abstract, shardings, None, print) is None  # nothing saved yet
+    finally:
+        tier.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
 import re
@@ -434,7 +435,13 @@ class LocalTier:
         read, when not older than the persistent tier's newest (`persistent`); else None, having
         said why in one line when local checkpoints were there but not used. A collective."""
         self.print = mine = fingerprint(abstract, shardings)
-        everyone = _allgather({"have": self.inventory(), "print": mine})
+        everyone = _allgather({"have": self.inventory(), "print": mine,
+                               "room": self._no_room(abstract, shardings)})
+        if short := [(i, e["room"]) for i, e in enumerate(everyone) if e["room"]]:
+            i, why = short[0]
+            raise ConfigError(f"checkpoint.local_dir on host {self.nodes[i]} (process {i}) {why}; "
+                              "free space there, lower checkpoint.local_keep, or point "
+                              "checkpoint.local_dir at a larger disk")
         prints = [e["print"] for e in everyone]
         holders: dict[tuple[int, int], list[int]] = {}
         other_layout = set()
@@ -476,6 +483,25 @@ class LocalTier:
              + (f" ({_processes(moved)} took {'its' if len(moved) == 1 else 'their'} shards from "
                 "a peer's copy)" if moved else ""))
         return chosen, state, data, meta
+
+    def _no_room(self, abstract: Any, shardings: Any) -> str:
+        """Why this host's disk cannot hold the tier ("" when it can): local_keep + 1 files (a new
+        one is written before the oldest goes) of each of its processes and of their peers'
+        copies, against its free space and what the tier holds there already."""
+        own = 0
+        for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+            places = {_key(i, leaf.shape) for i in
+                      sharding.addressable_devices_indices_map(leaf.shape).values()}
+            own += len(places) * math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        copies = 1 if self.peer is None else 2
+        need = (self.keep + 1) * copies * own * self.nodes.count(self.nodes[self.index])
+        held = sum(p.stat().st_size for p in self.root.rglob("process_*") if p.is_file())
+        free = shutil.disk_usage(self.root).free + held
+        if free >= need:
+            return ""
+        return (f"has {free / 2**30:.2f} GiB free, less than the local tier needs "
+                f"({need / 2**30:.2f} GiB: {self.keep + 1} saves of this host's shards"
+                + (" and its peer's copies)" if copies == 2 else ")"))
 
     def _fetch(self, step: int, owner: int, holders: list[int]) -> None:
         """This process's file of `step`, from a process on another host that keeps a copy."""
