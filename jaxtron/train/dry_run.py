@@ -64,6 +64,10 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
         print(f"warning: here, {line}")
     print(f"start: {finished}" if finished else describe_start(
         Path(cfg.run.dir), cfg.checkpoint.restore, cfg.checkpoint.weights_only, cfg.train.steps))
+    if cfg.checkpoint.local_dir and not finished:
+        print(f"local tier: every {cfg.checkpoint.local_every} steps into "
+              f"checkpoint.local_dir={cfg.checkpoint.local_dir} on each host; a start asks every "
+              "host what it holds and resumes from it when newer than the start above")
     if steps := weights.run_checkpoints(Path(cfg.run.dir)):
         if jump := resumed_schedule_jump(weights.read_meta(steps[-1]), cfg):
             print(f"warning: {jump}")
