@@ -293,3 +293,32 @@ def test_a_local_dir_without_room_for_the_tier_is_refused_at_start(tmp_path, mon
         assert tier.restore(abstract, shardings, None, print) is None  # nothing saved yet
     finally:
         tier.close()
+
+
+def test_a_local_save_that_fails_in_the_background_stops_the_loop_in_one_line(tmp_path,
+                                                                             monkeypatch):
+    """The writer thread's failure (any error, not only the disk's) is raised by the loop's next
+    check as a CheckpointSaveError (exit 4), and the writer goes on serving later saves."""
+    import jax.numpy as jnp
+
+    from jaxtron.checkpoint import CheckpointSaveError
+    from jaxtron.config import CheckpointConfig
+
+    tier = local.LocalTier(CheckpointConfig(local_dir=str(tmp_path / "local")), tmp_path / "run",
+                           ("h",), print)
+    state = {"w": jnp.arange(8.0)}
+    try:
+        def broken(self):
+            raise ValueError("garbled")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(local._Payload, "seal", broken)
+            tier.save(10, state, {}, {})
+            with pytest.raises(CheckpointSaveError, match="^local checkpoint 10 was not saved: "
+                                                          "garbled$"):
+                tier.wait()
+        tier.save(20, state, {}, {})
+        tier.wait()
+        assert local.read_header(tier.root / "20" / "process_0")["step"] == 20
+    finally:
+        tier.close()

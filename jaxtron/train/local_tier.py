@@ -347,8 +347,11 @@ class LocalTier:
     def _writer(self) -> None:
         while True:
             payload = self.queue.get()
+            step = payload.header["step"]
             try:
                 self._write(payload)
+            except Exception as e:  # noqa: BLE001 - the loop raises it, as one line
+                self.error = CheckpointSaveError(f"local checkpoint {step} was not saved: {e}")
             finally:
                 del payload
                 self.queue.task_done()
