@@ -1,5 +1,5 @@
-"""The local checkpoint tier across hosts (jaxtron/train/local_tier.py) and stragglers named
-(jaxtron/train/stragglers.py).
+"""The local checkpoint tier across hosts (jaxtron/train/local_tier.py, local_files.py,
+local_peers.py) and stragglers named (jaxtron/train/stragglers.py).
 
 Four launch.py processes stand for two hosts (JAXTRON_HOST=a for processes 0 and 1, b for 2
 and 3), each host with its own local directory (checkpoint.local_dir=$LOCAL, set per host), on
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from helpers import assert_refused, free_port, metrics_rows, multiprocess_env, run_launch
 
+from jaxtron.train import local_files, local_peers, stragglers
 from jaxtron.train import local_tier as local
-from jaxtron.train import stragglers
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = {0: "a", 1: "a", 2: "b", 3: "b"}
@@ -148,9 +148,9 @@ def test_a_slow_host_is_named_and_a_lost_host_resumes_from_its_peers_copy(tmp_pa
 
 # ------------------------------------------------------------------ in one process
 def test_each_process_is_copied_to_the_same_rank_on_the_next_host():
-    assert local.peers(("a", "a", "b", "b")) == [2, 3, 0, 1]
-    assert local.peers(("a", "b", "c")) == [1, 2, 0]
-    assert local.peers(("a", "a")) == [None, None]
+    assert local_peers.peers(("a", "a", "b", "b")) == [2, 3, 0, 1]
+    assert local_peers.peers(("a", "b", "c")) == [1, 2, 0]
+    assert local_peers.peers(("a", "a")) == [None, None]
 
 
 def test_a_host_is_named_by_its_slowest_process_against_the_median():
@@ -180,12 +180,12 @@ def test_a_local_file_reads_back_exactly_and_its_damage_is_found(tmp_path):
     state = {"w": jax.device_put(jnp.arange(64, dtype=jnp.bfloat16) / 7, shardings["w"]),
              "b": jax.device_put(jnp.float32(3.5), shardings["b"])}
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    payload = local._gather(5, 0, state, {"consumed": 3}, {"step": 5}, "print")
+    payload = local_files.gather(5, 0, state, {"consumed": 3}, {"step": 5}, "print")
     payload.seal()
     path = tmp_path / "5" / "process_0"
-    local._write(path, payload.chunks())
-    assert local.read_header(path)["fingerprint"] == "print"
-    restored, data, meta = local.load(path, abstract, shardings)
+    local_files.write(path, payload.chunks())
+    assert local_files.read_header(path)["fingerprint"] == "print"
+    restored, data, meta = local_files.load(path, abstract, shardings)
     assert (data, meta) == ({"consumed": 3}, {"step": 5})
     for key in state:
         assert restored[key].sharding == shardings[key]
@@ -194,9 +194,9 @@ def test_a_local_file_reads_back_exactly_and_its_damage_is_found(tmp_path):
     raw[-3] ^= 1
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="fails its checksum"):
-        local.load(path, abstract, shardings)
+        local_files.load(path, abstract, shardings)
     path.write_bytes(bytes(raw[:-1]))  # cut short: not a whole file
-    assert local.read_header(path) is None
+    assert local_files.read_header(path) is None
 
 
 def test_each_fallback_to_the_persistent_tier_is_one_line_saying_why():
@@ -312,13 +312,13 @@ def test_a_local_save_that_fails_in_the_background_stops_the_loop_in_one_line(tm
             raise ValueError("garbled")
 
         with monkeypatch.context() as patch:
-            patch.setattr(local._Payload, "seal", broken)
+            patch.setattr(local_files.Payload, "seal", broken)
             tier.save(10, state, {}, {})
             with pytest.raises(CheckpointSaveError, match="^local checkpoint 10 was not saved: "
                                                           "garbled$"):
                 tier.wait()
         tier.save(20, state, {}, {})
         tier.wait()
-        assert local.read_header(tier.root / "20" / "process_0")["step"] == 20
+        assert local_files.read_header(tier.root / "20" / "process_0")["step"] == 20
     finally:
         tier.close()

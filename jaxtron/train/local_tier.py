@@ -15,6 +15,7 @@ the holder's server. The shards are the exact bytes saved, so the resume is bit-
 process's file is on no host (it and its peer were both lost), or the files were written by
 another layout or process count, the start says so in one line and resumes from the persistent
 tier. Nothing here goes through the devices: the copies are host to host, off the step's path.
+The file is local_files.py's; the copies between hosts go through local_peers.py.
 """
 
 from __future__ import annotations
@@ -24,30 +25,18 @@ import json
 import math
 import os
 import queue
-import re
-import secrets
 import shutil
-import socket
-import struct
 import threading
 import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from jaxtron.checkpoint.checkpoints import CheckpointSaveError
 from jaxtron.config import CheckpointConfig, ConfigError
 from jaxtron.plan import memory
-
-MAGIC = b"jaxtron-local-1\n"
-_FILE = re.compile(r"^process_(\d+)$")
-_TIMEOUT_S = 120.0  # a peer that takes longer to accept a copy or answer a fetch is not answering
-_CHUNK = 1 << 22
-_SLICE = 1 << 18  # bytes of CRC per call: about 0.2 ms
+from jaxtron.train import local_files, local_peers
 
 
 def root(local_dir: str, run_dir: Path) -> Path:
@@ -56,235 +45,6 @@ def root(local_dir: str, run_dir: Path) -> Path:
     where = Path(os.path.expandvars(os.path.expanduser(local_dir)))
     key = hashlib.sha1(str(run_dir.absolute()).encode()).hexdigest()[:8]
     return where / f"{run_dir.absolute().name}-{key}"
-
-
-def peers(nodes: tuple[str, ...]) -> list[int | None]:
-    """peers[i]: the process that keeps a copy of process i's shards: the one of the same local
-    rank on the next host (hosts in order of their first process), None on a single host."""
-    hosts = list(dict.fromkeys(nodes))
-    if len(hosts) < 2:
-        return [None] * len(nodes)
-    members = {h: [i for i, n in enumerate(nodes) if n == h] for h in hosts}
-    out: list[int | None] = []
-    for i, node in enumerate(nodes):
-        rank = members[node].index(i)
-        following = members[hosts[(hosts.index(node) + 1) % len(hosts)]]
-        out.append(following[rank % len(following)])
-    return out
-
-
-# ------------------------------------------------------------------ the file
-def _key(index: tuple, shape: tuple) -> str:
-    """A shard's place in its array, as text: 'start:stop' per dimension."""
-    return ",".join(f"{s.start or 0}:{dim if s.stop is None else s.stop}"
-                    for s, dim in zip(index, shape))
-
-
-def _leaf_name(path) -> str:
-    return jax.tree_util.keystr(path)
-
-
-def fingerprint(abstract: Any, shardings: Any) -> str:
-    """What this process's shards are: every array's name, shape, dtype and the places of this
-    process's shards in it, and the process count. Files of another layout do not match."""
-    h = hashlib.sha256(str(jax.process_count()).encode())
-    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    for (path, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
-        keys = sorted({_key(i, leaf.shape) for i in
-                       sharding.addressable_devices_indices_map(leaf.shape).values()})
-        h.update(f"{_leaf_name(path)}|{leaf.shape}|{leaf.dtype}|{keys}\n".encode())
-    return h.hexdigest()[:16]
-
-
-@dataclass
-class _Payload:
-    """One process's file: a header (JSON) and its arrays' bytes, kept in host memory."""
-
-    header: dict
-    buffers: list[np.ndarray]
-
-    def seal(self) -> None:
-        """Put the payload's CRC in the header (in the background: it reads every byte)."""
-        crc = 0
-        for buffer in self.buffers:  # in slices: zlib holds the GIL, and the loop needs it
-            view = memoryview(buffer.reshape(-1).view(np.uint8))
-            for start in range(0, len(view), _SLICE):
-                crc = zlib.crc32(view[start:start + _SLICE], crc)
-        self.header["crc32"] = crc
-
-    def head(self) -> bytes:
-        text = json.dumps(self.header).encode()
-        return MAGIC + struct.pack("<Q", len(text)) + text
-
-    def chunks(self):
-        yield self.head()
-        for buffer in self.buffers:
-            view = memoryview(buffer.reshape(-1).view(np.uint8))
-            for start in range(0, len(view), _CHUNK):
-                yield view[start:start + _CHUNK]
-
-    def size(self) -> int:
-        return len(self.head()) + sum(b.nbytes for b in self.buffers)
-
-
-def _gather(step: int, owner: int, state: Any, data: dict, meta: dict, print_: str) -> _Payload:
-    """This process's distinct shards copied to host memory (what the loop waits for: the next
-    step may overwrite the state's buffers), with their places, the input's state and meta."""
-    entries, device_arrays = [], []
-    for path, arr in jax.tree_util.tree_flatten_with_path(state)[0]:
-        seen = set()
-        for shard in arr.addressable_shards:
-            key = _key(shard.index, arr.shape)
-            if key not in seen:
-                seen.add(key)
-                entries.append({"array": _leaf_name(path), "at": key})
-                device_arrays.append(shard.data)
-    for data_ in device_arrays:
-        data_.copy_to_host_async()
-    # A CPU array's host view is its own buffer, which the next step's donation then leaves
-    # alone (jax copies instead); a GPU array's is a fresh host copy.
-    buffers = [np.asarray(d) for d in device_arrays]
-    offset = 0
-    for entry, buffer in zip(entries, buffers):
-        entry.update(dtype=buffer.dtype.name, shape=list(buffer.shape), offset=offset,
-                     nbytes=buffer.nbytes)
-        offset += buffer.nbytes
-    header = {"step": step, "owner": owner, "processes": jax.process_count(),
-              "fingerprint": print_, "crc32": None, "arrays": entries, "data": data,
-              "meta": meta}
-    return _Payload(header, buffers)
-
-
-def read_header(path: Path) -> dict | None:
-    """A file's header, or None when it is not a whole local checkpoint file's beginning."""
-    try:
-        with path.open("rb") as f:
-            if f.read(len(MAGIC)) != MAGIC:
-                return None
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-            size = path.stat().st_size
-    except (OSError, ValueError, struct.error):
-        return None
-    total = len(MAGIC) + 8 + length + sum(e["nbytes"] for e in header["arrays"])
-    return header if total == size else None
-
-
-def _dtype(name: str) -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-
-
-def load(path: Path, abstract: Any, shardings: Any) -> tuple[Any, dict, dict]:
-    """(state, input state, meta) from a process's file, onto this process's devices; ValueError
-    when its bytes fail their CRC or a shard is missing."""
-    raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
-    start = len(MAGIC) + 8 + length
-    header = json.loads(raw[len(MAGIC) + 8:start])
-    body = memoryview(raw)[start:]
-    if zlib.crc32(body) != header["crc32"]:
-        raise ValueError(f"{path} fails its checksum")
-    shards = {(e["array"], e["at"]): e for e in header["arrays"]}
-    flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
-    leaves = []
-    for (path_, leaf), sharding in zip(flat, jax.tree.leaves(shardings)):
-        name, buffers = _leaf_name(path_), []
-        for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
-            entry = shards.get((name, _key(index, leaf.shape)))
-            if entry is None:
-                raise ValueError(f"{path} lacks a shard of {name}")
-            host = np.frombuffer(body, _dtype(entry["dtype"]), count=int(np.prod(entry["shape"])),
-                                 offset=entry["offset"]).reshape(entry["shape"])
-            buffers.append(jax.device_put(host, device))
-        leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, buffers))
-    return jax.tree.unflatten(tree, leaves), header["data"], header["meta"]
-
-
-def _write(path: Path, chunks) -> None:
-    """Write `chunks` to `path` whole: into a hidden temporary file, then renamed over."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-    os.replace(tmp, path)
-
-
-# ------------------------------------------------------------------ the peer's server
-class _Server:
-    """A TCP server in this process: keeps a peer's copies (PUT) in `root`, and hands out a file
-    it holds (GET) to a process that lost its own. Each request carries the server's token."""
-
-    def __init__(self, directory: Path, prune: Callable[[int], None]):
-        self.root, self.prune = directory, prune
-        self.token = secrets.token_hex(16)
-        self.sock = socket.create_server(("", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, name="local-tier", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as stream:
-            try:
-                conn.settimeout(_TIMEOUT_S)
-                request = json.loads(stream.readline())
-                if request.get("token") != self.token:
-                    return
-                path = self.root / str(request["step"]) / f"process_{request['owner']}"
-                if request["op"] == "put":
-                    _write(path, _exactly(stream, request["size"]))
-                    conn.sendall(b"ok\n")
-                    self.prune(request["owner"])
-                elif request["op"] == "get":
-                    size = path.stat().st_size if path.is_file() else -1
-                    conn.sendall(f"{size}\n".encode())
-                    if size >= 0:
-                        with path.open("rb") as f:
-                            conn.sendfile(f)
-            except (OSError, ValueError, KeyError):
-                return  # the asking side sees the connection close without an answer
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _exactly(stream, size: int):
-    left = size
-    while left:
-        chunk = stream.read(min(left, _CHUNK))
-        if not chunk:
-            raise OSError("the sender closed the connection early")
-        left -= len(chunk)
-        yield chunk
-
-
-def _reachable_ip() -> str:
-    """This host's address as the other hosts reach it: the interface toward the coordinator."""
-    from jax._src import distributed as jax_distributed
-
-    coordinator = getattr(jax_distributed.global_state, "coordinator_address", None) or ""
-    host = coordinator.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
-
-
-def _request(address: dict, request: dict) -> socket.socket:
-    conn = socket.create_connection((address["ip"], address["port"]), timeout=_TIMEOUT_S)
-    conn.sendall(json.dumps({**request, "token": address["token"]}).encode() + b"\n")
-    return conn
 
 
 # ------------------------------------------------------------------ the tier
@@ -313,10 +73,10 @@ class LocalTier:
             raise ConfigError(f"checkpoint.local_dir={cfg.local_dir} cannot be written on host "
                               f"{nodes[i]} (process {i}: {problems[i]}); point it at node-local "
                               "storage every host can write, or set checkpoint.local_dir=\"\"")
-        self.server = _Server(self.root, self._prune_owner)
-        self.addresses = _allgather({"ip": _reachable_ip(), "port": self.server.port,
+        self.server = local_peers.Server(self.root, self._prune_owner)
+        self.addresses = _allgather({"ip": local_peers.reachable_ip(), "port": self.server.port,
                                      "token": self.server.token})
-        self.peer = peers(nodes)[self.index]
+        self.peer = local_peers.peers(nodes)[self.index]
         # One writer thread for the run, started here: a thread started at each save waited
         # tens of ms for a core on a busy host (CPU runs: XLA's pool spinning after the step).
         self.queue: queue.Queue = queue.Queue(maxsize=1)
@@ -340,7 +100,7 @@ class LocalTier:
         """Copy this process's shards to host memory, then write them and send them to the peer
         in the background. Waits for the previous local save first."""
         self.wait()
-        payload = _gather(step, self.index, state, data, meta, self.print)
+        payload = local_files.gather(step, self.index, state, data, meta, self.print)
         self.saves += 1
         self.queue.put(payload)
 
@@ -356,7 +116,7 @@ class LocalTier:
                 del payload
                 self.queue.task_done()
 
-    def _write(self, payload: _Payload) -> None:
+    def _write(self, payload: local_files.Payload) -> None:
         start = time.perf_counter()
         try:
             self._write_and_send(payload)
@@ -365,11 +125,11 @@ class LocalTier:
             payload.buffers.clear()
             memory.release_freed()  # the host copies' pages, back to the OS off the loop's path
 
-    def _write_and_send(self, payload: _Payload) -> None:
+    def _write_and_send(self, payload: local_files.Payload) -> None:
         step = payload.header["step"]
         payload.seal()
         try:
-            _write(self.root / str(step) / f"process_{self.index}", payload.chunks())
+            local_files.write(self.root / str(step) / f"process_{self.index}", payload.chunks())
         except OSError as e:
             self.error = CheckpointSaveError(
                 f"local checkpoint {step} was not saved: {e.strerror or e} ({self.root})")
@@ -382,10 +142,10 @@ class LocalTier:
                 self.warn(f"warning: local checkpoint {step}: the copy to process {self.peer} "
                           f"(host {self.nodes[self.peer]}) failed ({e}); this host keeps its own")
 
-    def _send(self, payload: _Payload, to: int) -> None:
+    def _send(self, payload: local_files.Payload, to: int) -> None:
         request = {"op": "put", "step": payload.header["step"], "owner": self.index,
                    "size": payload.size()}
-        with _request(self.addresses[to], request) as conn:
+        with local_peers.request(self.addresses[to], request) as conn:
             for chunk in payload.chunks():
                 conn.sendall(chunk)
             if conn.makefile("rb").readline() != b"ok\n":
@@ -427,7 +187,8 @@ class LocalTier:
         found = []
         for step in _steps(self.root):
             for path in (self.root / str(step)).iterdir():
-                if _FILE.match(path.name) and (header := read_header(path)):
+                header = local_files.FILE.match(path.name) and local_files.read_header(path)
+                if header:
                     found.append([step, header["owner"], header["fingerprint"],
                                   header["processes"]])
         return found
@@ -437,7 +198,7 @@ class LocalTier:
         """(step, state, input state, meta) from the newest local step that every process can
         read, when not older than the persistent tier's newest (`persistent`); else None, having
         said why in one line when local checkpoints were there but not used. A collective."""
-        self.print = mine = fingerprint(abstract, shardings)
+        self.print = mine = local_files.fingerprint(abstract, shardings)
         everyone = _allgather({"have": self.inventory(), "print": mine,
                                "room": self._no_room(abstract, shardings)})
         if short := [(i, e["room"]) for i, e in enumerate(everyone) if e["room"]]:
@@ -469,8 +230,8 @@ class LocalTier:
         try:
             if self.index not in holders[(chosen, self.index)]:  # its own host's file is gone
                 self._fetch(chosen, self.index, holders[(chosen, self.index)])
-            state, data, meta = load(self.root / str(chosen) / f"process_{self.index}", abstract,
-                                     shardings)
+            state, data, meta = local_files.load(
+                self.root / str(chosen) / f"process_{self.index}", abstract, shardings)
         except (OSError, ValueError) as e:
             problem, state, data, meta = str(e), None, None, None
         problems = _allgather(problem)
@@ -493,7 +254,7 @@ class LocalTier:
         copies, against its free space and what the tier holds there already."""
         own = 0
         for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-            places = {_key(i, leaf.shape) for i in
+            places = {local_files.key(i, leaf.shape) for i in
                       sharding.addressable_devices_indices_map(leaf.shape).values()}
             own += len(places) * math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         copies = 1 if self.peer is None else 2
@@ -509,12 +270,13 @@ class LocalTier:
     def _fetch(self, step: int, owner: int, holders: list[int]) -> None:
         """This process's file of `step`, from a process on another host that keeps a copy."""
         for holder in holders:
-            with _request(self.addresses[holder], {"op": "get", "step": step,
+            with local_peers.request(self.addresses[holder], {"op": "get", "step": step,
                                                    "owner": owner}) as conn:
                 stream = conn.makefile("rb")
                 size = int(stream.readline() or -1)
                 if size >= 0:
-                    _write(self.root / str(step) / f"process_{owner}", _exactly(stream, size))
+                    local_files.write(self.root / str(step) / f"process_{owner}",
+                                      local_peers.exactly(stream, size))
                     return
         raise OSError(f"no host handed out process {owner}'s file of step {step}")
 
@@ -540,7 +302,8 @@ def newest_here(run_dir: Path) -> int | None:
     if not local_dir:
         return None
     here = root(local_dir, run_dir)
-    steps = [s for s in _steps(here) if any(_FILE.match(p.name) for p in (here / str(s)).iterdir())]
+    steps = [s for s in _steps(here)
+             if any(local_files.FILE.match(p.name) for p in (here / str(s)).iterdir())]
     return steps[-1] if steps else None
 
 
