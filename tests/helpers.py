@@ -381,7 +381,7 @@ def initial_gradients(tmp_path, devices, mesh: dict, *extra: str,
     from jaxtron.step.state import init_state, make_plan
 
     cfg = parallel_config(tmp_path, mesh, *extra, inputs=inputs)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, len(devices))
     mesh_ = parallel.make_mesh(cfg.mesh, devices)
     grad_fn = jax.jit(lambda params, batch: loss_and_grads(
@@ -608,7 +608,7 @@ def pipeline_run(cfg: config.Config, num_devices: int, apart: bool = False
     from jaxtron.step.state import init_state, make_plan
 
     devices = jax.devices()[:num_devices]
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, num_devices)
     mesh = parallel.make_mesh(cfg.mesh, devices)
     sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())

@@ -25,7 +25,7 @@ def _preset(name: str, *overrides: str):
 
 
 def _peak(cfg, devices: int) -> int:
-    return sum(memory.estimate(cfg, make_plan(cfg, make_optimizer(cfg.optim, 10), devices)).values())
+    return sum(memory.estimate(cfg, make_plan(cfg, make_optimizer(cfg), devices)).values())
 
 
 @pytest.mark.parametrize("name", CLUSTERS)

@@ -240,8 +240,8 @@ def test_of_an_override_given_twice_the_last_one_wins():
      "optim.decay_steps=2 is not past optim.warmup_steps=4 (it counts the warm-up): the learning "
      "rate drops from optim.lr to its minimum in one step after the warm-up; raise it"),
     (["train.steps=200", "optim.decay_steps=1000"],
-     "optim.decay_steps=1000 is more than train.steps=200: the run ends before the cosine decay "
-     "does (meant if a later run goes on); 0 decays over train.steps"),
+     "optim.decay_steps=1000 is more than train.steps=200: the run ends before the decay does "
+     "(meant if a later run goes on); 0 decays over train.steps"),
     (["optim.lr=0"], "optim.lr=0: the weights never change; set the peak learning rate"),
     (["pipeline.schedule=circular", "pipeline.repeats=2", "mesh.stage=1"],
      "pipeline.repeats=2 does nothing with mesh.stage=1 (no pipeline); set mesh.stage > 1, or "

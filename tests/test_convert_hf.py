@@ -148,7 +148,7 @@ def test_read_params_puts_layers_in_the_order_the_trainer_restores_them(pipeline
     assert weights.read_meta(weights.locate(pipeline_run)[1])["layer_order"] == [0, 2, 1, 3]
     one = dataclasses.replace(cfg, mesh=MeshConfig(fsdp=1), pipeline=PipelineConfig(),
                               train=dataclasses.replace(cfg.train, microbatches=1))
-    tx = make_optimizer(one.optim, one.train.steps)
+    tx = make_optimizer(one)
     plan = state_lib.make_plan(one, tx, 1)  # one device, one stage: layers in model order
     mesh = parallel.make_mesh(one.mesh, jax.devices()[:1])
     shardings = parallel.named(plan.specs, mesh)

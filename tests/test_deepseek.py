@@ -128,7 +128,7 @@ def test_a_skipped_step_leaves_the_bias_where_it_was(devices):
     """A non-finite loss skips the update: params, the balancing bias among them, unchanged;
     the same step on finite weights moves the bias."""
     cfg = config.load([DEEPSEEK], [*QUIET, *SHORT])
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 1)
     mesh = parallel.make_mesh(cfg.mesh, devices[:1])
     with jax.set_mesh(mesh):
@@ -161,7 +161,7 @@ def _initial(*overrides) -> tuple[float, dict, dict]:
     (one dense, one MoE) of configs/tiny_deepseek.yaml."""
     cfg = config.load([DEEPSEEK], [*QUIET, "train.batch_size=4", "train.seq_len=64",
                                     "model.num_layers=2", "mesh.fsdp=1", *overrides])
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 1)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:1])
     with jax.set_mesh(mesh):

@@ -240,7 +240,7 @@ def test_fp8_keeps_no_state_of_its_own_so_checkpoints_and_exports_are_unchanged(
     `jaxtron convert-hf export` reads) has the same arrays as without FP8, master weights in
     float32."""
     cfgs = [tiny_config(), tiny_config(FP8)]
-    plans = [make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), 1) for cfg in cfgs]
+    plans = [make_plan(cfg, make_optimizer(cfg), 1) for cfg in cfgs]
     shapes = [jax.tree_util.tree_flatten_with_path(p.abstract)[0] for p in plans]
     assert [(path, leaf.shape, leaf.dtype) for path, leaf in shapes[0]] == \
         [(path, leaf.shape, leaf.dtype) for path, leaf in shapes[1]]
@@ -255,7 +255,7 @@ DELAYED = ("model.fp8=delayed", "model.fp8_history=4", "optim.warmup_steps=0")
 def _one_step(cfg, devices, state=None):
     """(state before, state after one step, the step's metrics) of `cfg` on `devices`, the
     first training batch; `state` (on the host) instead of fresh weights."""
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
     with jax.set_mesh(mesh):
@@ -426,7 +426,7 @@ def test_delayed_is_refused_under_a_pipeline_and_between_fp8_modes():
     histories of one mode and length."""
     cfg = tiny_config(*DELAYED, "mesh.stage=2", "mesh.fsdp=1", "train.microbatches=2")
     with pytest.raises(config.ConfigError, match="model.fp8=delayed does not run under a pipe"):
-        make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), 2)
+        make_plan(cfg, make_optimizer(cfg), 2)
     saved = {"config": config.to_yaml(tiny_config(FP8))}
     assert weights.model_changes(saved, tiny_config(*DELAYED).model) == [
         "model.fp8=tensorwise -> delayed", "model.fp8_history=1024 -> 4"]
@@ -552,7 +552,7 @@ def _casts_after_amax(jaxpr, tainted: list[bool], found: dict) -> list[bool]:
 def _step_casts(cfg, devices) -> dict:
     """found[(format, waits)] (`_casts_after_amax`) over the whole train step of `cfg`, traced
     on `devices` (nothing is compiled or run)."""
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
     with jax.set_mesh(mesh):

@@ -263,7 +263,7 @@ def start_state(cfg: config.Config) -> dict:
     """The train state of cfg's seed, made once on one CPU device and fetched to the host, so
     every run starts from the same numbers."""
     cfg = attention.configure(cfg, "cpu")
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 1)
     mesh = one_device_mesh(jax.devices("cpu")[0])
     with jax.set_mesh(mesh):
@@ -274,7 +274,7 @@ def run_steps(cfg: config.Config, device, state: dict, batch: dict) -> StepRun:
     """cfg.train.steps of jaxtron's train step (step.compile_step, as train() compiles it) on one
     `device` from the host `state` on the fixed `batch`; and the gradient at `state`."""
     cfg = attention.configure(cfg, device.platform)  # as train() does: auto -> cudnn on GPUs
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 1)
     mesh = one_device_mesh(device)
     with jax.set_mesh(mesh):
@@ -474,7 +474,7 @@ def moe_gradients(kernel: str, device) -> tuple[float, dict]:
     cfg = config.load([ROOT / "configs" / "tiny_moe.yaml"], [*MOE_OVERRIDES,
                                                              f"model.moe.kernel={kernel}"])
     state = start_state(cfg)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 1)
     mesh = one_device_mesh(device)
     with jax.set_mesh(mesh):

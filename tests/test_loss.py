@@ -198,7 +198,7 @@ def test_sharded_loss_equals_the_whole_loss(model_parts, mesh, tied, extra):
         params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(make())))()
     else:
         graphdef, params = model_parts
-    plan = make_plan(cfg, make_optimizer(cfg.optim, 10), 8)
+    plan = make_plan(cfg, make_optimizer(cfg), 8)
     mesh_ = parallel.make_mesh(cfg.mesh)
     batch = _packed_batch()
     whole = jax.jit(jax.value_and_grad(loss_sums, has_aux=True), static_argnums=(1, 4))

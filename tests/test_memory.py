@@ -24,7 +24,7 @@ MID = ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.nu
 def _compiled(num_devices: int, *overrides: str):
     """(memory analysis of the compiled step, plan, config)."""
     cfg = config.load(["configs/tiny.yaml"], [*MID, *overrides])
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, num_devices)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:num_devices])
     shardings = parallel.named(plan.specs, mesh)
@@ -152,7 +152,7 @@ def test_sinks_are_estimated_in_the_xla_kernel_they_run_in():
     of model.attention=auto is XLA's, its float32 scores counted, not cuDNN's (the 20B on 8
     H100s: 55.6 GiB estimated against 56.9 compiled; counted as cuDNN, 42.5)."""
     cfg = config.load(["gpt_oss_20b"], ["model.num_layers=2", "model.moe.num_experts=8"])
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 8)
     auto = sum(memory.estimate(cfg, plan).values())
     xla = config.load(["gpt_oss_20b"], ["model.num_layers=2", "model.moe.num_experts=8",

@@ -252,7 +252,7 @@ def test_expert_parallel_trains_like_one_device(devices, tmp_path, one_device, m
 
 def _gradients(devices, *overrides) -> dict:
     cfg = config.load([MOE], [*QUIET, *SHORT, *overrides])
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
     fn = jax.jit(lambda params, batch: loss_and_grads(
@@ -408,7 +408,7 @@ def _grads_with(devices, kernel: str, *overrides, microbatches: int = 1) -> tupl
     cfg = config.load([MOE], [*QUIET, *SHORT, *overrides])
     moe_cfg = dataclasses.replace(cfg.model.moe, kernel=kernel)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe_cfg))
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
 

@@ -43,7 +43,7 @@ def _grads(name: str, devices: list, *overrides: str) -> tuple:
                       [*QUIET, *SHORT, *MODELS[name], *overrides])
     moe_cfg = dataclasses.replace(cfg.model.moe, kernel="xla")
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe_cfg))
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, len(devices))
     mesh = parallel.make_mesh(cfg.mesh, devices)
     staged = cfg.model.staged_layers

@@ -154,7 +154,7 @@ def test_the_evaluation_runs_the_forwards_alone_and_matches_one_device():
     from jaxtron.step.state import init_state, make_plan
 
     def evaluate(cfg, devices):
-        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        tx = make_optimizer(cfg)
         plan = make_plan(cfg, tx, devices)
         mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:devices])
         sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
@@ -194,7 +194,7 @@ def test_1f1b_gradients_follow_the_loss_cotangent():
 
     cfg = pipeline_cfg("mesh.stage=2", "mesh.fsdp=1", "pipeline.schedule=1f1b",
                        "model.remat=none")
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 2)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:2])
     sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())
@@ -228,7 +228,7 @@ def test_zb_h1_runs_the_weight_gradients_apart_and_no_matmul_twice(remat):
     def matmuls(schedule):
         cfg = pipeline_cfg("mesh.stage=2", "mesh.fsdp=1", f"pipeline.schedule={schedule}",
                            f"model.remat={remat}")
-        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        tx = make_optimizer(cfg)
         plan = make_plan(cfg, tx, 2)
         mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:2])
         sharding = jax.sharding.NamedSharding(mesh, parallel.batch_spec())

@@ -144,7 +144,7 @@ def test_maxtext_trains_tiny_on_the_same_model():
     assert found["tokens_per_sec"] == pytest.approx(2 * 128 / found["step_time"])
     assert found["tflops_per_device"] > 0
     # the same model: MaxText's exact parameter count is jaxtron's (7,342,336)
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    tx = optim.make_optimizer(cfg)
     assert found["num_params"] == state.make_plan(cfg, tx, 1).num_params == 7_342_336
     assert found["settings"]["attention"] == "dot_product"
     assert found["settings"]["per_device_batch_size"] == "2"

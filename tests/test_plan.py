@@ -252,7 +252,7 @@ def _seed_layout(mesh: dict[str, int], micro: int, grad_sum: str) -> tuple[dict,
     cfg = aot.for_gpus(config_lib.load([ROOT / "configs" / "llama3_70b.yaml"],
                                        ["train.batch_size=512", "train.seq_len=4096"]))
     cfg = planner.configure(cfg, mesh, "gpipe", 1, micro, "full", grad_sum)
-    plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), 128)
+    plan = make_plan(cfg, make_optimizer(cfg), 128)
     return planner.step_time(cfg, mesh, 8, "h100"), sum(memory.estimate(cfg, plan).values())
 
 

@@ -42,7 +42,7 @@ def _cfg(run_dir, mesh: dict, steps: int, *extra: str) -> config.Config:
 
 def _restore(cfg: config.Config, devices: list, step: int) -> tuple[dict, dict]:
     """The checkpoint's state read into `cfg.mesh`'s shardings, and those shardings."""
-    plan = make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps), len(devices))
+    plan = make_plan(cfg, make_optimizer(cfg), len(devices))
     shardings = parallel.named(plan.specs, parallel.make_mesh(cfg.mesh, devices))
     ckpt = Checkpoints(cfg.checkpoint, Path(cfg.run.dir))
     try:
@@ -116,7 +116,7 @@ def test_restores_reuse_the_restored_buffers(tmp_path):
     a weights-only restore, donate what they are given: the state is never held twice."""
     cfg = _cfg(tmp_path, {"stage": 2, "fsdp": 4}, 3, "pipeline.schedule=circular",
                "pipeline.repeats=2", "train.microbatches=2")
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     plan = make_plan(cfg, tx, 8)
     mesh = parallel.make_mesh(cfg.mesh, jax.devices())
     shardings = parallel.named(plan.specs, mesh)

@@ -28,6 +28,10 @@ from jaxtron.config.model import (  # noqa: F401 - the model section, re-exporte
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd", "constant")
+COOLDOWNS = ("linear", "cosine", "sqrt")
+MUON_LAYOUTS = ("spread", "gathered", "sharded")
 SOURCES = ("stdlib", "arrayrecord")  # data.source: the built-in corpus, or prepared datasets
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -123,10 +127,19 @@ class XlaConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # adamw, or muon: Newton-Schulz orthogonalised momentum for the hidden matrices, AdamW for
+    # the rest (embeddings, head, norms, biases, routers), at the same lr and weight decay
+    # (Moonlight's update-RMS matching; docs/optimizers.md)
+    name: str = "adamw"
     lr: float = 3e-4
+    # cosine (warm-up, then down to lr * min_lr_ratio at decay_steps), wsd (warm-up, constant,
+    # then cooldown_steps down to lr * min_lr_ratio at decay_steps) or constant (after warm-up)
+    schedule: str = "cosine"
     warmup_steps: int = 100
-    decay_steps: int = 0  # cosine decay length; 0 -> train.steps
+    decay_steps: int = 0  # the step the decay ends at; 0 -> train.steps
     min_lr_ratio: float = 0.1
+    cooldown_steps: int = 0  # wsd's decay length; 0 -> a fifth of the decay's end step
+    cooldown_shape: str = "linear"  # wsd's decay: linear, cosine or sqrt (1 - sqrt of progress)
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -135,6 +148,12 @@ class OptimConfig:
     # Adam's first moment in this dtype ("": the params'); bfloat16 saves 2 bytes per parameter
     # (the second moment stays in the params' dtype: its square would lose range)
     mu_dtype: str = ""
+    # muon: momentum, Newton-Schulz iterations, and where each matrix is orthogonalised: spread
+    # (whole matrices dealt out over the devices that shard them), gathered (every device
+    # orthogonalises every matrix it holds a piece of) or sharded (in the weights' own layout)
+    muon_beta: float = 0.95
+    muon_steps: int = 5
+    muon_layout: str = "spread"
 
 
 @dataclass(frozen=True)
@@ -307,6 +326,8 @@ def _ranges(cfg: Config) -> tuple:
         ("optim.b1", o.b1, *unit), ("optim.b2", o.b2, *unit), ("optim.eps", o.eps, *above_0),
         ("optim.weight_decay", o.weight_decay, *at_least(0)),
         ("optim.clip_norm", o.clip_norm, *at_least(0)),
+        ("optim.cooldown_steps", o.cooldown_steps, *at_least(0)),
+        ("optim.muon_beta", o.muon_beta, *unit), ("optim.muon_steps", o.muon_steps, *at_least(1)),
         ("checkpoint.every", c.every, *at_least(0)), ("checkpoint.keep", c.keep, *at_least(1)),
         ("checkpoint.keep_every", c.keep_every, *at_least(0)),
         ("checkpoint.local_every", c.local_every, *at_least(1)),
@@ -336,6 +357,13 @@ def check_values(cfg: Config) -> None:
     if cfg.optim.mu_dtype and cfg.optim.mu_dtype not in DTYPES:
         raise ConfigError(f"optim.mu_dtype={cfg.optim.mu_dtype} is not one of {', '.join(DTYPES)}"
                           " or '' (the params' dtype)")
+    for key, value, options in (
+            ("optim.name", cfg.optim.name, OPTIMIZERS), ("optim.schedule", cfg.optim.schedule,
+                                                          SCHEDULES),
+            ("optim.cooldown_shape", cfg.optim.cooldown_shape, COOLDOWNS),
+            ("optim.muon_layout", cfg.optim.muon_layout, MUON_LAYOUTS)):
+        if value not in options:
+            raise ConfigError(f"{key}={value} is not one of {', '.join(options)}")
     for key, value in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)):
         if value not in DTYPES:
             raise ConfigError(f"{key}={value} is not one of {', '.join(DTYPES)}")
@@ -393,14 +421,32 @@ def check_warnings(cfg: Config) -> list[str]:
         found.append(f"optim.warmup_steps={o.warmup_steps} is more than train.steps={t.steps}: "
                      f"the run ends during warm-up, before the learning rate reaches "
                      f"optim.lr={o.lr}; lower optim.warmup_steps (or raise train.steps)")
-    if 0 < o.decay_steps <= o.warmup_steps:
+    # Keys the schedule does not read: a constant rate never decays, only wsd cools down.
+    ignored = (("decay_steps",) if o.schedule == "constant" else ()) + (
+        () if o.schedule == "wsd" else ("cooldown_steps", "cooldown_shape"))
+    unused = [f"optim.{key}={getattr(o, key)}" for key in ignored
+              if getattr(o, key) != getattr(OptimConfig, key)]
+    if unused:
+        why = "it never decays" if o.schedule == "constant" else "only wsd has a cool-down"
+        found.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with "
+                     f"optim.schedule={o.schedule} ({why}); drop "
+                     f"{'it' if len(unused) == 1 else 'them'}, or set optim.schedule=wsd")
+    decays, end = o.schedule != "constant", o.decay_steps or t.steps  # the step the decay ends
+    if decays and 0 < o.decay_steps <= o.warmup_steps:
         found.append(f"optim.decay_steps={o.decay_steps} is not past optim.warmup_steps="
                      f"{o.warmup_steps} (it counts the warm-up): the learning rate drops from "
                      f"optim.lr to its minimum in one step after the warm-up; raise it")
-    elif o.decay_steps > t.steps:
+    elif decays and o.decay_steps > t.steps:
         found.append(f"optim.decay_steps={o.decay_steps} is more than train.steps={t.steps}: the "
-                     "run ends before the cosine decay does (meant if a later run goes on); "
+                     "run ends before the decay does (meant if a later run goes on); "
                      "0 decays over train.steps")
+    if o.schedule == "wsd" and end > o.warmup_steps and o.cooldown_steps > end - o.warmup_steps:
+        found.append(f"optim.cooldown_steps={o.cooldown_steps} is more than the "
+                     f"{end - o.warmup_steps} steps from the warm-up's end (optim.warmup_steps="
+                     f"{o.warmup_steps}) to the decay's end ("
+                     f"{'optim.decay_steps' if o.decay_steps else 'train.steps'}={end}): the "
+                     "cool-down starts as the warm-up ends, with no stable phase; lower "
+                     "optim.cooldown_steps")
     if o.lr == 0:
         found.append("optim.lr=0: the weights never change; set the peak learning rate")
     p, stages, per_pass = cfg.pipeline, cfg.mesh.stage, t.microbatches // cfg.pipeline.passes

@@ -63,7 +63,7 @@ def candidates(cfg: Config, num_devices: int) -> list[tuple[str, int, int]]:
     remats = POLICIES if cfg.model.remat == AUTO else (cfg.model.remat,)
     sizes = parallel.mesh_shape(cfg.mesh, num_devices)
     ways = sizes.get("data", 1) * sizes.get("fsdp", 1)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     out = []
     for remat in remats:
         for count in _counts(cfg, ways):

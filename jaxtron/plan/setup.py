@@ -64,5 +64,5 @@ def set_up(cfg: Config, num_devices: int, platform: str | None,
     if platform is not None:
         cfg = experts.configure(attention.configure(cfg, platform), platform)
     cfg, chosen = autofit.resolve(cfg, num_devices, *usable)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg)
     return Setup(cfg, chosen, tx, make_plan(cfg, tx, num_devices), usable[0])

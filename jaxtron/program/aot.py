@@ -214,6 +214,8 @@ def report(cfg: Config, plan, stats, module: hlo.Module, target: str, seconds: f
                   "ragged_matmul_bound_per_device": counted["ragged"],
                   "fp8_matmul_per_device": counted["fp8"],
                   "fp8_e5m2_matmul_per_device": counted["fp8_e5m2"],
+                  # the optimizer's (Muon's Newton-Schulz), not in matmul_per_device
+                  "optimizer_matmul_per_device": counted["optimizer"],
                   "expected_matmul_per_device": costs.expected_matmul(
                       cfg, tokens, plan.mesh_sizes.get("expert", 1),
                       plan.mesh_sizes.get("tensor", 1)),

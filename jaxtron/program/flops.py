@@ -8,7 +8,8 @@ buffers' static size: 2 * R * K * N for R rows, of which a kernel works on the r
 cover (jaxtron/model/moe.py: a device's rows are its expert group's pairs, and each pair is its
 one expert's: over the group's devices, R / |expert| rows on average). Against
 jaxtron/plan/costs.py's expected_matmul, their ratio says whether the compiler recomputes what the
-policy asks, and no more.
+policy asks, and no more. The optimizer's matmuls (Muon's Newton-Schulz, under the named scope
+`newton_schulz`: jaxtron/step/muon.py) are counted apart, as `optimizer`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 from jaxtron.model import windows
 from jaxtron.program import hlo
 from jaxtron.program.hlo import Instruction, Module
+from jaxtron.step.muon import SCOPE as OPTIMIZER_SCOPE
 
 
 def compiled(module: Module, window_shares: dict[int, float] | None = None,
@@ -36,7 +38,7 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None,
     branch), 0 global. `scope_shares`: named scope -> the share of its loop's iterations on which
     a conditional under it runs (the 1F1B ticks' forward, loss and backward,
     one_f_one_b.Ticks.shares); what runs under one, in its loops too, is weighed by it."""
-    totals = {"matmul": 0, "attention": 0, "ragged": 0, "fp8": 0, "fp8_e5m2": 0}
+    totals = {"matmul": 0, "attention": 0, "ragged": 0, "fp8": 0, "fp8_e5m2": 0, "optimizer": 0}
     shares = window_shares or {}
     by_branch = {0: shares.get(0, 1.0), 1: sum(v for w, v in shares.items() if w) or 1.0}
     for comp, insts in module.computations.items():
@@ -55,6 +57,9 @@ def compiled(module: Module, window_shares: dict[int, float] | None = None,
             scoped = hlo.scope_share(inst, scope_shares)
             if _ragged(inst):
                 totals["ragged"] += round(runs * flops * scoped)
+                continue
+            if hlo.in_scope(inst, OPTIMIZER_SCOPE):
+                totals["optimizer"] += round(runs * flops * scoped)
                 continue
             totals["matmul"] += round(runs * flops * scoped)
             dtypes = [dtype for dtype, _ in _operand_shapes(inst, module)[:2]]

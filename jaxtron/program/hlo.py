@@ -368,6 +368,12 @@ def overlapped(module: Module) -> set[str]:
     return hidden
 
 
+def in_scope(inst: Instruction, scope: str) -> bool:
+    """Whether the instruction's op_name runs under the named scope `scope`."""
+    name = re.search(r'op_name="([^"]*)"', inst.rest)
+    return bool(name) and f"/{scope}/" in f"/{name.group(1)}/"
+
+
 def scope_share(inst: Instruction, scope_shares: dict[str, float] | None) -> float:
     """The share of the named scope in the instruction's op_name (1 for none): of its loop's
     iterations, those on which the conditional under that scope runs (the 1F1B ticks' forward,

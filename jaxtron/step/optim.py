@@ -1,11 +1,14 @@
-"""The optimizer: AdamW with linear warmup + cosine decay, global-norm clipping, a decay mask."""
+"""The optimizer: AdamW, or Muon for the hidden matrices (muon.py), at the learning-rate schedule
+(schedules.py), after global-norm clipping; weight decay where decay_mask says."""
 
 from __future__ import annotations
 
 import jax
 import optax
 
-from jaxtron.config import Config, OptimConfig
+from jaxtron.config import Config
+from jaxtron.step import muon
+from jaxtron.step.schedules import lr_schedule, schedule_jump  # noqa: F401  (the step's names)
 
 # Leaf names that are never weight-decayed: RMSNorm scales, biases (gpt-oss's output, router
 # and expert ones too), gpt-oss's attention sinks, and the MoE balancing bias (moe.rebalanced
@@ -14,51 +17,24 @@ NO_DECAY = frozenset({"scale", "bq", "bk", "bv", "bo", "sinks", "b_router", "b_g
                       "b_down", "router_bias"})
 
 
-def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """0 -> cfg.lr over warmup_steps, then cosine down to lr * min_lr_ratio at decay_steps."""
-    warmup = max(cfg.warmup_steps, 0)
-    decay = max(cfg.decay_steps or total_steps, warmup + 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=decay,
-        end_value=cfg.lr * cfg.min_lr_ratio,
-    )
-
-
-def schedule_jump(saved: Config, now: Config, step: int) -> str | None:
-    """Resuming at `step` under another schedule (a raised train.steps, a new optim.lr): the
-    learning rate the checkpoint's schedule gives there and this run's, when they differ by more
-    than 10%, in a warning naming the fields and how to keep the checkpoint's decay."""
-    before = float(lr_schedule(saved.optim, saved.train.steps)(step))
-    after = float(lr_schedule(now.optim, now.train.steps)(step))
-    if abs(after - before) <= 0.1 * max(before, after):
-        return None
-    fields = [("train.steps", saved.train.steps, now.train.steps)] + [
-        (f"optim.{key}", getattr(saved.optim, key), getattr(now.optim, key))
-        for key in ("lr", "warmup_steps", "decay_steps", "min_lr_ratio")]
-    changed = ", ".join(f"{key}={a} -> {b}" for key, a, b in fields if a != b)
-    decay = saved.optim.decay_steps or saved.train.steps  # the step the checkpoint's decay ends
-    keep = [f"{key}={a}" for key, a, b in fields[1:] if a != b and key != "optim.decay_steps"]
-    if now.optim.decay_steps != decay:
-        keep.append(f"optim.decay_steps={decay}")
-    advice = f"; to keep the checkpoint's schedule, set {' '.join(keep)}" if keep else ""
-    return (f"the learning rate at step {step} jumps from {before:.3g} (the checkpoint's schedule) "
-            f"to {after:.3g} ({changed}){advice}")
-
-
 def decay_mask(params: dict) -> dict:
     """True for weights that get weight decay (matrices and embeddings), False for NO_DECAY."""
     return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in NO_DECAY, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """The optax chain the train step applies."""
-    adamw = optax.adamw(
-        lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, mask=decay_mask, mu_dtype=cfg.mu_dtype or None,
-    )
-    if cfg.clip_norm <= 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The optax chain the train step applies (optim.name: adamw, or muon with AdamW for what
+    is not a hidden matrix), at the run's learning-rate schedule."""
+    o = cfg.optim
+    schedule = lr_schedule(o, cfg.train.steps)
+    if o.name == "muon":
+        tx = muon.muon(o, cfg.model, schedule, decay_mask, NO_DECAY)
+    else:
+        tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                         mask=decay_mask, mu_dtype=o.mu_dtype or None)
+    if o.clip_norm <= 0:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
 
 
 def schedule_count(opt_state) -> jax.Array:

@@ -68,10 +68,7 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     param_specs = parallel.mesh_specs(parallel.logical_specs(abstract_state))
     parallel.check_divisible(params, param_specs, sizes, cfg.model)
     opt_state = jax.eval_shape(tx.init, params)
-    opt_specs = optax.tree_map_params(
-        tx, lambda _, s: s, opt_state, param_specs,
-        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
-    )
+    opt_specs = map_params(lambda _, s: s, opt_state, param_specs, lambda _: P())
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     abstract = {"params": params, "opt_state": opt_state, "step": scalar, "nonfinite": scalar}
     specs = {"params": param_specs, "opt_state": opt_specs, "step": P(), "nonfinite": P()}
@@ -82,6 +79,28 @@ def make_plan(cfg: Config, tx: optax.GradientTransformation, num_devices: int) -
     return Plan(graphdef, abstract, specs, sizes, count_params(params), pipe, accumulation,
                 pipeline.config_order(cfg, sizes["stage"]), histories,
                 layer_ops.build(cfg.model, sizes, pipe))
+
+
+def map_params(fn, opt_state, tree: dict, non_params) -> Any:
+    """`fn(leaf, tree's leaf)` on each optimizer-state leaf that is a parameter's (a moment or
+    momentum: its path ends with that parameter's path), `non_params(leaf)`
+    on the rest (counts, coefficients). By path, unlike optax.tree_map_params, because optax's
+    partitioned states (Muon's and AdamW's parts) hold masked subtrees."""
+    is_leaf = lambda x: isinstance(x, P)
+    by_path = {tuple(k.key for k in path): value
+               for path, value in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
+
+    def one(path, leaf):
+        keys = []
+        for key in reversed(path):  # the trailing run of dict keys: the parameter's path
+            if not isinstance(key, jax.tree_util.DictKey):
+                break
+            keys.insert(0, key.key)
+        found = next((tuple(keys[i:]) for i in range(len(keys)) if tuple(keys[i:]) in by_path),
+                     None)
+        return non_params(leaf) if found is None else fn(leaf, by_path[found])
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
 def init_state(cfg: Config, plan: Plan, tx: optax.GradientTransformation, mesh: Mesh) -> dict:
@@ -130,8 +149,7 @@ def in_layer_order(state: dict, meta: dict, plan: Plan, tx, shardings, info) -> 
         move = lambda x, layer: pipeline.reorder(x, saved, plan.layer_order) if layer else x
         out = {**state, "params": jax.tree.map(move, state["params"], is_layer)}
         if "opt_state" in state:  # absent when only the weights were restored
-            out["opt_state"] = optax.tree_map_params(tx, move, state["opt_state"], is_layer,
-                                                     transform_non_params=lambda x: x)
+            out["opt_state"] = map_params(move, state["opt_state"], is_layer, lambda x: x)
         return out
 
     info("layers reordered from the checkpoint's pipeline layout to this run's")

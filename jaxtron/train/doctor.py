@@ -341,7 +341,7 @@ def checkpoint_bytes(cfg: Config, num_devices: int) -> int:
     from jaxtron.step.optim import make_optimizer
     from jaxtron.step.state import make_plan
 
-    return make_plan(cfg, make_optimizer(cfg.optim, cfg.train.steps),
+    return make_plan(cfg, make_optimizer(cfg),
                      num_devices).checkpoint_bytes()
 
 

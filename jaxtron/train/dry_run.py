@@ -212,6 +212,7 @@ def nothing_to_do(cfg: Config) -> str | None:
     steps = weights.run_checkpoints(run_dir)
     if not steps or int(steps[-1].name) < cfg.train.steps:
         return None
-    check_start(run_dir, cfg.model, "", tokenizer_check(cfg.data, cfg.model.vocab_size))
+    check_start(run_dir, cfg.model, "", tokenizer_check(cfg.data, cfg.model.vocab_size),
+                cfg.optim.name)
     return (f"nothing to do: {run_dir} is trained to step {steps[-1].name} (train.steps="
             f"{cfg.train.steps}); raise train.steps to train on, or set run.dir to a new directory")

@@ -15,7 +15,7 @@ from jaxtron.checkpoint import CheckpointSaveError, weights
 from jaxtron.checkpoint.lock import LOCK_FILE
 from jaxtron.config import Config, ConfigError
 from jaxtron.data import prepared
-from jaxtron.train.start import check_start
+from jaxtron.train.start import check_optimizer, check_start
 
 
 def check_paths(cfg: Config) -> None:
@@ -28,12 +28,13 @@ def check_paths(cfg: Config) -> None:
                           "whose old checkpoints a run deletes (or moves aside) with what is in "
                           f"them; set run.dir to a directory outside it")
     check_start(Path(cfg.run.dir), cfg.model, cfg.checkpoint.restore,
-                prepared.tokenizer_check(cfg.data, cfg.model.vocab_size))
+                prepared.tokenizer_check(cfg.data, cfg.model.vocab_size), cfg.optim.name)
     c = cfg.checkpoint
     if c.restore and not c.weights_only and not weights.run_checkpoints(Path(cfg.run.dir)):
         meta = weights.read_meta(restored := weights.locate(c.restore)[1])
         if meta.get("layout") == weights.LAYERED:  # jaxtron convert-hf import's output
             raise ConfigError(weights.imported_only(c.restore))
+        check_optimizer(meta, cfg.optim.name, f"checkpoint.restore={c.restore}", c.restore)
         at = meta.get("step", -1)
         if at >= cfg.train.steps:  # it would start, say "nothing to do", and leave a run.dir
             raise ConfigError(f"checkpoint.restore={c.restore} is at step {at}, not before "

@@ -28,12 +28,12 @@ from jaxtron.train.local_tier import LocalTier
 
 
 def check_start(run_dir: Path, model: ModelConfig, restore: str,
-                data_change: DataChange | None = None) -> None:
+                data_change: DataChange | None = None, optimizer: str = "") -> None:
     """Before anything is written: run.dir's newest checkpoint whose metadata reads, or else
     checkpoint.restore, holds this model's arrays (one line naming the fields that differ), its
     data agrees with this run's (`data_change`, e.g. data.prepared.tokenizer_check: what is
-    wrong, or None), and checkpoint.restore names a checkpoint. A refused command leaves run.dir
-    as it was."""
+    wrong, or None) and so does its optimizer (`optimizer`: optim.name, "" unchecked), and
+    checkpoint.restore names a checkpoint. A refused command leaves run.dir as it was."""
     # Damaged ones are passed over here, and set aside by Checkpoints.restore_latest.
     steps = damage.survey(run_dir / "checkpoints", damage.meta_damage)[0]
     if steps:
@@ -44,11 +44,27 @@ def check_start(run_dir: Path, model: ModelConfig, restore: str,
                               "checkpoint.weights_only=true")
         if changed := weights.model_changes(meta, model, resume=True):
             raise ConfigError(_another_model(run_dir, changed))
+        if optimizer:
+            check_optimizer(meta, optimizer, f"run.dir={run_dir}", run_dir)
         if data_change and "config" in meta and (
                 change := data_change(weights.config_of(meta).data, "")):
             raise ConfigError(change)
     if restore:  # a run.dir that has checkpoints resumes from them, but a wrong path is a mistake
         restore_dir(restore, None if steps else model, data_change)
+
+
+def check_optimizer(meta: dict, optimizer: str, holder: str, restore: Path | str) -> None:
+    """The checkpoint (`meta`, in `holder`) holds state of the optimizer `optimizer` (optim.name),
+    or one line names the two ways on: its optimizer, or its weights alone (`restore`)."""
+    try:
+        saved = weights.config_of(meta).optim.name
+    except (ConfigError, KeyError):  # an older or foreign meta: its optimizer was AdamW's
+        saved = "adamw"
+    if saved != optimizer:
+        raise ConfigError(f"{holder} holds {saved} optimizer state, not optim.name={optimizer}'s; "
+                          f"set optim.name={saved} to resume it, or start a new run.dir with "
+                          f"checkpoint.restore={restore} checkpoint.weights_only=true to train "
+                          f"its weights with {optimizer}")
 
 
 def _another_model(run_dir: Path, changed: list[str]) -> str:
@@ -138,4 +154,6 @@ def initial_state(cfg: Config, plan: Plan, tx, mesh: Mesh, *, ckpt: Checkpoints,
         return state, 0, 0
     state = in_layer_order(state, meta, plan, tx, shardings, info)
     info(f"started from {cfg.checkpoint.restore} (step {meta['step']})")
+    if jump := resumed_schedule_jump(meta, cfg):
+        info(f"warning: {jump}")
     return state, int(meta["step"]), meta["tokens_seen"]

@@ -1,0 +1,192 @@
+"""Muon (jaxtron/step/muon.py): which weights it takes, each matrix orthogonalised on its own,
+where the work goes on a mesh, training on 8 devices like one, and exact resumes.
+
+Measured (CPU, jax 0.10.2; the numbers each test asserts are in its docstring)."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import QUIET, ROOT, assert_refused, run_launch, run_until, saved_steps, tiny_config
+from jax.sharding import PartitionSpec as P
+
+from jaxtron import config
+from jaxtron.step import muon
+from jaxtron.step.optim import NO_DECAY, make_optimizer
+from jaxtron.train.loop import train
+
+CONFIGS = ROOT / "configs"
+SHORT = ("train.steps=5", "train.log_every=1", "train.batch_size=8", "train.seq_len=64",
+         "optim.warmup_steps=0", "train.eval_every=0", "checkpoint.every=0", "optim.name=muon")
+
+
+def _labels(preset: str, *overrides: str) -> dict[str, tuple | None]:
+    """path -> (stacked, rows, cols) of each weight Muon takes, None for AdamW's."""
+    cfg = config.load([CONFIGS / f"{preset}.yaml"], list(overrides))
+    found = muon.matrices(cfg.model, NO_DECAY)
+    leaves = jax.tree_util.tree_leaves_with_path(found, is_leaf=lambda x: x is None
+                                                 or isinstance(x, muon.Matrix))
+    return {"/".join(k.key for k in path): m and (m.stacked, m.rows, m.cols)
+            for path, m in leaves}
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    """Llama: the 7 projections of each layer (their stacked layer axis apart, W_q's heads and
+    head_dim as columns, W_o's as rows); embeddings, head and norms stay AdamW's. Experts: one
+    matrix per layer and expert, the router AdamW's; DeepSeek: the latent projections too, the
+    balancing bias AdamW's; gpt-oss: biases and sinks AdamW's."""
+    tiny = _labels("tiny")
+    assert {k for k, v in tiny.items() if v is None} == {
+        "embed", "lm_head", "final_norm/scale", "layers/attn_norm/scale", "layers/mlp_norm/scale"}
+    assert tiny["layers/attn/wq"] == ((0,), (1,), (2, 3))
+    assert tiny["layers/attn/wo"] == ((0,), (1, 2), (3,))
+    assert tiny["layers/mlp/w_down"] == ((0,), (1,), (2,))
+    moe = _labels("tiny_moe")
+    assert moe["layers/mlp/w_gate"] == ((0, 1), (2,), (3,)) and moe["layers/mlp/router"] is None
+    deepseek = _labels("tiny_deepseek")
+    assert deepseek["layers/attn/wkv_b"] == ((0,), (1,), (2, 3))
+    assert deepseek["dense_layers/attn/wq_a"] == ((0,), (1,), (2,))
+    assert deepseek["layers/mlp/router_bias"] is None
+    oss = _labels("tiny", "model.family=gpt_oss", "model.moe.num_experts=4", "model.qkv_bias=true",
+                  "model.moe.experts_per_token=2")
+    adamw = {k for k, v in oss.items() if v is None}
+    assert {"layers/attn/sinks", "layers/attn/bq", "layers/mlp/b_gate_up", "layers/mlp/b_router",
+            "layers/mlp/router"} <= adamw
+    assert oss["layers/mlp/w_gate_up"] == ((0, 1), (2,), (3,))
+
+
+def test_each_layer_and_expert_is_orthogonalised_on_its_own():
+    """A [layers, experts, d, f] momentum: each [d, f] slice comes out as Newton-Schulz of that
+    slice alone, scaled to RMS 0.2 (0.2 * sqrt(max(d, f)) times a near-orthogonal matrix: its
+    singular values within [0.6, 1.25] of 1 after 5 iterations, as Jordan's coefficients give);
+    mixing the slices (orthogonalising [d, experts * f]) fails the first check."""
+    u = jax.random.normal(jax.random.key(0), (3, 4, 32, 48), jnp.float32)
+    m = muon.Matrix((0, 1), (2,), (3,), P())
+    out = np.asarray(muon._orthogonal(u, m, 5, jnp.float32, "spread"))
+    for layer, expert in ((0, 0), (2, 3)):
+        alone = muon.newton_schulz(u[layer, expert], 5) * 0.2 * np.sqrt(48)
+        np.testing.assert_allclose(out[layer, expert], alone, rtol=1e-5, atol=1e-6)
+        sv = np.linalg.svd(out[layer, expert] / (0.2 * np.sqrt(48)), compute_uv=False)
+        assert sv.min() > 0.6 and sv.max() < 1.25, sv
+    assert abs(np.sqrt(np.mean(out**2)) - 0.2) < 0.03
+
+
+@pytest.mark.parametrize("layout, sizes, expected", [
+    # W_q[L, D_fsdp, N_tensor, H] of 32 layers (llama3_8b's) on fsdp 8: 4 whole ones a device
+    ("spread", {"fsdp": 8}, P("fsdp", None, None, None)),
+    # of 4 layers (tiny's): fsdp 8 divides none, the matmuls stay split
+    ("spread", {"fsdp": 8}, P(None, "fsdp", None, None)),
+    # tiny's 4 layers on fsdp 4 x tensor 2: tensor divides no more, it stays on the heads
+    ("spread", {"fsdp": 4, "tensor": 2}, P("fsdp", None, "tensor", None)),
+    ("gathered", {"fsdp": 4, "tensor": 2}, P(None, None, None, None)),
+    # a pipeline's stage keeps its layers; fsdp joins it where the stage's layers divide
+    ("spread", {"stage": 2, "fsdp": 2, "tensor": 2}, P(("stage", "fsdp"), None, "tensor", None)),
+])
+def test_where_each_layout_orthogonalises(layout, sizes, expected):
+    m = muon.Matrix((0,), (1,), (2, 3), P("stage", ("fsdp", "context"), "tensor", None))
+    layers = 32 if expected[0] == "fsdp" and sizes == {"fsdp": 8} else 4
+    assert muon.placement(m, (layers, 256, 4, 64), sizes, layout) == expected
+
+
+def test_the_experts_spread_over_their_own_axis_and_the_layers():
+    """[L, E_expert, D_fsdp, F_tensor] on expert 2 x fsdp 2 x tensor 2: the experts keep their
+    axis, fsdp and tensor join the layers (4 of them) and then the experts."""
+    m = muon.Matrix((0, 1), (2,), (3,), P("stage", "expert", "fsdp", "tensor"))
+    got = muon.placement(m, (4, 8, 256, 384), {"expert": 2, "fsdp": 2, "tensor": 2}, "spread")
+    assert got == P(("fsdp", "tensor"), "expert", None, None)
+
+
+def _curves(tmp_path, devices, preset: str, *overrides: str) -> dict[str, np.ndarray]:
+    cfg = config.load([CONFIGS / f"{preset}.yaml"], [*QUIET, *SHORT, f"run.dir={tmp_path}",
+                                                      *overrides])
+    history = train(cfg, devices=devices)
+    return {key: np.array([row[key] for row in history]) for key in ("loss", "grad_norm")}
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    return {preset: _curves(tmp_path_factory.mktemp(preset), jax.devices()[:1], preset)
+            for preset in ("tiny", "tiny_moe")}
+
+
+@pytest.mark.parametrize("preset, mesh", [
+    ("tiny", ("mesh.fsdp=4", "mesh.tensor=2")),
+    pytest.param("tiny", ("mesh.fsdp=4", "mesh.tensor=2", "optim.muon_layout=gathered"),
+                 marks=pytest.mark.slow),
+    pytest.param("tiny", ("mesh.fsdp=4", "mesh.tensor=2", "optim.muon_layout=sharded"),
+                 marks=pytest.mark.slow),
+    ("tiny_moe", ("mesh.expert=4", "mesh.fsdp=2")),
+    ("tiny_moe", ("mesh.fsdp=4", "mesh.tensor=2")),
+], ids=lambda v: v if isinstance(v, str) else ",".join(a.split("=")[0].split(".")[1] for a in v))
+def test_muon_on_8_devices_trains_like_one_device(tmp_path, one_device, preset, mesh):
+    """float32, 5 Muon steps from the same weights on the same batches: the losses and
+    gradient norms on 8 devices equal one device's within 1e-4 (relative), every step after
+    the first depending on each update before it."""
+    sharded = _curves(tmp_path, jax.devices(), preset, *mesh)
+    for key, values in one_device[preset].items():
+        np.testing.assert_allclose(sharded[key], values, rtol=1e-4, err_msg=key)
+    assert one_device[preset]["loss"][-1] < one_device[preset]["loss"][0] - 0.5
+
+
+def _rows(run_dir) -> dict[int, dict]:
+    timed = ("tokens_per_sec", "step_time", "tflops_per_device", "mfu", "mfu_fp8",
+             "host_memory_gib")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: {k: v for k, v in row.items() if k not in timed} for row in rows}
+
+
+def test_sigkill_then_rerun_with_muon_and_wsd_is_bit_exact(tmp_path):
+    """Killed with step 5 logged and checkpoint 3 saved, the rerun redoes steps 4 and 5 and
+    every logged row (loss, gradient norm, learning rate) equals an uninterrupted run's, bit
+    for bit: the momentum and the schedule's count come back from the checkpoint."""
+    args = ["train.steps=8", "train.log_every=1", "train.seq_len=64", "train.batch_size=8",
+            "optim.warmup_steps=2", "optim.name=muon", "optim.schedule=wsd",
+            "optim.cooldown_steps=3", "checkpoint.every=3", "train.eval_every=0", *QUIET]
+    straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"
+    assert run_launch(*args, f"run.dir={straight_dir}").returncode == 0
+    cmd = [sys.executable, str(ROOT / "launch.py"), *args, f"run.dir={run_dir}"]
+    assert run_until(cmd, run_dir, 5, signal.SIGKILL, saved=3) == -signal.SIGKILL
+    assert saved_steps(run_dir) == [3]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    resumed, straight = _rows(run_dir), _rows(straight_dir)
+    assert sorted(resumed) == list(range(1, 9))
+    assert resumed == straight
+    lrs = [straight[s]["lr"] for s in range(1, 9)]
+    assert lrs[2] == lrs[4] and lrs[7] < lrs[5] < lrs[4]  # constant, then the cool-down
+
+
+def test_moving_between_optimizers_is_refused_or_takes_the_weights_only(tmp_path):
+    """An AdamW checkpoint resumed with optim.name=muon: one line, exit 2, nothing trained;
+    with checkpoint.weights_only it starts Muon from those weights."""
+    first = tmp_path / "adamw"
+    small = ["train.steps=2", "train.batch_size=8", "train.seq_len=64", "train.eval_every=0",
+             *QUIET]
+    assert run_launch(*small, f"run.dir={first}").returncode == 0
+    proc = run_launch(*small, "train.steps=3", "optim.name=muon", f"run.dir={first}")
+    assert_refused(proc.returncode, proc.stderr, "optim.name=muon", "adamw")
+    assert saved_steps(first) == [2]
+    second = tmp_path / "muon"
+    proc = run_launch(*small, "optim.name=muon", f"checkpoint.restore={first}",
+                      "checkpoint.weights_only=true", f"run.dir={second}")
+    assert proc.returncode == 0, proc.stderr
+    assert saved_steps(second) == [2]
+
+
+def test_muon_holds_one_moment_where_adamw_holds_two():
+    """The optimizer state of configs/tiny.yaml: AdamW 2 x 7,342,336 floats (+ counts); Muon
+    one moment for its 3,145,728 matrix weights and two for the 4,196,608 others."""
+    from jaxtron.step.state import make_plan
+
+    sizes = {}
+    for name in ("adamw", "muon"):
+        cfg = tiny_config(f"optim.name={name}")
+        plan = make_plan(cfg, make_optimizer(cfg), 1)
+        sizes[name] = sum(leaf.size for leaf in jax.tree.leaves(plan.abstract["opt_state"])
+                          if leaf.ndim)
+    assert sizes["adamw"] == 2 * 7_342_336
+    assert sizes["muon"] == 3_145_728 + 2 * 4_196_608
