@@ -3,10 +3,13 @@ where the work goes on a mesh, training on 8 devices like one, and exact resumes
 
 Measured (CPU, jax 0.10.2; the numbers each test asserts are in its docstring)."""
 
+import functools
 import json
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -108,10 +111,9 @@ def _curves(tmp_path, devices, preset: str, *overrides: str) -> dict[str, np.nda
     return {key: np.array([row[key] for row in history]) for key in ("loss", "grad_norm")}
 
 
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-    return {preset: _curves(tmp_path_factory.mktemp(preset), jax.devices()[:1], preset)
-            for preset in ("tiny", "tiny_moe")}
+@functools.cache
+def _one_device(preset: str, *extra: str) -> dict[str, np.ndarray]:
+    return _curves(Path(tempfile.mkdtemp()), jax.devices()[:1], preset, *extra)
 
 
 @pytest.mark.parametrize("preset, mesh", [
@@ -122,15 +124,27 @@ def one_device(tmp_path_factory):
                  marks=pytest.mark.slow),
     ("tiny_moe", ("mesh.expert=4", "mesh.fsdp=2")),
     ("tiny_moe", ("mesh.fsdp=4", "mesh.tensor=2")),
+    # a pipeline: each stage's layers are its own, fsdp joins the stage on them
+    ("tiny", ("mesh.stage=2", "mesh.fsdp=4", "train.microbatches=2")),
+    # FP8 projections, whose amax histories are train state beside the optimizer's: FP8
+    # roundings flip on a mesh (over these 5 steps AdamW's losses move 1.3e-4 from one
+    # device's, Muon's 2.9e-4 and its gradient norms 4e-3): held to 1e-3 and 1e-2
+    pytest.param("tiny", ("mesh.fsdp=4", "mesh.tensor=2", "model.fp8=delayed"),
+                 marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(a.split("=")[0].split(".")[1] for a in v))
-def test_muon_on_8_devices_trains_like_one_device(tmp_path, one_device, preset, mesh):
+def test_muon_on_8_devices_trains_like_one_device(tmp_path, preset, mesh):
     """float32, 5 Muon steps from the same weights on the same batches: the losses and
-    gradient norms on 8 devices equal one device's within 1e-4 (relative), every step after
-    the first depending on each update before it."""
+    gradient norms on 8 devices equal one device's (with as many microbatches, FP8 alike)
+    within 1e-4
+    (relative), every step after the first depending on each update before it."""
+    same = tuple(a for a in mesh if not a.startswith(("mesh.", "optim.")))
+    one = _one_device(preset, *same)
     sharded = _curves(tmp_path, jax.devices(), preset, *mesh)
-    for key, values in one_device[preset].items():
-        np.testing.assert_allclose(sharded[key], values, rtol=1e-4, err_msg=key)
-    assert one_device[preset]["loss"][-1] < one_device[preset]["loss"][0] - 0.5
+    fp8 = "model.fp8=delayed" in mesh
+    for key, values in one.items():
+        rtol = (1e-3 if key == "loss" else 1e-2) if fp8 else 1e-4
+        np.testing.assert_allclose(sharded[key], values, rtol=rtol, err_msg=key)
+    assert one["loss"][-1] < one["loss"][0] - 0.5
 
 
 def _rows(run_dir) -> dict[int, dict]:
@@ -157,7 +171,7 @@ def test_sigkill_then_rerun_with_muon_and_wsd_is_bit_exact(tmp_path):
     assert sorted(resumed) == list(range(1, 9))
     assert resumed == straight
     lrs = [straight[s]["lr"] for s in range(1, 9)]
-    assert lrs[2] == lrs[4] and lrs[7] < lrs[5] < lrs[4]  # constant, then the cool-down
+    assert lrs[2] == lrs[5] and lrs[7] < lrs[6] < lrs[5]  # constant, then the cool-down
 
 
 def test_moving_between_optimizers_is_refused_or_takes_the_weights_only(tmp_path):
@@ -179,7 +193,10 @@ def test_moving_between_optimizers_is_refused_or_takes_the_weights_only(tmp_path
 
 def test_muon_holds_one_moment_where_adamw_holds_two():
     """The optimizer state of configs/tiny.yaml: AdamW 2 x 7,342,336 floats (+ counts); Muon
-    one moment for its 3,145,728 matrix weights and two for the 4,196,608 others."""
+    one moment for its 3,145,728 matrix weights and two for the 4,196,608 others. On fsdp 8
+    each device holds its shard of each moment, as of its weight (a moment left whole, or
+    matched to the wrong weight, shows here)."""
+    from jaxtron import parallel
     from jaxtron.step.state import make_plan
 
     sizes = {}
@@ -190,3 +207,28 @@ def test_muon_holds_one_moment_where_adamw_holds_two():
                           if leaf.ndim)
     assert sizes["adamw"] == 2 * 7_342_336
     assert sizes["muon"] == 3_145_728 + 2 * 4_196_608
+    cfg = tiny_config("optim.name=muon", "mesh.fsdp=8")
+    plan = make_plan(cfg, make_optimizer(cfg), 8)
+    takes = muon.matrices(cfg.model, NO_DECAY)
+    moments = jax.tree.map(lambda m: 1 if m else 2, takes,
+                           is_leaf=lambda x: x is None or isinstance(x, muon.Matrix))
+    shard = jax.tree.map(lambda leaf, spec: parallel.bytes_per_device(leaf, spec, plan.mesh_sizes),
+                         plan.abstract["params"], plan.specs["params"],
+                         is_leaf=lambda x: isinstance(x, P))
+    want = sum(n * b for n, b in zip(jax.tree.leaves(moments), jax.tree.leaves(shard)))
+    assert plan.bytes_per_device("opt_state") == want + 8  # Adam's count, the schedule's
+    assert want < 2 * plan.bytes_per_device("params")
+
+
+@pytest.mark.slow  # 2 x 300 steps: about 10 minutes on a 2-core machine
+def test_muon_ends_below_adamw_on_the_tiny_model(tmp_path):
+    """configs/tiny.yaml on the stdlib corpus, one device, 300 steps at the preset's own
+    optim.lr=3e-3 (cosine): the mean loss of the last 20 steps is lower with Muon (measured
+    3.533 against AdamW's 4.213, 2026-12-02, jax 0.10.2)."""
+    means = {}
+    for name in ("adamw", "muon"):
+        cfg = tiny_config("train.steps=300", "train.log_every=1", "train.eval_every=0",
+                          "checkpoint.every=0", f"optim.name={name}", run_dir=tmp_path / name)
+        history = train(cfg, devices=jax.devices()[:1])
+        means[name] = float(np.mean([row["loss"] for row in history[-20:]]))
+    assert means["muon"] < means["adamw"] - 0.3, means

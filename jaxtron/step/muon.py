@@ -82,7 +82,7 @@ def matrices(model: ModelConfig, skip: frozenset[str]) -> dict:
     """Each weight of `model` -> its Matrix, or None (AdamW's), as a pure dict like the params."""
     from jaxtron.model import abstract_model
 
-    state = nnx.split(abstract_model(model), nnx.Param)[1]
+    state = nnx.split(abstract_model(model), nnx.Param, ...)[1]  # the FP8 histories apart
     logical = parallel.logical_specs(state)
     return jax.tree_util.tree_map_with_path(
         lambda path, spec: matrix_of(path[-1].key, tuple(spec), skip), logical,
@@ -134,16 +134,19 @@ def orthogonalised(shapes: dict, beta: float, steps: int, dtype, layout: str,
 def _orthogonal(u: jax.Array, m: Matrix, steps: int, dtype, layout: str) -> jax.Array:
     """RMS * sqrt(max(rows, cols)) * the nearest orthogonal matrix of each matrix in `u`."""
     sizes = _mesh_sizes()
-    if sizes and layout != "sharded":
-        u = jax.lax.with_sharding_constraint(u, placement(m, u.shape, sizes, layout))
+    # The layout pinned on both sides of Newton-Schulz: pinned on its input alone, XLA
+    # propagates the weights' layout back from the output into the matmuls.
+    pin = (lambda x: jax.lax.with_sharding_constraint(x, placement(m, u.shape, sizes, layout))
+           ) if sizes and layout != "sharded" else (lambda x: x)
     order = m.stacked + m.rows + m.cols
     stacked = tuple(u.shape[i] for i in m.stacked)
     rows, cols = (math.prod(u.shape[i] for i in part) for part in (m.rows, m.cols))
-    with jax.named_scope(SCOPE):
-        x = newton_schulz(u.transpose(order).reshape(*stacked, rows, cols).astype(dtype), steps)
-    x = (RMS * math.sqrt(max(rows, cols))) * x.astype(u.dtype)
     back = sorted(range(u.ndim), key=order.__getitem__)
-    x = x.reshape(tuple(u.shape[i] for i in order)).transpose(back)
+    with jax.named_scope(SCOPE):
+        x = pin(u).transpose(order).reshape(*stacked, rows, cols)
+        x = newton_schulz(x.astype(dtype), steps).astype(u.dtype)
+        x = pin(x.reshape(tuple(u.shape[i] for i in order)).transpose(back))
+    x = (RMS * math.sqrt(max(rows, cols))) * x
     return jax.lax.with_sharding_constraint(x, _present(m.spec, sizes)) if sizes else x
 
 

@@ -37,6 +37,14 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
 
 
+def describe(cfg: Config) -> str:
+    """The optimizer and its schedule in a line, for the dry run."""
+    o = cfg.optim
+    name = ("muon (Newton-Schulz on the hidden matrices, "
+            f"{o.muon_layout}; AdamW on the rest)" if o.name == "muon" else "adamw")
+    return f"optimizer: {name}, {o.schedule} schedule peaking at lr={o.lr:g}"
+
+
 def schedule_count(opt_state) -> jax.Array:
     """The updates the learning-rate schedule has applied (optax's own counter, which a skipped
     non-finite step leaves alone): the schedule's argument for the next update."""

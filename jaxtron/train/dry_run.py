@@ -23,6 +23,7 @@ from jaxtron.parallel import pipeline
 from jaxtron.plan import memory
 from jaxtron.plan.setup import set_up
 from jaxtron.program import aot
+from jaxtron.step import optim
 from jaxtron.train import doctor
 from jaxtron.train.run_dir import check_paths
 from jaxtron.train.start import RESTORE_UNUSED, check_start, describe_start, resumed_schedule_jump
@@ -56,6 +57,7 @@ def dry_run(cfg, num_devices: int, gpu: str | None, flags: list[str]) -> None:
     print(f"parameters: {moe.describe_params(cfg.model, plan.num_params)}"
           + (f"\n{chosen}" if chosen else ""))
     print(f"parameter bytes per device: {_gib(plan.bytes_per_device('params'))}")
+    print(optim.describe(cfg))
     print(f"optimizer bytes per device: {_gib(plan.bytes_per_device('opt_state'))}")
     if plan.pipe:
         print(pipeline.describe(plan.pipe, cfg.pipeline.schedule, plan.accumulation))
