@@ -96,9 +96,8 @@ def map_params(fn, opt_state, tree: dict, non_params) -> Any:
             if not isinstance(key, jax.tree_util.DictKey):
                 break
             keys.insert(0, key.key)
-        found = next((tuple(keys[i:]) for i in range(len(keys)) if tuple(keys[i:]) in by_path),
-                     None)
-        return non_params(leaf) if found is None else fn(leaf, by_path[found])
+        found = tuple(keys)
+        return fn(leaf, by_path[found]) if found in by_path else non_params(leaf)
 
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
