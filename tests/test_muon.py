@@ -232,3 +232,22 @@ def test_muon_ends_below_adamw_on_the_tiny_model(tmp_path):
         history = train(cfg, devices=jax.devices()[:1])
         means[name] = float(np.mean([row["loss"] for row in history[-20:]]))
     assert means["muon"] < means["adamw"] - 0.3, means
+
+
+def test_the_dry_run_plans_muon_on_llama3_8b(capsys):
+    """configs/llama3_8b.yaml on 16 devices (fsdp 16; planned for other machines: this one's
+    disk is not asked to hold its checkpoints): the dry run names the optimizer, and its
+    state per device is one float32 moment of each matrix shard (6,979,321,856 matrix weights),
+    two of the tables' (2 x 525,336,576) shards and of the (2 x 32 + 1) x 4,096 norm scales
+    kept whole, and two int32 counts."""
+    import launch
+
+    assert launch.main(["--config", "configs/llama3_8b.yaml", "--dry-run", "--devices", "16",
+                        "optim.name=muon"]) == 0
+    out = capsys.readouterr().out
+    matrices, tables, norms = 6_979_321_856, 2 * 525_336_576, 65 * 4096
+    assert matrices + tables + norms == 8_030_261_248
+    expected = matrices * 4 // 16 + 2 * tables * 4 // 16 + 2 * norms * 4 + 8
+    assert f"optimizer bytes per device: {expected:,} bytes" in out
+    assert ("optimizer: muon (Newton-Schulz on the hidden matrices, spread; AdamW on the rest), "
+            "cosine schedule peaking at lr=") in out
