@@ -98,7 +98,19 @@ def test_kernels_and_matmul_flops():
     loop_dots = 6 * 2 * 64 * 16 * 32  # the Triton GEMM fusion's dot, six times
     cublas = 2 * 64 * 16 * 32  # out [64, 16], contracting a's dimension 1 (32)
     assert flops.compiled(module) == {"matmul": loop_dots + cublas, "attention": 0, "ragged": 0,
-                                      "fp8": 0, "fp8_e5m2": 0}
+                                      "fp8": 0, "fp8_e5m2": 0, "optimizer": 0}
+
+
+def test_newton_schulz_matmuls_are_counted_apart():
+    """The cuBLAS GEMM under Muon's named scope (jaxtron/step/muon.py's SCOPE, in its op_name)
+    goes to `optimizer`, outside `matmul`; the loop's Triton GEMMs stay in `matmul`."""
+    text = "\n".join(
+        line + ', metadata={op_name="jit(step)/jvp()/newton_schulz/dot_general"}'
+        if "custom_call_target=\"__cublas$lt$matmul\"" in line else line
+        for line in MODULE.splitlines())
+    counted = flops.compiled(hlo.parse(text))
+    assert counted["optimizer"] == 2 * 64 * 16 * 32
+    assert counted["matmul"] == 6 * 2 * 64 * 16 * 32
 
 
 FP8_MODULE = """\
@@ -136,7 +148,7 @@ def test_fp8_matmuls_are_those_with_fp8_operands_and_e5m2_the_backwards():
     each = 2 * 64 * 16 * 32  # the three dots have the same size
     assert flops.compiled(hlo.parse(FP8_MODULE)) == {"matmul": 3 * each, "attention": 0,
                                                      "ragged": 0, "fp8": 2 * each,
-                                                     "fp8_e5m2": each}
+                                                     "fp8_e5m2": each, "optimizer": 0}
 
 
 def test_attention_kernels_are_counted_apart_from_matmuls():

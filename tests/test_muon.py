@@ -251,3 +251,31 @@ def test_the_dry_run_plans_muon_on_llama3_8b(capsys):
     assert f"optimizer bytes per device: {expected:,} bytes" in out
     assert ("optimizer: muon (Newton-Schulz on the hidden matrices, spread; AdamW on the rest), "
             "cosine schedule peaking at lr=") in out
+
+
+def _newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """One matrix's Newton-Schulz matmuls: per iteration X X^T, its square and that times X,
+    on the shorter side m of an m x n matrix: 2 m^2 n + 2 m^3 + 2 m^2 n."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def test_the_h100_compile_counts_newton_schulz_apart():
+    """configs/tiny.yaml with Muon compiled for 8 H100s (fsdp 4 x data 2): `spread` deals each
+    fsdp rank one of the 4 layers, so each GPU runs one layer's Newton-Schulz matmuls exactly
+    (W_q, W_o 256 x 256; W_k, W_v 256 x 128; the MLP's three 256 x 768), apart from the
+    step's matmuls, which are AdamW's program's."""
+    from jaxtron.program import aot, hlo
+
+    def report(*overrides):
+        cfg = tiny_config("mesh.fsdp=4", "mesh.data=2", *overrides)
+        compiled, plan, seconds = aot.compile_step_for(cfg, "h100", 8)
+        return aot.report(cfg, plan, compiled.memory_analysis(), hlo.parse(compiled.as_text()),
+                          "h100", seconds, gpus_per_host=8)["flops"]
+
+    layer = (2 * _newton_schulz_flops(256, 256) + 2 * _newton_schulz_flops(256, 128)
+             + 3 * _newton_schulz_flops(256, 768))
+    muon_flops, adamw_flops = report("optim.name=muon"), report("optim.name=adamw")
+    assert muon_flops["optimizer_matmul_per_device"] == layer
+    assert adamw_flops["optimizer_matmul_per_device"] == 0
+    assert muon_flops["matmul_per_device"] == adamw_flops["matmul_per_device"]

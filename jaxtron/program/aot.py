@@ -311,7 +311,17 @@ def _flops_line(report: dict) -> str:
             f"{expected / 1e12:.1f} T the policy ({report['remat']}) implies "
             f"({compiled / max(expected, 1):.2f}x), 6*N*tokens {six_n / 1e12:.1f} T "
             f"({compiled / max(six_n, 1):.2f}x); attention kernels "
-            f"{counts['attention_per_device'] / 1e12:.1f} T{_fp8_part(counts)}")
+            f"{counts['attention_per_device'] / 1e12:.1f} T{_fp8_part(counts)}"
+            f"{_optimizer_part(counts)}")
+
+
+def _optimizer_part(counts: dict) -> str:
+    """The optimizer's matmul FLOPs (Muon's Newton-Schulz), as a share of the step's."""
+    optimizer = counts.get("optimizer_matmul_per_device", 0)
+    if not optimizer:
+        return ""
+    step = optimizer + counts["matmul_per_device"] + counts["attention_per_device"]
+    return f"; optimizer (Newton-Schulz) {optimizer / 1e12:.1f} T ({optimizer / step:.2%} of all)"
 
 
 def _fp8_part(counts: dict) -> str:
