@@ -79,6 +79,18 @@ def test_constant_warms_up_then_holds_forever():
     np.testing.assert_allclose(got, [0, LR / 2, LR, LR, LR], rtol=1e-6)
 
 
+@pytest.mark.parametrize("schedule, first", [("constant", [LR] * 3),
+                                             ("wsd", [LR] * 3),
+                                             ("cosine", [FLOOR + (LR - FLOOR) * SHAPES["cosine"](
+                                                 i / 200) for i in range(3)])])
+def test_no_warm_up_starts_at_the_peak(schedule, first):
+    """optim.warmup_steps=0: step 0 is at lr (optax's warmup_constant_schedule with 0 warm-up
+    steps stays at 0 for ever: the constant schedule does without it)."""
+    got = rates(f"optim.schedule={schedule}", "optim.warmup_steps=0", "train.steps=200",
+                steps=[0, 1, 2])
+    np.testing.assert_allclose(got, first, rtol=1e-4)
+
+
 WSD = ("optim.schedule=wsd", "optim.warmup_steps=100")
 
 

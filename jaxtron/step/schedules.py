@@ -23,9 +23,10 @@ COOLDOWN_FIELDS = ("cooldown_steps", "cooldown_shape")
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """The learning rate at each step count (an int32 array inside jit) for optim.schedule."""
     warmup = max(cfg.warmup_steps, 0)
-    if cfg.schedule == "constant":
-        return optax.warmup_constant_schedule(init_value=0.0, peak_value=cfg.lr,
-                                              warmup_steps=warmup)
+    if cfg.schedule == "constant":  # optax's warm-up of 0 steps stays at 0 (optax 0.2.8)
+        return (optax.warmup_constant_schedule(init_value=0.0, peak_value=cfg.lr,
+                                               warmup_steps=warmup) if warmup else
+                optax.constant_schedule(cfg.lr))
     if cfg.schedule == "wsd":
         return _wsd(cfg, total_steps)
     # cosine: the numbers every run and checkpoint before the other schedules had
