@@ -279,3 +279,29 @@ def test_the_h100_compile_counts_newton_schulz_apart():
     assert muon_flops["optimizer_matmul_per_device"] == layer
     assert adamw_flops["optimizer_matmul_per_device"] == 0
     assert muon_flops["matmul_per_device"] == adamw_flops["matmul_per_device"]
+
+
+def test_one_learning_rate_and_decoupled_weight_decay_serve_both_parts():
+    """configs/tiny.yaml, lr 0.01, weight decay 0.1, no clipping or warm-up, weights of 1.
+    With a zero gradient each update is -lr * wd * w (1e-3) for the embedding (AdamW's part) and
+    W_q (Muon's), and 0 for the norm scales; with a random gradient W_q's update has an RMS of
+    lr * 0.2 (Moonlight's matching; 5 Newton-Schulz iterations leave it within 15%)."""
+    from jaxtron.step.state import make_plan
+
+    cfg = tiny_config("optim.name=muon", "optim.clip_norm=0", "optim.warmup_steps=0",
+                      "optim.schedule=constant", "optim.weight_decay=0.1", "optim.lr=0.01")
+    tx = make_optimizer(cfg)
+    params = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype),
+                          make_plan(cfg, tx, 1).abstract["params"])
+    update = jax.jit(tx.update)
+    zero, _ = update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    np.testing.assert_allclose(zero["embed"], -1e-3, rtol=1e-6)
+    np.testing.assert_allclose(zero["layers"]["attn"]["wq"], -1e-3, rtol=1e-6)
+    assert not np.any(zero["final_norm"]["scale"]) and not np.any(
+        zero["layers"]["mlp_norm"]["scale"])
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    grads = tree.unflatten([jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    got, _ = update(grads, tx.init(params), params)
+    wq = np.asarray(got["layers"]["attn"]["wq"]) + 1e-3  # the decay taken out
+    assert abs(np.sqrt(np.mean(wq**2)) / (0.01 * 0.2) - 1) < 0.15
