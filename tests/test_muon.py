@@ -79,21 +79,24 @@ def test_each_layer_and_expert_is_orthogonalised_on_its_own():
     assert abs(np.sqrt(np.mean(out**2)) - 0.2) < 0.03
 
 
-@pytest.mark.parametrize("layout, sizes, expected", [
+@pytest.mark.parametrize("layout, layers, sizes, expected", [
     # W_q[L, D_fsdp, N_tensor, H] of 32 layers (llama3_8b's) on fsdp 8: 4 whole ones a device
-    ("spread", {"fsdp": 8}, P("fsdp", None, None, None)),
+    ("spread", 32, {"fsdp": 8}, P("fsdp", None, None, None)),
     # of 4 layers (tiny's): fsdp 8 divides none, the matmuls stay split
-    ("spread", {"fsdp": 8}, P(None, "fsdp", None, None)),
+    ("spread", 4, {"fsdp": 8}, P(None, "fsdp", None, None)),
     # tiny's 4 layers on fsdp 4 x tensor 2: tensor divides no more, it stays on the heads
-    ("spread", {"fsdp": 4, "tensor": 2}, P("fsdp", None, "tensor", None)),
-    ("gathered", {"fsdp": 4, "tensor": 2}, P(None, None, None, None)),
+    ("spread", 4, {"fsdp": 4, "tensor": 2}, P("fsdp", None, "tensor", None)),
+    ("gathered", 4, {"fsdp": 4, "tensor": 2}, P(None, None, None, None)),
     # a pipeline's stage keeps its layers; fsdp joins it where the stage's layers divide
-    ("spread", {"stage": 2, "fsdp": 2, "tensor": 2}, P(("stage", "fsdp"), None, "tensor", None)),
+    ("spread", 4, {"stage": 2, "fsdp": 2, "tensor": 2}, P(("stage", "fsdp"), None, "tensor", None)),
+    # the weights' replicas (data) share the work out too: llama3_70b_pp8's 80 layers on
+    # stage 8 x tensor 8 x data 2, 10 a stage: tensor divides none of them, data 2 does
+    ("spread", 80, {"stage": 8, "tensor": 8, "data": 2}, P(("stage", "data"), None, "tensor", None)),
+    ("gathered", 80, {"stage": 8, "tensor": 8, "data": 2}, P("stage", None, None, None)),
 ])
-def test_where_each_layout_orthogonalises(layout, sizes, expected):
+def test_where_each_layout_orthogonalises(layout, layers, sizes, expected):
     m = muon.Matrix((0,), (1,), (2, 3), P("stage", ("fsdp", "context"), "tensor", None))
-    layers = 32 if expected[0] == "fsdp" and sizes == {"fsdp": 8} else 4
-    assert muon.placement(m, (layers, 256, 4, 64), sizes, layout) == expected
+    assert muon.placement(m, (layers, 256, 64, 64), sizes, layout) == expected
 
 
 def test_the_experts_spread_over_their_own_axis_and_the_layers():
@@ -123,7 +126,8 @@ def _one_device(preset: str, *extra: str) -> dict[str, np.ndarray]:
     pytest.param("tiny", ("mesh.fsdp=4", "mesh.tensor=2", "optim.muon_layout=sharded"),
                  marks=pytest.mark.slow),
     ("tiny_moe", ("mesh.expert=4", "mesh.fsdp=2")),
-    ("tiny_moe", ("mesh.fsdp=4", "mesh.tensor=2")),
+    # the layers take fsdp and tensor, the experts the replicas' axis (data)
+    ("tiny_moe", ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")),
     # a pipeline: each stage's layers are its own, fsdp joins the stage on them
     ("tiny", ("mesh.stage=2", "mesh.fsdp=4", "train.microbatches=2")),
     # FP8 projections, whose amax histories are train state beside the optimizer's: FP8

@@ -167,19 +167,28 @@ def newton_schulz(x: jax.Array, steps: int) -> jax.Array:
 def placement(m: Matrix, shape: tuple[int, ...], sizes: dict[str, int], layout: str) -> P:
     """Where `layout` orthogonalises the weight `m` of `shape` on a mesh of `sizes`: its
     stacked dimensions keep their axes; gathered leaves its matrices whole on every device,
-    spread also moves each axis that splits them onto a stacked dimension it divides."""
+    spread also moves each axis that splits them, then each it is replicated over, onto a
+    stacked dimension it divides."""
     entries = [list(_axes(e, sizes)) for e in _present(m.spec, sizes)]
     entries += [[] for _ in range(len(shape) - len(entries))]
+
+    def home(axis: str) -> int | None:  # the first stacked dimension the axis still divides
+        return next((d for d in m.stacked if layout == "spread" and shape[d] % (
+            math.prod(sizes[a] for a in entries[d]) * sizes[axis]) == 0), None)
+
     for dim in m.rows + m.cols:
         kept = []
         for axis in entries[dim]:
-            home = next((d for d in m.stacked if layout == "spread" and shape[d] % (
-                math.prod(sizes[a] for a in entries[d]) * sizes[axis]) == 0), None)
-            if home is not None:
-                entries[home].append(axis)
+            if (d := home(axis)) is not None:
+                entries[d].append(axis)
             elif layout == "spread":
                 kept.append(axis)  # divides no stacked dimension: XLA splits the matmuls
         entries[dim] = kept
+    # The axes the weight is replicated over (data): each replica would repeat the same work,
+    # so spread shares it out too, then gathers the updates back over them.
+    for axis in (a for a in sizes if not any(a in e for e in entries)):
+        if (d := home(axis)) is not None:
+            entries[d].append(axis)
     return P(*(tuple(e) if len(e) > 1 else (e[0] if e else None) for e in entries))
 
 
