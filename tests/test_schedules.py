@@ -150,6 +150,8 @@ def test_changing_the_schedule_on_resume_names_it():
      "optim.cooldown_steps=190 is more than the 180 steps from the warm-up's end "
      "(optim.warmup_steps=20) to the decay's end (train.steps=200): the cool-down starts as the "
      "warm-up ends, with no stable phase; lower optim.cooldown_steps"),
+    (["optim.muon_layout=gathered"], "optim.muon_layout=gathered does nothing with "
+     "optim.name=adamw; drop it, or set optim.name=muon"),
 ])
 def test_schedule_settings_that_are_probably_not_meant_are_warnings(overrides, warning):
     assert config.check_warnings(tiny_config(*overrides)) == [warning]

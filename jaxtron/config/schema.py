@@ -145,8 +145,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0  # global-norm clipping; 0 disables
-    # Adam's first moment in this dtype ("": the params'); bfloat16 saves 2 bytes per parameter
-    # (the second moment stays in the params' dtype: its square would lose range)
+    # Adam's first moment (and Muon's momentum) in this dtype ("": the params'); bfloat16 saves
+    # 2 bytes per parameter (Adam's second moment stays in the params' dtype: its square would
+    # lose range)
     mu_dtype: str = ""
     # muon: momentum, Newton-Schulz iterations, and where each matrix is orthogonalised: spread
     # (whole matrices dealt out over the devices that shard them), gathered (every device
@@ -431,6 +432,13 @@ def check_warnings(cfg: Config) -> list[str]:
         found.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing with "
                      f"optim.schedule={o.schedule} ({why}); drop "
                      f"{'it' if len(unused) == 1 else 'them'}, or set optim.schedule=wsd")
+    muon_keys = [f"optim.{key}={getattr(o, key)}" for key in ("muon_beta", "muon_steps",
+                                                              "muon_layout")
+                 if getattr(o, key) != getattr(OptimConfig, key)]
+    if o.name != "muon" and muon_keys:
+        found.append(f"{', '.join(muon_keys)} {'does' if len(muon_keys) == 1 else 'do'} nothing "
+                     f"with optim.name={o.name}; drop {'it' if len(muon_keys) == 1 else 'them'}, "
+                     "or set optim.name=muon")
     decays, end = o.schedule != "constant", o.decay_steps or t.steps  # the step the decay ends
     if decays and 0 < o.decay_steps <= o.warmup_steps:
         found.append(f"optim.decay_steps={o.decay_steps} is not past optim.warmup_steps="
